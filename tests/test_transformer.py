@@ -1,0 +1,121 @@
+"""Forward, prefill and decode agree; tree-masked decode equals per-branch sequences."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig, RopeScaling
+
+CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, qkv_bias=True, rope_theta=500.0,
+                  rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
+
+
+def _tokens(b, t, seed=1):
+    return jax.random.randint(jax.random.PRNGKey(seed), (b, t), 0, CFG.vocab_size)
+
+
+def test_prefill_and_decode_match_forward(params):
+    b, t, s = 2, 9, 16
+    tokens = _tokens(b, t)
+    h_full = tfm.forward(params, CFG, tokens)
+    logits_full = tfm.logits_from_hidden(params, CFG, h_full)
+
+    # Prefill the first 4 tokens, then decode the rest one at a time.
+    cache = tfm.init_cache(CFG, b, s)
+    logits_last, _, cache = tfm.prefill(params, CFG, cache, tokens[:, :4], jnp.full((b,), 4),
+                                        return_logits=True)
+    np.testing.assert_allclose(logits_last, logits_full[:, 3], atol=1e-5, rtol=1e-5)
+    step = jax.jit(lambda c, tok, pos: tfm.decode(params, CFG, c, tok, pos, return_logits=True))
+    for i in range(4, t):
+        logits, _, cache = step(cache, tokens[:, i:i + 1], jnp.full((b, 1), i))
+        np.testing.assert_allclose(logits[:, 0], logits_full[:, i], atol=1e-5, rtol=1e-5)
+    assert cache.lengths.tolist() == [t, t]
+
+    # Whole-sequence prefill equals forward at the last position.
+    cache = tfm.init_cache(CFG, b, s)
+    h_last, _ = tfm.prefill(params, CFG, cache, tokens, jnp.full((b,), t))
+    np.testing.assert_allclose(h_last, h_full[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_right_padded_prefill_ignores_padding(params):
+    tokens = _tokens(2, 7)
+    lengths = jnp.array([7, 4])
+    cache = tfm.init_cache(CFG, 2, 12)
+    padded = tokens.at[1, 4:].set(0)
+    logits, _, cache = tfm.prefill(params, CFG, cache, padded, lengths, return_logits=True)
+    ref = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, tokens[1:, :4]))[0, -1]
+    np.testing.assert_allclose(logits[1], ref, atol=1e-5, rtol=1e-5)
+    # The next decode step of the short sequence sees only its 4 real tokens.
+    nxt = jnp.array([[3], [5]])
+    logits2, _, _ = tfm.decode(params, CFG, cache, nxt, lengths[:, None], return_logits=True)
+    seq = jnp.concatenate([tokens[1, :4], nxt[1]])[None]
+    ref2 = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, seq))[0, -1]
+    np.testing.assert_allclose(logits2[1, 0], ref2, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_decode_equals_each_branch(params):
+    """A 5-node tree: root r, children a, b of r, child c of a, child d of b."""
+    b, prompt_len = 1, 5
+    prompt = _tokens(b, prompt_len, seed=3)
+    tree_tokens = jnp.array([[11, 12, 13, 14, 15]])  # r, a, b, c, d
+    parents = [-1, 0, 0, 1, 2]
+    depth = [0, 1, 1, 2, 2]
+    mask = np.zeros((5, 5), bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    cache = tfm.init_cache(CFG, b, 16)
+    _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([prompt_len]))
+    positions = prompt_len + jnp.array([depth])
+    logits, _, cache2 = tfm.decode(params, CFG, cache, tree_tokens, positions,
+                                   mask_BTT=jnp.asarray(mask)[None], return_logits=True)
+    assert int(cache2.lengths[0]) == prompt_len + 5
+    for node in range(5):
+        path, j = [], node
+        while j >= 0:
+            path.append(int(tree_tokens[0, j]))
+            j = parents[j]
+        seq = jnp.concatenate([prompt[0], jnp.array(path[::-1])])[None]
+        ref = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, seq))[0, -1]
+        np.testing.assert_allclose(logits[0, node], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_outputs_and_segments(params):
+    tokens = _tokens(1, 8, seed=5)
+    h, layers = tfm.forward(params, CFG, tokens, layer_ids=(0, 1))
+    assert layers.shape == (2, 1, 8, CFG.hidden_size)
+    # The last layer's output, normed, is the final hidden state.
+    np.testing.assert_allclose(tfm.rms_norm(layers[1], params["final_norm"], CFG.rms_norm_eps), h,
+                               atol=1e-6)
+    # Two packed segments behave like two separate sequences.
+    seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    pos = jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    h_packed = tfm.forward(params, CFG, tokens, positions_BT=pos, segment_ids_BT=seg)
+    np.testing.assert_allclose(h_packed[:, 3:], tfm.forward(params, CFG, tokens[:, 3:]), atol=1e-5)
+
+
+def test_bf16_runs_close_to_f32(params):
+    cfg16 = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    tokens = _tokens(2, 6)
+    h32 = tfm.forward(params, CFG, tokens)
+    h16 = tfm.forward(p16, cfg16, tokens)
+    assert h16.dtype == jnp.bfloat16
+    rel = jnp.linalg.norm(h16.astype(jnp.float32) - h32) / jnp.linalg.norm(h32)
+    assert rel < 3e-2
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="model_type"):
+        CFG.replace(model_type="gpt2")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        CFG.replace(num_kv_heads=3)

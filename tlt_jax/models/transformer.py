@@ -1,0 +1,329 @@
+"""Llama-3 / Qwen2 decoder: pure functions over a parameter pytree.
+
+Parameters are a nested dict whose layer weights are stacked on a leading layer axis
+(`lax.scan` over layers: one compiled layer body whatever the depth):
+
+    embed       [V, D]
+    layers/attn_norm [L, D]      layers/wq [L, D, H, Dh]   layers/wk, wv [L, D, K, Dh]
+    layers/bq   [L, H, Dh]       layers/bk, bv [L, K, Dh]      (qkv_bias only)
+    layers/wo   [L, H, Dh, D]    layers/mlp_norm [L, D]
+    layers/w_gate, w_up [L, D, F]    layers/w_down [L, F, D]
+    final_norm  [D]
+    lm_head     [D, V]           (absent with tied embeddings: the head is embed.T)
+
+Three entry points share one attention and one KV-cache layout:
+  * `forward`  full sequences (training), returns final hidden states, never logits;
+  * `prefill`  writes prompts into a preallocated cache;
+  * `decode`   T >= 1 new tokens per sequence with explicit positions and an optional
+               [B, T, T] mask among them (a draft tree is verified this way).
+`prefill` is `decode` from an empty cache with the causal mask, so the two cannot
+disagree. The output projection is exposed (`lm_head_weight`) so that losses project
+blockwise; logits are formed only on request, for the tokens asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tlt_jax.models.config import ModelConfig
+
+Params = dict
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def init_params(config: ModelConfig, key: jax.Array, init_std: float = 0.02) -> Params:
+    """Random parameters with the layout above (normal(0, init_std), unit norms)."""
+    c = config
+    d, f, l, h, kv, dh, v = (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                             c.num_kv_heads, c.head_dim, c.vocab_size)
+    dtype = c.jnp_param_dtype
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(shape, fan_in=None):
+        std = init_std if fan_in is None else min(init_std, 1.0 / math.sqrt(fan_in))
+        return (jax.random.normal(next(keys), shape, jnp.float32) * std).astype(dtype)
+
+    layers = {
+        "attn_norm": jnp.ones((l, d), dtype),
+        "wq": normal((l, d, h, dh)),
+        "wk": normal((l, d, kv, dh)),
+        "wv": normal((l, d, kv, dh)),
+        "wo": normal((l, h, dh, d)),
+        "mlp_norm": jnp.ones((l, d), dtype),
+        "w_gate": normal((l, d, f)),
+        "w_up": normal((l, d, f)),
+        "w_down": normal((l, f, d)),
+    }
+    if c.qkv_bias:
+        layers["bq"] = normal((l, h, dh))
+        layers["bk"] = normal((l, kv, dh))
+        layers["bv"] = normal((l, kv, dh))
+    params = {"embed": normal((v, d)), "layers": layers, "final_norm": jnp.ones((d,), dtype)}
+    if not c.tie_embeddings:
+        params["lm_head"] = normal((d, v))
+    return params
+
+
+def param_logical_axes(config: ModelConfig) -> Params:
+    """Logical axis names of every parameter, same tree as `init_params`."""
+    layers = {
+        "attn_norm": ("layers", "embed"),
+        "wq": ("layers", "embed", "heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "embed"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if config.qkv_bias:
+        layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+                      bv=("layers", "kv_heads", "head_dim"))
+    axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
+    if not config.tie_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
+    """The output projection w_DV (embed.T when embeddings are tied)."""
+    return params["embed"].T if config.tie_embeddings else params["lm_head"]
+
+
+def logits_from_hidden(params: Params, config: ModelConfig, h_xD: jax.Array) -> jax.Array:
+    """Float32 logits for the given hidden states only ([..., D] -> [..., V])."""
+    w_DV = lm_head_weight(params, config)
+    return jnp.einsum("...d,dv->...v", h_xD.astype(config.jnp_dtype), w_DV.astype(config.jnp_dtype),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in float32, scaled after casting back (Hugging Face's order)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies [Dh/2] with optional Llama-3 frequency-dependent scaling."""
+    dh = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x_BTHD, positions_BT, inv_freq):
+    """Rotary embedding, half-split layout (Hugging Face's rotate_half)."""
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x_BTHD.dtype), jnp.sin(angles).astype(x_BTHD.dtype)
+    x1, x2 = jnp.split(x_BTHD, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BTHD * cos + rotated * sin
+
+
+def attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
+    """Grouped-query attention; softmax in float32. mask_BTS: True where visible."""
+    b, t, h, dh = q_BTHD.shape
+    kv = k_BSKD.shape[2]
+    q = q_BTHD.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(dh)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
+    return out.reshape(b, t, h, dh)
+
+
+def _qkv(layer, x_BTD, positions_BT, config, inv_freq):
+    c = config
+    dt = c.jnp_dtype
+    h = rms_norm(x_BTD, layer["attn_norm"], c.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, layer["wq"].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", h, layer["wk"].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", h, layer["wv"].astype(dt))
+    if c.qkv_bias:
+        q, k, v = q + layer["bq"].astype(dt), k + layer["bk"].astype(dt), v + layer["bv"].astype(dt)
+    return apply_rope(q, positions_BT, inv_freq), apply_rope(k, positions_BT, inv_freq), v
+
+
+def _attn_out_and_mlp(layer, x_BTD, attn_BTHD, config):
+    c = config
+    dt = c.jnp_dtype
+    x = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHD, layer["wo"].astype(dt))
+    h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, layer["w_gate"].astype(dt))
+    up = jnp.einsum("btd,df->btf", h, layer["w_up"].astype(dt))
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["w_down"].astype(dt))
+
+
+def embed_tokens(params, config, tokens_BT):
+    return params["embed"][tokens_BT].astype(config.jnp_dtype)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, *,
+            positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
+            layer_ids: Sequence[int] = (), remat: bool = False):
+    """Full-sequence forward (training).
+
+    Args:
+      tokens_BT: int32 token ids.
+      positions_BT: RoPE positions; default 0..T-1.
+      segment_ids_BT: packed sequences attend only within their segment.
+      layer_ids: layers whose output residual stream is also returned (0-based).
+      remat: rematerialise each layer in the backward pass.
+    Returns:
+      h_BTD, the final-normed hidden states (what the LM head reads), and, when
+      layer_ids is non-empty, a [len(layer_ids), B, T, D] stack of layer outputs.
+    """
+    c = config
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    if segment_ids_BT is not None:
+        mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    inv_freq = rope_inv_freq(c)
+    selected = jnp.asarray(layer_ids, jnp.int32)
+
+    def layer_fn(carry, xs):
+        x, collected = carry
+        layer, index = xs
+        q, k, v = _qkv(layer, x, positions_BT, c, inv_freq)
+        x = _attn_out_and_mlp(layer, x, attention(q, k, v, mask_BTS), c)
+        if layer_ids:
+            collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
+        return (x, collected), None
+
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
+    x = embed_tokens(params, c, tokens_BT)
+    collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
+    (x, collected), _ = lax.scan(layer_fn, (x, collected),
+                                 (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
+    h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    return (h, collected) if layer_ids else h
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Preallocated per-layer keys and values with each sequence's committed length.
+
+    k, v: [L, B, S, K, Dh]; lengths: int32 [B], the number of committed slots. Slots at
+    or beyond a sequence's length are invisible to attention, whatever they hold.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
+    dtype = dtype or config.jnp_dtype
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32))
+
+
+def _write_slots(cache_BSKD, new_BTKD, start_B):
+    return jax.vmap(lambda c, n, s: lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BSKD, new_BTKD, start_B)
+
+
+def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array,
+           positions_BT: jax.Array, *, mask_BTT: jax.Array | None = None,
+           return_logits: bool = False, layer_ids: Sequence[int] = ()):
+    """Runs T >= 1 new tokens per sequence against the cache.
+
+    The new keys/values go to slots lengths[b] .. lengths[b]+T-1 (the caller keeps
+    lengths + T <= max_length) and lengths advance by T. A new token sees every
+    committed slot plus the new tokens its row of mask_BTT allows (default causal);
+    positions_BT are the RoPE positions (a tree's nodes share positions by depth).
+
+    Returns (h_BTD, cache) — h final-normed — or (logits_BTV float32, h_BTD, cache)
+    with return_logits; with layer_ids the layer stack [n, B, T, D] is appended.
+    """
+    c = config
+    b, t = tokens_BT.shape
+    s = cache.max_length
+    if mask_BTT is None:
+        mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    start_B = cache.lengths
+    rel_BS = jnp.arange(s, dtype=jnp.int32)[None, :] - start_B[:, None]
+    committed_BS = rel_BS < 0
+    is_new_BS = (rel_BS >= 0) & (rel_BS < t)
+    new_visible_BTS = jnp.take_along_axis(
+        mask_BTT, jnp.broadcast_to(jnp.clip(rel_BS, 0, t - 1)[:, None, :], (b, t, s)), axis=2)
+    mask_BTS = committed_BS[:, None, :] | (is_new_BS[:, None, :] & new_visible_BTS)
+    inv_freq = rope_inv_freq(c)
+    selected = jnp.asarray(layer_ids, jnp.int32)
+
+    def layer_fn(carry, xs):
+        x, collected = carry
+        layer, k_cache, v_cache, index = xs
+        q, k, v = _qkv(layer, x, positions_BT, c, inv_freq)
+        k_cache = _write_slots(k_cache, k.astype(k_cache.dtype), start_B)
+        v_cache = _write_slots(v_cache, v.astype(v_cache.dtype), start_B)
+        attn = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask_BTS)
+        x = _attn_out_and_mlp(layer, x, attn, c)
+        if layer_ids:
+            collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
+        return (x, collected), (k_cache, v_cache)
+
+    x = embed_tokens(params, c, tokens_BT)
+    collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
+    (x, collected), (k_new, v_new) = lax.scan(
+        layer_fn, (x, collected),
+        (params["layers"], cache.k, cache.v, jnp.arange(c.num_layers, dtype=jnp.int32)))
+    h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    cache = KVCache(k_new, v_new, start_B + t)
+    out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)
+    return out + (collected,) if layer_ids else out
+
+
+def prefill(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array,
+            lengths_B: jax.Array, *, return_logits: bool = False):
+    """Writes right-padded prompts into an emptied cache; lengths become lengths_B.
+
+    Returns the final-normed hidden state of each prompt's last token, h_BD (and its
+    float32 logits_BV first with return_logits), and the cache.
+    """
+    b, t = tokens_BT.shape
+    empty = KVCache(cache.k, cache.v, jnp.zeros((b,), jnp.int32))
+    positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    h_BTD, cache = decode(params, config, empty, tokens_BT, positions_BT)
+    cache = KVCache(cache.k, cache.v, lengths_B.astype(jnp.int32))
+    h_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    if return_logits:
+        return logits_from_hidden(params, config, h_BD), h_BD, cache
+    return h_BD, cache
