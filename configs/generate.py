@@ -1,0 +1,28 @@
+"""Generation demo: `--config=configs/generate.py:tiny` (any model preset name)."""
+import ml_collections
+
+from configs import models
+from configs.common import grid
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = models.model_config(preset)
+    c.hf_dir = ""  # a Hugging Face checkpoint directory replaces the preset (and its tokenizer is used)
+    c.prompt = "1+2="  # text when a tokenizer exists; otherwise prompt_ids are used
+    c.prompt_ids = (1, 2, 3, 4)
+    c.batch_size = 4
+    c.max_new_tokens = 32
+    c.temperature = 1.0
+    c.top_p = 1.0
+    c.top_k = 0
+    c.seed = 0
+    c.run_dir = ""  # unused by generation; set by the sweep runner
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    return c
+
+
+def get_sweep(preset: str = "tiny") -> list[dict]:
+    """Decode throughput over batch size and temperature (see experiments/sweep.py)."""
+    del preset
+    return grid(batch_size=[1, 8], temperature=[0.0, 1.0])
