@@ -1,0 +1,53 @@
+"""Launchers: overrides, clear flag errors, the sweep runner, multi-host flags."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configs import generate, models
+from tlt_jax.models.config import from_config_dict
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_preset_builds_a_model_config():
+    for name in models.PRESET_NAMES:
+        cfg = from_config_dict(models.model_config(name))
+        assert cfg.num_params() > 0
+    with pytest.raises(ValueError, match="presets"):
+        models.model_config("gpt-5")
+
+
+def test_generate_with_override_and_sweep_dry_run():
+    out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--config.model.num_layers=1",
+               "--config.max_new_tokens=4", "--config.batch_size=2")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["batch_size"] == 2 and summary["decode_tokens_per_s"] > 0
+
+    out = _run("experiments.sweep", "--launcher=experiments.generate", "--config=configs/generate.py:tiny",
+               "--sweep_dir=/tmp/sweep_test", "--dry_run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == len(generate.get_sweep()) == 4
+    assert all("--config.run_dir=/tmp/sweep_test/" in line for line in lines)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.model.num_layerz=2", "unknown config key num_layerz"),
+    ("--config.model.num_layers=2.5", "invalid literal for int()"),
+])
+def test_bad_override_is_a_flag_error(override, message):
+    out = _run("experiments.generate", "--config=configs/generate.py:tiny", override)
+    assert out.returncode == 1
+    assert "FATAL Flags parsing error" in out.stderr and message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_partial_multihost_flags_are_refused():
+    out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--num_processes=2")
+    assert out.returncode != 0
+    assert "--coordinator_address, --num_processes and --process_id" in out.stderr
