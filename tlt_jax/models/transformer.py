@@ -256,19 +256,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32))
 
 
-def _write_slots(cache_BSKD, new_BTKD, start_B):
-    return jax.vmap(lambda c, n, s: lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BSKD, new_BTKD, start_B)
-
-
 def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array,
            positions_BT: jax.Array, *, mask_BTT: jax.Array | None = None,
-           return_logits: bool = False, layer_ids: Sequence[int] = ()):
+           return_logits: bool = False, layer_ids: Sequence[int] = (), unroll_layers: bool = False):
     """Runs T >= 1 new tokens per sequence against the cache.
 
     The new keys/values go to slots lengths[b] .. lengths[b]+T-1 (the caller keeps
     lengths + T <= max_length) and lengths advance by T. A new token sees every
     committed slot plus the new tokens its row of mask_BTT allows (default causal);
     positions_BT are the RoPE positions (a tree's nodes share positions by depth).
+    The whole cache rides in the layer loop's carry and is updated in place (a
+    scatter of T slots per layer): nothing proportional to the cache is copied.
+    `unroll_layers` unrolls that loop, trading compile time for static weight slices.
 
     Returns (h_BTD, cache) — h final-normed — or (logits_BTV float32, h_BTD, cache)
     with return_logits; with layer_ids the layer stack [n, B, T, D] is appended.
@@ -285,28 +284,30 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
     new_visible_BTS = jnp.take_along_axis(
         mask_BTT, jnp.broadcast_to(jnp.clip(rel_BS, 0, t - 1)[:, None, :], (b, t, s)), axis=2)
     mask_BTS = committed_BS[:, None, :] | (is_new_BS[:, None, :] & new_visible_BTS)
+    slots_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    rows_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     inv_freq = rope_inv_freq(c)
     selected = jnp.asarray(layer_ids, jnp.int32)
 
     def layer_fn(carry, xs):
-        x, collected = carry
-        layer, k_cache, v_cache, index = xs
+        x, k_all, v_all, collected = carry
+        layer, index = xs
         q, k, v = _qkv(layer, x, positions_BT, c, inv_freq)
-        k_cache = _write_slots(k_cache, k.astype(k_cache.dtype), start_B)
-        v_cache = _write_slots(v_cache, v.astype(v_cache.dtype), start_B)
-        attn = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask_BTS)
+        k_all = k_all.at[index, rows_B1, slots_BT].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[index, rows_B1, slots_BT].set(v.astype(v_all.dtype), mode="drop")
+        attn = attention(q, k_all[index].astype(q.dtype), v_all[index].astype(q.dtype), mask_BTS)
         x = _attn_out_and_mlp(layer, x, attn, c)
         if layer_ids:
             collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
-        return (x, collected), (k_cache, v_cache)
+        return (x, k_all, v_all, collected), None
 
     x = embed_tokens(params, c, tokens_BT)
     collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
-    (x, collected), (k_new, v_new) = lax.scan(
-        layer_fn, (x, collected),
-        (params["layers"], cache.k, cache.v, jnp.arange(c.num_layers, dtype=jnp.int32)))
+    (x, k_all, v_all, collected), _ = lax.scan(
+        layer_fn, (x, cache.k, cache.v, collected),
+        (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)), unroll=unroll_layers)
     h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    cache = KVCache(k_new, v_new, start_B + t)
+    cache = KVCache(k_all, v_all, start_B + t)
     out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)
     return out + (collected,) if layer_ids else out
 
