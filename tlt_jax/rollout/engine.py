@@ -1,0 +1,365 @@
+"""Rollout engine: continuous batching over a fixed set of KV-cache slots.
+
+Each data-parallel group (one slice of the mesh's `data` axis, tensor-parallel inside)
+owns `num_slots` slots and runs its own host loop:
+
+    refill free slots with pending requests (prefill, first token sampled)
+    run up to `steps_per_sync` decode steps on the device (a while loop that stops early
+        when a slot frees up and requests are still pending, so refills are prompt)
+    harvest finished slots
+
+Once the pending requests run out the batch drains: that is the long tail, which the
+timeline records. Randomness is per request: the key of a request's n-th sampled token
+is fold_in(fold_in(key, request), n), so its output does not depend on which slot it
+ran in or on its neighbours. One decode step commits a per-slot number of tokens
+(`tokens_per_step`), so speculative steps plug into the same bookkeeping.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax import sampling, sharding
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline
+
+FINISH_REASONS = ("", "eos", "stop", "max_tokens", "cache_full")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """num_slots: concurrent sequences per group. max_prompt_length: prompts are
+    right-padded to it (one prefill shape). max_length: KV-cache slots per sequence
+    (prompt plus generated tokens). steps_per_sync: decode steps per device loop."""
+
+    num_slots: int = 8
+    max_prompt_length: int = 64
+    max_length: int = 512
+    steps_per_sync: int = 16
+    eos_token_id: int | None = None
+    unroll_layers: bool = False
+
+    def __post_init__(self):
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be below "
+                             f"max_length={self.max_length} (the KV cache holds prompt and answer).")
+        if min(self.num_slots, self.steps_per_sync, self.max_prompt_length) < 1:
+            raise ValueError("num_slots, steps_per_sync and max_prompt_length must be positive.")
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Generated samples in request order (prompt-major, then sample)."""
+
+    prompt_index: np.ndarray  # int32 [n]
+    sample_index: np.ndarray  # int32 [n]
+    tokens: list[np.ndarray]  # int32 [length_i], the answer only
+    logprobs: list[np.ndarray]  # float32 [length_i], under the processed distribution
+    finish_reason: list[str]
+    group: np.ndarray  # int32 [n], the rollout group that produced each sample
+    timeline: RolloutTimeline
+
+    def __len__(self):
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray([len(t) for t in self.tokens], np.int32)
+
+    def padded(self, pad_id: int = 0, length: int | None = None):
+        """(tokens [n, L] int32, logprobs [n, L] float32, mask [n, L] bool)."""
+        length = length or int(self.lengths.max(initial=0))
+        tokens = np.full((len(self), length), pad_id, np.int32)
+        logp = np.zeros((len(self), length), np.float32)
+        for i, (t, lp) in enumerate(zip(self.tokens, self.logprobs)):
+            tokens[i, :len(t)], logp[i, :len(lp)] = t, lp
+        return tokens, logp, np.arange(length)[None] < self.lengths[:, None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """Device state of one group's slots (B slots, M = max new tokens)."""
+
+    cache: tfm.KVCache
+    last_token: jax.Array  # [B] sampled, not yet in the cache
+    request: jax.Array  # [B] request id, -1 when never filled
+    prompt_length: jax.Array  # [B]
+    num_generated: jax.Array  # [B]
+    active: jax.Array  # [B] bool
+    finish: jax.Array  # [B] index into FINISH_REASONS
+    out_tokens: jax.Array  # [B, M]
+    out_logp: jax.Array  # [B, M]
+
+
+def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_id, max_length):
+    """Why a sequence stops after its latest token (0: it goes on). The cache holds the
+    prompt and every generated token but the last, hence the `>` for cache_full."""
+    code = jnp.zeros_like(token_B)
+    code = jnp.where(prompt_length_B + num_generated_B > max_length, 4, code)
+    code = jnp.where(num_generated_B >= sp.max_tokens, 3, code)
+    if sp.stop_tokens:
+        code = jnp.where(jnp.isin(token_B, jnp.asarray(sp.stop_tokens)), 2, code)
+    if eos_id is not None:
+        code = jnp.where(token_B == eos_id, 1, code)
+    return code
+
+
+def _request_keys(base_key, request_B, position_B):
+    return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base_key, r), n))(request_B, position_B)
+
+
+class _Group:
+    """One data-parallel group: its sub-mesh, parameter copy and compiled steps."""
+
+    def __init__(self, index: int, mesh: Mesh, engine: "RolloutEngine"):
+        self.index, self.mesh, self.engine = index, mesh, engine
+        cfg = engine.model_config
+        self.param_shardings = sharding.param_shardings(cfg, engine._param_shapes, mesh)
+        b = engine.rollout_config.num_slots
+        batch_axis = sharding.logical_to_spec(("batch",), (b,), mesh)[0]
+        kv_axis = sharding.logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
+        row = NamedSharding(mesh, PartitionSpec(batch_axis))
+        self.state_shardings = SlotState(
+            cache=tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, None, kv_axis, None))] * 2,
+                              row),
+            last_token=row, request=row, prompt_length=row, num_generated=row, active=row, finish=row,
+            out_tokens=NamedSharding(mesh, PartitionSpec(batch_axis, None)),
+            out_logp=NamedSharding(mesh, PartitionSpec(batch_axis, None)))
+        self.params = None
+        self._compiled: dict = {}
+
+    def _jit(self, name, fn, in_shardings, out_shardings, static_argnums=(), donate_argnums=()):
+        key = (name, static_argnums)
+        if key not in self._compiled:
+            self._compiled[key] = sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                                       static_argnums=static_argnums,
+                                                       donate_argnums=donate_argnums)
+        return self._compiled[key]
+
+    def empty_state(self, sp: sampling.SamplingParams) -> SlotState:
+        rc, cfg = self.engine.rollout_config, self.engine.model_config
+        b, m = rc.num_slots, sp.max_tokens
+
+        def make():
+            zeros = jnp.zeros((b,), jnp.int32)
+            return SlotState(tfm.init_cache(cfg, b, rc.max_length), zeros, zeros - 1, zeros, zeros,
+                             jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32))
+
+        return jax.jit(make, out_shardings=self.state_shardings)()
+
+    # -- device steps ----------------------------------------------------------------------
+
+    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp):
+        """Prefills R requests into the given slots (slot index B: a padding row, dropped)."""
+        engine = self.engine
+        cfg, rc = engine.model_config, engine.rollout_config
+
+        def fn(params, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp):
+            r, p = prompts_RP.shape
+            small = tfm.init_cache(cfg, r, p, state.cache.k.dtype)
+            logits_RV, _, small = tfm.prefill(params, cfg, small, prompts_RP, lengths_R, return_logits=True)
+            keys = _request_keys(key, requests_R, jnp.zeros_like(requests_R))
+            token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
+            code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
+            put = lambda a, v: a.at[slots_R].set(v, mode="drop")
+            cache = tfm.KVCache(state.cache.k.at[:, slots_R, :p].set(small.k, mode="drop"),
+                                state.cache.v.at[:, slots_R, :p].set(small.v, mode="drop"),
+                                put(state.cache.lengths, lengths_R))
+            return SlotState(cache, put(state.last_token, token_R), put(state.request, requests_R),
+                             put(state.prompt_length, lengths_R), put(state.num_generated, jnp.ones_like(token_R)),
+                             put(state.active, code_R == 0), put(state.finish, code_R),
+                             state.out_tokens.at[slots_R, 0].set(token_R, mode="drop"),
+                             state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"))
+
+        rep = sharding.replicated(self.mesh)
+        step = self._jit("insert", fn, (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep),
+                         self.state_shardings, static_argnums=(7,), donate_argnums=(1,))
+        return step(self.params, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp)
+
+    def run_chunk(self, state, key, refill_wanted, sp):
+        """Up to steps_per_sync plain decode steps; returns the state and per-step logs."""
+        engine = self.engine
+        cfg, rc = engine.model_config, engine.rollout_config
+        n_steps = rc.steps_per_sync
+
+        def decode_step(params, state, key, sp):
+            logits, _, cache = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
+                                          state.cache.lengths[:, None], return_logits=True,
+                                          unroll_layers=rc.unroll_layers)
+            keys = _request_keys(key, state.request, state.num_generated)
+            token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
+            was_active = state.active
+            rows = jnp.arange(token.shape[0])
+            at = jnp.where(was_active, state.num_generated, sp.max_tokens)  # out of range: dropped
+            num_generated = state.num_generated + was_active
+            code = jnp.where(was_active, _finish_code(token, num_generated, state.prompt_length, sp,
+                                                      rc.eos_token_id, rc.max_length), state.finish)
+            cache = tfm.KVCache(cache.k, cache.v, jnp.where(was_active, cache.lengths, state.cache.lengths))
+            new = SlotState(cache, jnp.where(was_active, token, state.last_token), state.request,
+                            state.prompt_length, num_generated, was_active & (code == 0), code,
+                            state.out_tokens.at[rows, at].set(token, mode="drop"),
+                            state.out_logp.at[rows, at].set(logp, mode="drop"))
+            return new, jnp.sum(was_active, dtype=jnp.int32)
+
+        def fn(params, state, key, refill_wanted, sp):
+            started_active = state.active
+
+            def cond(carry):
+                i, state, _ = carry
+                freed = jnp.any(started_active & ~state.active)
+                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed)
+
+            def body(carry):
+                i, state, committed = carry
+                state, n = decode_step(params, state, key, sp)
+                return i + 1, state, committed.at[i].set(n)
+
+            i, state, committed = lax.while_loop(cond, body, (0, state, jnp.zeros((n_steps,), jnp.int32)))
+            return state, i, committed
+
+        rep = sharding.replicated(self.mesh)
+        step = self._jit("chunk", fn, (self.param_shardings, self.state_shardings, rep, rep),
+                         (self.state_shardings, rep, rep), static_argnums=(4,), donate_argnums=(1,))
+        return step(self.params, state, key, refill_wanted, sp)
+
+    # -- host loop ---------------------------------------------------------------------------
+
+    def run(self, requests, key, sp, timeline: GroupTimeline, results: dict):
+        """Generates every (request id, prompt) in `requests`; fills results[id]."""
+        rc = self.engine.rollout_config
+        b, p = rc.num_slots, rc.max_prompt_length
+        state = self.empty_state(sp)
+        pending = collections.deque(requests)
+        slot_request = [-1] * b
+        timeline.start = time.perf_counter()
+        while True:
+            free = [s for s in range(b) if slot_request[s] < 0]
+            if pending and free:
+                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+                r = _bucket(len(take), b)
+                prompts = np.zeros((r, p), np.int32)
+                lengths = np.ones((r,), np.int32)
+                slots = np.full((r,), b, np.int32)
+                ids = np.zeros((r,), np.int32)
+                for i, (rid, prompt) in enumerate(take):
+                    prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], rid
+                    slot_request[free[i]] = rid
+                state = self.insert(state, prompts, lengths, slots, ids, key, sp)
+            if all(s < 0 for s in slot_request):
+                break
+            t0 = time.perf_counter()
+            state, n, committed = self.run_chunk(state, key, bool(pending), sp)
+            active, n, committed = jax.device_get((state.active, n, committed))
+            committed = committed[:n].tolist()
+            timeline.chunks.append(Chunk(t0, time.perf_counter(), committed, committed))
+            done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
+            if done:
+                self._harvest(state, done, slot_request, results)
+        timeline.end = time.perf_counter()
+
+    def _harvest(self, state, slots, slot_request, results):
+        index = np.asarray(slots + [slots[0]] * (_bucket(len(slots), len(slot_request)) - len(slots)))
+        toks, logps, counts, finish = jax.device_get(
+            _gather_rows((state.out_tokens, state.out_logp, state.num_generated, state.finish), index))
+        for i, s in enumerate(slots):
+            n = int(counts[i])
+            results[slot_request[s]] = (toks[i, :n].copy(), logps[i, :n].copy(), FINISH_REASONS[int(finish[i])],
+                                        self.index)
+            slot_request[s] = -1
+
+
+@jax.jit
+def _gather_rows(arrays, index):
+    return jax.tree.map(lambda a: a[index], arrays)
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Next power of two (at most cap): few distinct shapes, few compilations."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+class RolloutEngine:
+    """Generates G samples per prompt with continuous batching on each rollout group.
+
+    The mesh's `data` axis indexes the groups; each group is a (1, fsdp, tensor) sub-mesh
+    holding its own copy of the weights.
+    """
+
+    def __init__(self, model_config: ModelConfig, params, mesh: Mesh, rollout_config: RolloutConfig):
+        self.model_config, self.rollout_config = model_config, rollout_config
+        self._param_shapes = jax.eval_shape(lambda p: p, params)
+        self.groups = [_Group(g, Mesh(mesh.devices[g:g + 1], mesh.axis_names), self)
+                       for g in range(mesh.devices.shape[0])]
+        self.update_params(params)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def update_params(self, params) -> None:
+        """Takes new weights (any layout: they are resharded onto each group's mesh)."""
+        for group in self.groups:
+            group.params = jax.device_put(params, group.param_shardings)
+
+    def _check(self, prompts, num_samples):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+        rc = self.rollout_config
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"Prompt {i} is empty; every prompt needs at least one token (e.g. BOS).")
+            if len(prompt) > rc.max_prompt_length:
+                raise ValueError(
+                    f"Prompt {i} has {len(prompt)} tokens but the engine takes at most max_prompt_length="
+                    f"{rc.max_prompt_length} (KV cache length {rc.max_length}); raise max_prompt_length "
+                    "(and max_length) or shorten the prompt.")
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"Prompt {i} has token ids {bad[:5]} outside [0, {self.model_config.vocab_size}).")
+
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, sampling_params: sampling.SamplingParams,
+                 key: jax.Array, on_group_done: Callable[[int], None] | None = None) -> Rollouts:
+        """Samples `num_samples` answers for every prompt.
+
+        Prompts are split among groups whole (the samples of one prompt stay together);
+        `on_group_done(g)` fires as each group finishes, while others may still decode.
+        """
+        self._check(prompts, num_samples)
+        timeline = RolloutTimeline([GroupTimeline(g.index, self.rollout_config.num_slots) for g in self.groups])
+        requests = [(p * num_samples + s, list(prompt)) for p, prompt in enumerate(prompts)
+                    for s in range(num_samples)]
+        shares = np.array_split(np.arange(len(prompts)), self.num_groups)
+        results: dict = {}
+
+        def run(group, share):
+            share = set(share.tolist())
+            mine = [req for req in requests if req[0] // num_samples in share]
+            group.run(mine, key, sampling_params, timeline.groups[group.index], results)
+            if on_group_done is not None:
+                on_group_done(group.index)
+
+        if prompts:
+            if self.num_groups == 1:
+                run(self.groups[0], shares[0])
+            else:
+                with concurrent.futures.ThreadPoolExecutor(self.num_groups) as pool:
+                    for f in [pool.submit(run, g, s) for g, s in zip(self.groups, shares)]:
+                        f.result()
+        ids = sorted(results)
+        return Rollouts(
+            prompt_index=np.asarray([i // num_samples for i in ids], np.int32),
+            sample_index=np.asarray([i % num_samples for i in ids], np.int32),
+            tokens=[results[i][0] for i in ids], logprobs=[results[i][1] for i in ids],
+            finish_reason=[results[i][2] for i in ids], group=np.asarray([results[i][3] for i in ids], np.int32),
+            timeline=timeline)

@@ -1,0 +1,101 @@
+"""Rollout instrumentation: the long tail made visible.
+
+Each data-parallel group records its decode chunks (a chunk is several decode steps run
+on the device between two host syncs): wall-clock start and end, and per step the
+number of active sequences and tokens committed. Steps inside a chunk share its wall
+time evenly (the device does not report per-step times without a sync per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class Chunk:
+    start: float
+    end: float
+    active_per_step: list[int]
+    tokens_per_step: list[int]
+    kind: str = "decode"  # "decode" or "prefill"
+
+
+@dataclasses.dataclass
+class GroupTimeline:
+    group: int
+    num_slots: int
+    start: float = 0.0
+    end: float = 0.0
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)
+
+    def steps(self):
+        """(time, active sequences, tokens committed) per decode step."""
+        out = []
+        for chunk in self.chunks:
+            n = len(chunk.active_per_step)
+            if chunk.kind != "decode" or n == 0:
+                continue
+            dt = (chunk.end - chunk.start) / n
+            for i, (active, tokens) in enumerate(zip(chunk.active_per_step, chunk.tokens_per_step)):
+                out.append((chunk.start + (i + 0.5) * dt, active, tokens))
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(c.tokens_per_step) for c in self.chunks)
+
+    def slot_utilisation(self) -> float:
+        """Busy slot-steps over all slot-steps of the decode steps run."""
+        steps = self.steps()
+        return sum(a for _, a, _ in steps) / max(1, len(steps) * self.num_slots)
+
+
+@dataclasses.dataclass
+class RolloutTimeline:
+    groups: list[GroupTimeline]
+    origin: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def summary(self) -> dict:
+        """Wall time, tokens/s, and the two long-tail losses.
+
+        group_idle_fraction: device time spent by groups that finished waiting for the
+        slowest one. slot_idle_fraction: decode slots stepping with no sequence in them.
+        """
+        if not self.groups:
+            return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_fraction=0.0,
+                        slot_idle_fraction=0.0, decode_steps=0)
+        start = min(g.start for g in self.groups)
+        end = max(g.end for g in self.groups)
+        wall = max(end - start, 1e-9)
+        idle = sum(end - g.end for g in self.groups) / (wall * len(self.groups))
+        steps = [s for g in self.groups for s in g.steps()]
+        slot_steps = sum(len(g.steps()) * g.num_slots for g in self.groups)
+        busy = sum(a for _, a, _ in steps)
+        tokens = sum(g.tokens for g in self.groups)
+        return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_fraction=idle,
+                    slot_idle_fraction=1 - busy / max(1, slot_steps),
+                    decode_steps=max((len(g.steps()) for g in self.groups), default=0))
+
+    def plot(self, path: str) -> None:
+        """Active sequences over time, one line per group."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for g in self.groups:
+            steps = g.steps()
+            if steps:
+                ax.step([t - self.origin for t, _, _ in steps], [a for _, a, _ in steps], where="mid",
+                        label=f"group {g.group}")
+            ax.axvline(g.end - self.origin, color="grey", lw=0.5, ls=":")
+        ax.set_xlabel("seconds since rollout start")
+        ax.set_ylabel("active sequences")
+        s = self.summary()
+        ax.set_title(f"rollout: {s['tokens']} tokens, group idle {s['group_idle_fraction']:.0%}, "
+                     f"slot idle {s['slot_idle_fraction']:.0%}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize="small")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
