@@ -1,0 +1,175 @@
+r"""Decode throughput of the rollout engine against the HBM roofline and transformers.
+
+  python -m experiments.bench_rollout --preset=gpu --out=bench_rollout.json
+  python -m experiments.bench_rollout --preset=cpu
+
+For each model shape and batch size: every slot is filled with a prompt, then one device
+loop of `new_tokens` decode steps is timed (median over repeats). The roofline of a step
+is the bytes it must read — all weights once plus the KV entries actually in use, not
+the preallocated cache — over the copy bandwidth measured in the same run. transformers'
+torch `generate` runs on the same random checkpoint (written with save_hf), greedy, same
+batch and lengths, with its dynamic and its static cache.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from configs import models
+from tlt_jax import launch, sampling, sharding
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import from_config_dict
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+
+_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Shapes to run.")
+_OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+_MODELS = flags.DEFINE_list("models", None, "Override the preset's model list.")
+_BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
+_HF = flags.DEFINE_bool("hf", True, "Also time transformers' generate.")
+
+PRESETS = {
+    "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
+    "gpu": dict(models=["qwen2.5-0.5b", "qwen2.5-1.5b"], batches=[1, 4, 16, 64, 256], prompt=64,
+                new_tokens=128, repeats=3),
+}
+
+
+def measure_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written), GB/s."""
+    n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 25)
+    x = jnp.ones((n // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(times) / 1e9
+
+
+def param_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def kv_bytes_per_token(cfg) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.dtype.itemsize
+
+
+def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats):
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len, max_length=prompt_len + new_tokens + 1,
+                       steps_per_sync=new_tokens)
+    engine = RolloutEngine(cfg, params, mesh, rc)
+    group = engine.groups[0]
+    sp = sampling.SamplingParams(temperature=1.0, max_tokens=new_tokens + 1)
+    prompts = np.random.RandomState(0).randint(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+    key = jax.random.PRNGKey(0)
+
+    def filled():
+        state = group.empty_state(sp)
+        return group.insert(state, prompts, np.full((batch,), prompt_len, np.int32), np.arange(batch, dtype=np.int32),
+                            np.arange(batch, dtype=np.int32), key, sp)
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(group.run_chunk(filled(), key, False, sp))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        state = jax.block_until_ready(filled())
+        t0 = time.perf_counter()
+        state, steps, _ = group.run_chunk(state, key, False, sp)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t0)
+        assert int(steps) == new_tokens
+    return statistics.median(times), compile_s
+
+
+def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats, static):
+    """transformers' generate in a subprocess (torch and JAX would share the GPU)."""
+    code = f"""
+import json, statistics, time, torch, transformers
+dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+dtype = torch.bfloat16 if dev == 'cuda' else torch.float32
+model = transformers.AutoModelForCausalLM.from_pretrained({hf_dir!r}, dtype=dtype).to(dev).eval()
+ids = torch.randint(1, model.config.vocab_size, ({batch}, {prompt_len}), device=dev)
+kw = dict(max_new_tokens={new_tokens}, min_new_tokens={new_tokens}, do_sample=False, pad_token_id=0)
+if {static}: kw['cache_implementation'] = 'static'
+sync = torch.cuda.synchronize if dev == 'cuda' else (lambda: None)
+with torch.inference_mode():
+    model.generate(ids, **kw); sync()
+    times = []
+    for _ in range({repeats}):
+        t0 = time.perf_counter(); model.generate(ids, **kw); sync(); times.append(time.perf_counter() - t0)
+print(json.dumps(dict(seconds=statistics.median(times))))
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            return dict(error=out.stderr.strip().splitlines()[-1][:200])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception as e:  # a failed baseline is recorded, not fatal
+        return dict(error=f"{type(e).__name__}: {e}"[:200])
+
+
+def main(argv):
+    del argv
+    launch.maybe_initialize_distributed()
+    preset = PRESETS[_PRESET.value]
+    model_names = _MODELS.value or preset["models"]
+    batches = [int(b) for b in (_BATCHES.value or preset["batches"])]
+    p, n, repeats = preset["prompt"], preset["new_tokens"], preset["repeats"]
+    bandwidth = measure_bandwidth_gbs()
+    rows = []
+    for name in model_names:
+        cfg = from_config_dict(models.model_config(name))
+        params = tfm.init_params(cfg, jax.random.PRNGKey(0))
+        hf_dir = None
+        if _HF.value:
+            from tlt_jax.models.hf_io import save_hf
+            hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
+            save_hf(hf_dir, cfg, jax.device_get(params))
+        for b in batches:
+            seconds, compile_s = bench_ours(cfg, params, b, p, n, repeats)
+            step_s = seconds / n
+            # Mean KV entries read per step: the prompt plus, on average, half the answer.
+            kv = b * (p + (n - 1) / 2) * kv_bytes_per_token(cfg)
+            roofline_s = (param_bytes(params) + kv) / (bandwidth * 1e9)
+            row = dict(model=name, batch=b, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
+                       tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
+                       roofline_fraction=roofline_s / step_s, compile_s=compile_s)
+            if hf_dir:
+                for static in (False, True):
+                    hf = bench_hf(hf_dir, b, p, n, repeats, static)
+                    label = "hf_static" if static else "hf"
+                    if "seconds" in hf:
+                        row[f"{label}_tokens_per_s"] = b * n / hf["seconds"]
+                        row[f"speedup_vs_{label}"] = row["tokens_per_s"] / row[f"{label}_tokens_per_s"]
+                    else:
+                        row[f"{label}_error"] = hf["error"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                  bandwidth_gbs=bandwidth, jax=jax.__version__, rows=rows)
+    header = f"{'model':14} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
+    print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
+    for r in rows:
+        print(f"{r['model']:14} {r['batch']:5d} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
+              f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
+              f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
+    if _OUT.value:
+        os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+        with open(_OUT.value, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    launch.run(main)
