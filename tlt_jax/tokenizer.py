@@ -1,0 +1,59 @@
+"""Tokenizers: loaded through transformers, and built in the project for synthetic tasks.
+
+Nothing comes from a hub: `load_tokenizer` reads a local directory only, and
+`build_char_tokenizer` writes one (tokenizer.json + tokenizer_config.json, the Hugging
+Face format) that `transformers.AutoTokenizer.from_pretrained(dir)` loads offline.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from tokenizers import Tokenizer, decoders, models, processors
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+# Ids 0..3, fixed so that configs and tests may rely on them.
+BASE_SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer from a local directory (never the hub)."""
+    from transformers import AutoTokenizer
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Tokenizer directory {path!r} does not exist.")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def build_char_tokenizer(out_dir: str, alphabet: Sequence[str], extra_special_tokens: Sequence[str] = (),
+                         add_bos: bool = True):
+    """Writes a character-level tokenizer to `out_dir` and returns it as loaded back.
+
+    Ids: <pad>=0, <bos>=1, <eos>=2, <unk>=3, then `extra_special_tokens` (e.g. "<think>",
+    "</think>"; each encodes to one id wherever it appears in text), then one id per
+    distinct character of `alphabet`, in order. Characters outside the alphabet encode
+    to <unk>. With `add_bos`, encoding with special tokens prepends <bos> (as Llama's
+    tokenizers do); <eos> is never added, the caller decides where text ends.
+    Decoding concatenates characters with no added spaces.
+    """
+    from transformers import PreTrainedTokenizerFast
+    specials = list(BASE_SPECIAL_TOKENS) + [t for t in extra_special_tokens if t not in BASE_SPECIAL_TOKENS]
+    chars = list(dict.fromkeys(alphabet))
+    bad = [c for c in chars if len(c) != 1]
+    if bad:
+        raise ValueError(f"alphabet entries must be single characters; got {bad[:5]}.")
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    # BPE without merges splits text into characters; no pre-tokenizer keeps spaces and
+    # newlines as ordinary characters.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        extra_special_tokens=specials[len(BASE_SPECIAL_TOKENS):],
+        clean_up_tokenization_spaces=False)  # it would rewrite " ." as "." on decode
+    os.makedirs(out_dir, exist_ok=True)
+    wrapped.save_pretrained(out_dir)
+    return load_tokenizer(out_dir)
