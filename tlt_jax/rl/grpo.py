@@ -59,31 +59,36 @@ def get_advantage_estimator(name: str) -> Callable:
 
 
 # ----------------------------------------------------------------------------- aggregation
+#
+# An aggregation is a per-token weighting, computed once for a whole minibatch, so that
+# the loss is a plain weighted sum: additive over micro-batches, whatever their split.
 
 
-def token_mean(loss_nT, mask_nT, max_len=None):
+def token_mean(mask_nT, max_len=None):
     """Every token of the batch weighs the same (DAPO)."""
     del max_len
-    return jnp.sum(loss_nT * mask_nT) / jnp.maximum(jnp.sum(mask_nT), 1)
+    mask = mask_nT.astype(jnp.float32)
+    return mask / jnp.maximum(jnp.sum(mask), 1)
 
 
-def seq_mean(loss_nT, mask_nT, max_len=None):
+def seq_mean(mask_nT, max_len=None):
     """Mean over sequences of each sequence's token mean (original GRPO)."""
     del max_len
-    per_seq = jnp.sum(loss_nT * mask_nT, 1) / jnp.maximum(jnp.sum(mask_nT, 1), 1)
-    return jnp.mean(per_seq)
+    mask = mask_nT.astype(jnp.float32)
+    return mask / (jnp.maximum(jnp.sum(mask, 1, keepdims=True), 1) * mask.shape[0])
 
 
-def seq_sum_const(loss_nT, mask_nT, max_len=None):
+def seq_sum_const(mask_nT, max_len=None):
     """Token sums over a constant length (Dr. GRPO): no length bias."""
-    max_len = max_len or loss_nT.shape[1]
-    return jnp.sum(loss_nT * mask_nT) / (loss_nT.shape[0] * max_len)
+    mask = mask_nT.astype(jnp.float32)
+    return mask / (mask.shape[0] * (max_len or mask.shape[1]))
 
 
 AGGREGATIONS: dict[str, Callable] = {"token_mean": token_mean, "seq_mean": seq_mean, "seq_sum_const": seq_sum_const}
 
 
 def get_aggregation(name: str) -> Callable:
+    """name -> fn(mask_nT, max_len=None) -> token weights [n, T] summing to the loss scale."""
     if name not in AGGREGATIONS:
         raise ValueError(f"Unknown loss aggregation {name!r}; choose from {sorted(AGGREGATIONS)}.")
     return AGGREGATIONS[name]
@@ -113,11 +118,13 @@ def k3_kl(logp_nT, ref_logp_nT):
     return jnp.exp(d) - d - 1
 
 
-def policy_loss(logp_nT, old_logp_nT, rollout_logp_nT, advantages_n, mask_nT, config: GRPOConfig,
-                ref_logp_nT=None):
-    """Returns (scalar loss, metrics dict). logp are per-token log-probs of the sampled
-    tokens: current policy, policy at the start of the step, and as the engine reported."""
-    mask = mask_nT.astype(jnp.float32)
+def policy_loss(logp_nT, old_logp_nT, rollout_logp_nT, advantages_n, loss_weights_nT, token_weights_nT,
+                config: GRPOConfig, ref_logp_nT=None):
+    """Returns (loss, metrics), both weighted sums over tokens, so that micro-batch
+    results add up to the minibatch's. logp are per-token log-probs of the sampled
+    tokens: current policy, policy at the start of the step, and as the engine reported.
+    loss_weights come from the configured aggregation, token_weights from `token_mean`
+    (metrics are token means)."""
     adv = advantages_n[:, None]
     ratio = jnp.exp(logp_nT - old_logp_nT)
     clipped = jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps_high)
@@ -125,14 +132,14 @@ def policy_loss(logp_nT, old_logp_nT, rollout_logp_nT, advantages_n, mask_nT, co
     if config.tis_cap > 0:
         per_token = per_token * jax.lax.stop_gradient(
             jnp.minimum(jnp.exp(old_logp_nT - rollout_logp_nT), config.tis_cap))
-    aggregate = get_aggregation(config.aggregation)
-    loss = aggregate(per_token, mask)
-    metrics = {"clip_fraction": token_mean((jnp.abs(ratio - clipped) > 0).astype(jnp.float32), mask),
-               "ratio_mean": token_mean(ratio, mask),
-               "rollout_logp_gap": token_mean(jnp.abs(old_logp_nT - rollout_logp_nT), mask)}
+    loss = jnp.sum(per_token * loss_weights_nT)
+    mean = lambda x: jnp.sum(x * token_weights_nT)
+    metrics = {"clip_fraction": mean((jnp.abs(ratio - clipped) > 0).astype(jnp.float32)),
+               "ratio_mean": mean(ratio),
+               "rollout_logp_gap": mean(jnp.abs(old_logp_nT - rollout_logp_nT))}
     if ref_logp_nT is not None:
         kl = k3_kl(logp_nT, ref_logp_nT)
-        metrics["kl"] = token_mean(kl, mask)
+        metrics["kl"] = mean(kl)
         if config.kl_coef:
-            loss = loss + config.kl_coef * aggregate(kl, mask)
+            loss = loss + config.kl_coef * jnp.sum(kl * loss_weights_nT)
     return loss, metrics

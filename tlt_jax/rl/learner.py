@@ -1,0 +1,195 @@
+"""The GRPO learner: per-token log-probs through the fused projection, AdamW updates.
+
+One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
+gradients over micro-batches of `micro_batch_size` sequences (a `lax.scan`, so one
+compiled body whatever the batch). Every jitted function takes explicit shardings on the
+mesh: parameters by the logical axis rules, sequences over (data, fsdp).
+
+A batch is a dict of sequences right-padded to one length T (prompt then answer):
+    tokens      int32 [n, T]
+    loss_mask   bool  [n, T-1]   True where position t predicts an answer token t+1
+    rollout_logp f32  [n, T-1]   the engine's log-prob of token t+1 (0 elsewhere)
+    advantages  f32   [n]
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tlt_jax import losses, sharding
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl import grpo
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    schedule: str = "constant"  # or "cosine" (to 10% at decay_steps)
+    decay_steps: int = 1000
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    max_grad_norm: float = 1.0
+    num_minibatches: int = 1
+    micro_batch_size: int = 8
+    temperature: float = 1.0  # the rollout sampling temperature: log-probs of that distribution
+    remat: bool = True
+    logprob_impl: str = "auto"
+    grpo: grpo.GRPOConfig = grpo.GRPOConfig()
+
+
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+    if cfg.schedule == "constant":
+        lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
+                                   optax.constant_schedule(cfg.learning_rate)], [max(cfg.warmup_steps, 1)])
+        if cfg.warmup_steps == 0:
+            lr = cfg.learning_rate
+    elif cfg.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
+                                                max(cfg.decay_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1)
+    else:
+        raise ValueError(f"Unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'.")
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                       optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, with_entropy=False,
+                   impl="auto", remat=False):
+    """Log-prob of each next token, [n, T-1] float32 (and the entropy, with_entropy),
+    projected blockwise: no [n, T, V] logits exist."""
+    h = tfm.forward(params, model_config, tokens_nT[:, :-1], remat=remat)
+    n, t, d = h.shape
+    out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config),
+                                tokens_nT[:, 1:].reshape(-1), temperature=temperature,
+                                with_entropy=with_entropy, impl=impl)
+    if with_entropy:
+        return out[0].reshape(n, t), out[1].reshape(n, t)
+    return out.reshape(n, t)
+
+
+class Learner:
+    """Holds the compiled steps for one model, optimizer and mesh."""
+
+    def __init__(self, model_config: ModelConfig, config: LearnerConfig, mesh):
+        self.model_config, self.config, self.mesh = model_config, config, mesh
+        self.optimizer = make_optimizer(config)
+        self._steps: dict = {}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def param_shardings(self, params):
+        return sharding.param_shardings(self.model_config, params, self.mesh)
+
+    def init_state(self, params) -> TrainState:
+        p_sh = self.param_shardings(params)
+        params = jax.device_put(params, p_sh, may_alias=False)  # the state is donated to updates
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(params, p_sh))(params)
+        return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(self.mesh)))
+
+    def _opt_shardings(self, params, param_shardings):
+        """Optimizer moments shard like the parameters; counters are replicated."""
+        p_def = jax.tree.structure(params)
+        abstract = jax.eval_shape(self.optimizer.init, params)
+        rep = sharding.replicated(self.mesh)
+        return jax.tree.map(lambda node: param_shardings if jax.tree.structure(node) == p_def else rep,
+                            abstract, is_leaf=lambda node: jax.tree.structure(node) == p_def)
+
+    def state_shardings(self, state: TrainState):
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def _batch_shardings(self, batch):
+        return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
+
+    # -- log-probs of the policy at the start of the step, and of the reference ----------------
+
+    def logprobs(self, params, tokens_nT, with_entropy=False):
+        key = ("logprobs", with_entropy, tokens_nT.shape)
+        if key not in self._steps:
+            cfg = self.config
+            fn = lambda p, t: token_logprobs(p, self.model_config, t, temperature=cfg.temperature,
+                                             with_entropy=with_entropy, impl=cfg.logprob_impl)
+            out_sh = sharding.batch_sharding(self.mesh, 2)
+            self._steps[key] = sharding.jit_sharded(
+                fn, in_shardings=(self.param_shardings(params), sharding.batch_sharding(self.mesh, 2)),
+                out_shardings=(out_sh, out_sh) if with_entropy else out_sh)
+        return self._steps[key](params, tokens_nT)
+
+    # -- the update ------------------------------------------------------------------------------
+
+    def _loss(self, params, mb):
+        cfg = self.config
+        logp = token_logprobs(params, self.model_config, mb["tokens"], temperature=cfg.temperature,
+                              impl=cfg.logprob_impl, remat=cfg.remat)
+        return grpo.policy_loss(logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
+                                mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
+
+    def _update_fn(self, state: TrainState, minibatch):
+        """One optimizer update from a minibatch; gradients accumulated over micro-batches."""
+        n = minibatch["tokens"].shape[0]
+        micro = min(self.config.micro_batch_size, n)
+        if n % micro:
+            raise ValueError(f"Minibatch of {n} sequences does not split into micro-batches of {micro}.")
+        mask = minibatch["loss_mask"]
+        minibatch = dict(minibatch, loss_weights=grpo.get_aggregation(self.config.grpo.aggregation)(mask),
+                         token_weights=grpo.token_mean(mask))
+        stacked = jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), minibatch)
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(state.params, mb)
+            acc_grads, acc_loss, acc_metrics = acc
+            acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
+            acc_metrics = jax.tree.map(jnp.add, acc_metrics, metrics)
+            return (acc_grads, acc_loss + loss, acc_metrics), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        metric_zeros = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
+                                    jax.eval_shape(lambda: self._loss(state.params, jax.tree.map(lambda x: x[0], stacked))[1]))
+        (grads, loss, metrics), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metric_zeros), stacked)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        params = jax.tree.map(lambda p, new: jnp.where(finite, new.astype(p.dtype), p), state.params, params)
+        opt_state = jax.tree.map(lambda o, new: jnp.where(finite, new, o), state.opt_state, opt_state)
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
+        return TrainState(params, opt_state, state.step + finite.astype(jnp.int32)), metrics
+
+    def update(self, state: TrainState, batch: dict) -> tuple[TrainState, list[dict]]:
+        """One RL step: `num_minibatches` updates over the batch, in order.
+
+        The batch must carry old_logp (and ref_logp with a KL term) beside the fields above.
+        A non-finite loss or gradient leaves the state unchanged (metrics["skipped"] = 1).
+        """
+        n = batch["tokens"].shape[0]
+        k = self.config.num_minibatches
+        if n % k:
+            raise ValueError(f"Batch of {n} sequences does not split into {k} minibatches.")
+        size = n // k
+        results = []
+        for i in range(k):
+            minibatch = {name: v[i * size:(i + 1) * size] for name, v in batch.items()}
+            key = ("update", tuple(sorted((name, np.shape(v)) for name, v in minibatch.items())))
+            if key not in self._steps:
+                st_sh = self.state_shardings(state)
+                self._steps[key] = sharding.jit_sharded(
+                    self._update_fn, in_shardings=(st_sh, self._batch_shardings(minibatch)),
+                    out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
+            state, metrics = self._steps[key](state, minibatch)
+            results.append(metrics)
+        return state, [jax.device_get(m) for m in results]
