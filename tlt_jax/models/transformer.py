@@ -46,9 +46,11 @@ def init_params(config: ModelConfig, key: jax.Array, init_std: float = 0.02) -> 
     dtype = c.jnp_param_dtype
     keys = iter(jax.random.split(key, 16))
 
-    def normal(shape, fan_in=None):
-        std = init_std if fan_in is None else min(init_std, 1.0 / math.sqrt(fan_in))
-        return (jax.random.normal(next(keys), shape, jnp.float32) * std).astype(dtype)
+    def normal(shape):
+        # Drawn flat, then reshaped: the same values, but XLA:CPU compiles many-dimensional
+        # random draws an order of magnitude slower.
+        flat = jax.random.normal(next(keys), (math.prod(shape),), jnp.float32)
+        return (flat.reshape(shape) * init_std).astype(dtype)
 
     layers = {
         "attn_norm": jnp.ones((l, d), dtype),
