@@ -9,6 +9,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import grpo
 from tlt_jax.rl.learner import Learner, LearnerConfig, token_logprobs
+from tlt_jax.train_state import OptimizerConfig
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8)
@@ -47,7 +48,7 @@ def test_token_logprobs_match_dense():
 def test_update_raises_advantaged_logprobs_and_is_shard_invariant():
     params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
     batch = _batch()
-    lcfg = LearnerConfig(learning_rate=3e-3, micro_batch_size=2, num_minibatches=2,
+    lcfg = LearnerConfig(optimizer=OptimizerConfig(learning_rate=3e-3), micro_batch_size=2, num_minibatches=2,
                          grpo=grpo.GRPOConfig(tis_cap=0.0))
     results = {}
     for shape, micro in (((1, 1, 1), 2), ((1, 1, 1), 4), ((2, 2, 2), 2)):

@@ -14,58 +14,26 @@ A batch is a dict of sequences right-padded to one length T (prompt then answer)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-
 from tlt_jax import losses, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import grpo
+from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
+                                 state_shardings)
 
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    learning_rate: float = 1e-5
-    warmup_steps: int = 0
-    schedule: str = "constant"  # or "cosine" (to 10% at decay_steps)
-    decay_steps: int = 1000
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    max_grad_norm: float = 1.0
+    optimizer: OptimizerConfig = OptimizerConfig()
     num_minibatches: int = 1
     micro_batch_size: int = 8
     temperature: float = 1.0  # the rollout sampling temperature: log-probs of that distribution
     remat: bool = True
     logprob_impl: str = "auto"
     grpo: grpo.GRPOConfig = grpo.GRPOConfig()
-
-
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-    if cfg.schedule == "constant":
-        lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1)),
-                                   optax.constant_schedule(cfg.learning_rate)], [max(cfg.warmup_steps, 1)])
-        if cfg.warmup_steps == 0:
-            lr = cfg.learning_rate
-    elif cfg.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
-                                                max(cfg.decay_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1)
-    else:
-        raise ValueError(f"Unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'.")
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                       optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    params: Any
-    opt_state: Any
-    step: jax.Array
 
 
 def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, with_entropy=False,
@@ -87,7 +55,7 @@ class Learner:
 
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, mesh):
         self.model_config, self.config, self.mesh = model_config, config, mesh
-        self.optimizer = make_optimizer(config)
+        self.optimizer = make_optimizer(config.optimizer)
         self._steps: dict = {}
 
     # -- state ------------------------------------------------------------------------------
@@ -96,21 +64,10 @@ class Learner:
         return sharding.param_shardings(self.model_config, params, self.mesh)
 
     def init_state(self, params) -> TrainState:
-        p_sh = self.param_shardings(params)
-        params = jax.device_put(params, p_sh, may_alias=False)  # the state is donated to updates
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self._opt_shardings(params, p_sh))(params)
-        return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(self.mesh)))
+        return init_train_state(self.optimizer, params, self.param_shardings(params), self.mesh)
 
-    def _opt_shardings(self, params, param_shardings):
-        """Optimizer moments shard like the parameters; counters are replicated."""
-        p_def = jax.tree.structure(params)
-        abstract = jax.eval_shape(self.optimizer.init, params)
-        rep = sharding.replicated(self.mesh)
-        return jax.tree.map(lambda node: param_shardings if jax.tree.structure(node) == p_def else rep,
-                            abstract, is_leaf=lambda node: jax.tree.structure(node) == p_def)
-
-    def state_shardings(self, state: TrainState):
-        return jax.tree.map(lambda x: x.sharding, state)
+    def state_shardings(self, params) -> TrainState:
+        return state_shardings(self.optimizer, params, self.param_shardings(params), self.mesh)
 
     def _batch_shardings(self, batch):
         return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
@@ -161,14 +118,8 @@ class Learner:
         metric_zeros = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
                                     jax.eval_shape(lambda: self._loss(state.params, jax.tree.map(lambda x: x[0], stacked))[1]))
         (grads, loss, metrics), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metric_zeros), stacked)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = jax.tree.map(lambda p, new: jnp.where(finite, new.astype(p.dtype), p), state.params, params)
-        opt_state = jax.tree.map(lambda o, new: jnp.where(finite, new, o), state.opt_state, opt_state)
-        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
-        return TrainState(params, opt_state, state.step + finite.astype(jnp.int32)), metrics
+        state, guard = apply_gradients(self.optimizer, state, grads, loss)
+        return state, dict(metrics, loss=loss, **guard)
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, list[dict]]:
         """One RL step: `num_minibatches` updates over the batch, in order.
@@ -186,7 +137,7 @@ class Learner:
             minibatch = {name: v[i * size:(i + 1) * size] for name, v in batch.items()}
             key = ("update", tuple(sorted((name, np.shape(v)) for name, v in minibatch.items())))
             if key not in self._steps:
-                st_sh = self.state_shardings(state)
+                st_sh = self.state_shardings(state.params)
                 self._steps[key] = sharding.jit_sharded(
                     self._update_fn, in_shardings=(st_sh, self._batch_shardings(minibatch)),
                     out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))

@@ -1,0 +1,83 @@
+"""What every trainer shares: AdamW with clipping and a schedule, the train state, its
+shardings, and the guarded update that skips a step whose loss or gradient is not finite.
+Used by SFT, the GRPO learner, drafter training and distillation alike."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tlt_jax import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 1e-5
+    warmup_steps: int = 0
+    schedule: str = "constant"  # or "cosine": decays to 10% at decay_steps
+    decay_steps: int = 1000
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    max_grad_norm: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    warmup = max(cfg.warmup_steps, 1)
+    if cfg.schedule == "constant":
+        lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, warmup),
+                                   optax.constant_schedule(cfg.learning_rate)], [warmup])
+    elif cfg.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.decay_steps, warmup + 1),
+                                                cfg.learning_rate * 0.1)
+    else:
+        raise ValueError(f"Unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'.")
+    if cfg.warmup_steps == 0 and cfg.schedule == "constant":
+        lr = cfg.learning_rate
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                       optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array  # optimizer updates applied (skipped ones do not count)
+
+
+def optimizer_shardings(optimizer, params, param_shardings, mesh):
+    """Optimizer moments shard like the parameters; counters are replicated."""
+    p_def = jax.tree.structure(params)
+    rep = sharding.replicated(mesh)
+    return jax.tree.map(lambda node: param_shardings if jax.tree.structure(node) == p_def else rep,
+                        jax.eval_shape(optimizer.init, params), is_leaf=lambda node: jax.tree.structure(node) == p_def)
+
+
+def state_shardings(optimizer, params, param_shardings, mesh) -> TrainState:
+    return TrainState(param_shardings, optimizer_shardings(optimizer, params, param_shardings, mesh),
+                      sharding.replicated(mesh))
+
+
+def init_train_state(optimizer, params, param_shardings, mesh) -> TrainState:
+    """Places a copy of params (the state is donated to updates) and fresh moments."""
+    params = jax.device_put(params, param_shardings, may_alias=False)
+    opt_state = jax.jit(optimizer.init, out_shardings=optimizer_shardings(optimizer, params, param_shardings,
+                                                                          mesh))(params)
+    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh)))
+
+
+def apply_gradients(optimizer, state: TrainState, grads, loss):
+    """One AdamW step, unless loss or gradient norm is not finite: then the state stays.
+    Returns (state, {"grad_norm", "skipped"})."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda old, new: jnp.where(finite, new.astype(old.dtype), old)
+    state = TrainState(jax.tree.map(keep, state.params, params), jax.tree.map(keep, state.opt_state, opt_state),
+                       state.step + finite.astype(jnp.int32))
+    return state, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32)}
