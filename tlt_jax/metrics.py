@@ -1,0 +1,265 @@
+"""Run metrics: one JSON line per step, TensorBoard, PNG plots, a progress bar.
+
+`<run_dir>/metrics.jsonl` is the record of a run: one JSON object per step,
+`{"step": 12, "wall_time": 1712345678.9, "reward/mean": 0.41, ...}`, flushed as it is
+written, so a killed run loses at most the line it was writing (which `read_metrics`
+then skips). TensorBoard (tensorboardX, `<run_dir>/tensorboard`) gets the same scalars,
+and histograms of array-valued metrics. A run resumed from a checkpoint at step k drops
+the records after k from both (`truncate_after`), so no step has two values. In a
+multi-host run only process 0 writes; the writer is a no-op elsewhere.
+
+The plot helpers draw on a bare `matplotlib.figure.Figure` (Agg canvas, no pyplot
+state), so they are safe to call from a training loop or a background thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from matplotlib.figure import Figure
+from tqdm import auto as tqdm_auto
+
+METRICS_FILENAME = "metrics.jsonl"
+TENSORBOARD_SUBDIR = "tensorboard"
+_RESERVED_KEYS = ("step", "wall_time")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl, in file order.
+
+    A last line that is not valid JSON (the write a kill interrupted) is skipped with a
+    warning; an invalid line anywhere else raises ValueError.
+    """
+    with open(path) as f:
+        lines = f.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number} is not a JSON record: {e}") from e
+            logging.warning("Skipping the torn last line of %s: %r", path, line[:80])
+    return records
+
+
+class MetricsWriter:
+    """Writes per-step metrics to `<run_dir>/metrics.jsonl` and TensorBoard (process 0).
+
+    Usage:
+        with MetricsWriter(run_dir, resume_step=meta["step"] if resumed else None) as w:
+            w.write(step, {"reward/mean": 0.4, "reward/std": 0.1, "lengths": lengths_B})
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, use_tensorboard: bool = True,
+                 resume_step: int | None = None):
+        """
+        Args:
+          run_dir: directory of the run (created if missing).
+          use_tensorboard: also write TensorBoard event files.
+          resume_step: the step a resumed run restarts after; later records are dropped.
+        """
+        self.path = os.path.join(run_dir, METRICS_FILENAME)
+        self._tensorboard_dir = os.path.join(run_dir, TENSORBOARD_SUBDIR) if use_tensorboard else None
+        self._enabled = jax.process_index() == 0
+        self._file = None
+        self._tensorboard = None
+        if not self._enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_step is None:
+            self._open(purge_step=None)
+        else:
+            self.truncate_after(resume_step)
+
+    def _open(self, purge_step: int | None) -> None:
+        self._file = open(self.path, "a")
+        if self._tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter  # on use: imports torch if installed, ~1.5 s
+            # purge_step hides events at or after it that an earlier (killed) run wrote.
+            self._tensorboard = SummaryWriter(self._tensorboard_dir, purge_step=purge_step,
+                                              flush_secs=30)
+
+    def _close_files(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+    def truncate_after(self, step: int) -> None:
+        """Drops every record with a step greater than `step`, on disk and in TensorBoard.
+
+        The JSONL is rewritten to a side file and renamed over the original, so a kill
+        during the rewrite leaves either the old or the new file, never a mix.
+        """
+        if not self._enabled:
+            return
+        self._close_files()
+        if os.path.exists(self.path):
+            kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+            rewritten = self.path + ".rewrite"
+            with open(rewritten, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(rewritten, self.path)
+        self._open(purge_step=step + 1)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records `metrics` for `step`.
+
+        Scalars (Python or numpy numbers, bools, 0-d arrays) go to the JSONL and to
+        TensorBoard scalars; arrays with at least one dimension (e.g. response lengths)
+        become TensorBoard histograms only, keeping the JSONL one small line per step.
+        """
+        if not self._enabled:
+            return
+        record: dict[str, Any] = {"step": int(step), "wall_time": time.time()}
+        for name, value in metrics.items():
+            if name in _RESERVED_KEYS:
+                raise ValueError(f"Metric name {name!r} is reserved for the record itself.")
+            array = np.asarray(value)
+            if array.dtype.kind not in "biuf":
+                raise TypeError(f"Metric {name!r} is not numeric: {value!r}")
+            if array.ndim == 0:
+                record[name] = array.item()
+                if self._tensorboard is not None:
+                    self._tensorboard.add_scalar(name, float(array), step)
+            elif self._tensorboard is not None and array.size:
+                self._tensorboard.add_histogram(name, array.ravel(), step)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._close_files()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _std_key(key: str) -> str | None:
+    """'reward/mean' -> 'reward/std', 'loss_mean' -> 'loss_std'; None if not a mean."""
+    return key[: -len("mean")] + "std" if key.endswith("mean") else None
+
+
+def plot_curves(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                path: str | os.PathLike, title: str | None = None) -> None:
+    """One panel per key against step, written as a PNG.
+
+    A key ending in "mean" gets a +-1 std band when the matching "std" key is recorded
+    (e.g. "reward/mean" with "reward/std"). Metrics recorded on some steps only (eval
+    accuracy) are plotted at the steps that have them, with markers when sparse.
+    """
+    figure = Figure(figsize=(7, 2.4 * len(keys)), layout="constrained")
+    axes = figure.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, keys):
+        rows = [r for r in records if key in r]
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        if not rows:
+            ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center", va="center")
+            continue
+        steps = np.array([r["step"] for r in rows])
+        values = np.array([r[key] for r in rows], dtype=np.float64)
+        ax.plot(steps, values, marker="o" if len(rows) <= 50 else None, markersize=3)
+        std_key = _std_key(key)
+        if std_key is not None and all(std_key in r for r in rows):
+            std = np.array([r[std_key] for r in rows], dtype=np.float64)
+            ax.fill_between(steps, values - std, values + std, alpha=0.25, label="±1 std")
+            ax.legend(loc="best")
+    axes[-1].set_xlabel("step")
+    if title:
+        figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+
+
+def plot_length_histogram(lengths: Iterable[int], path: str | os.PathLike, bins: int = 50,
+                          title: str | None = None) -> None:
+    """Response-length histogram on a log count axis, so the long tail stays visible.
+
+    p50, p90 and the maximum are marked: the gap between p90 and max is the tail that
+    idles the devices that finished early.
+    """
+    lengths = np.asarray(list(lengths), dtype=np.float64)
+    if lengths.size == 0:
+        raise ValueError("plot_length_histogram needs at least one length")
+    figure = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = figure.subplots()
+    ax.hist(lengths, bins=bins, log=True, color="tab:blue", alpha=0.8)
+    for label, value, color in (("p50", np.percentile(lengths, 50), "tab:green"),
+                                ("p90", np.percentile(lengths, 90), "tab:orange"),
+                                ("max", lengths.max(), "tab:red")):
+        ax.axvline(value, color=color, linestyle="--", label=f"{label} = {value:.0f}")
+    ax.set_xlabel("response length (tokens)")
+    ax.set_ylabel("responses (log)")
+    ax.legend(loc="upper right")
+    ax.set_title(title or f"response lengths (n={lengths.size})")
+    figure.savefig(path, dpi=100)
+
+
+def plot_time_split(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                    path: str | os.PathLike, title: str | None = None) -> None:
+    """Stacked bars of where each step's time went, e.g. keys = ("time/rollout",
+    "time/reward", "time/learner", "time/weight_sync", "time/idle") in seconds.
+
+    Steps that record none of the keys are left out; a key missing from a step counts 0.
+    """
+    rows = [r for r in records if any(k in r for k in keys)]
+    if not rows:
+        raise ValueError(f"No record has any of {list(keys)}")
+    steps = np.array([r["step"] for r in rows], dtype=np.float64)
+    width = 0.8 * (np.diff(steps).min() if len(steps) > 1 else 1.0)
+    figure = Figure(figsize=(8, 3.5), layout="constrained")
+    ax = figure.subplots()
+    bottom = np.zeros(len(rows))
+    for key in keys:
+        seconds = np.array([r.get(key, 0.0) for r in rows], dtype=np.float64)
+        ax.bar(steps, seconds, width=width, bottom=bottom, label=key)
+        bottom += seconds
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        ax.set_title(title)
+    figure.savefig(path, dpi=100)
+
+
+class ProgressBar:
+    """A tqdm bar over training steps showing chosen metrics in its postfix.
+
+    Shown on process 0 only. Extra keyword arguments go to tqdm (e.g. `file`, `leave`).
+    """
+
+    def __init__(self, total: int, keys: Sequence[str], initial: int = 0, desc: str = "train",
+                 **tqdm_kwargs):
+        self._keys = tuple(keys)
+        tqdm_kwargs.setdefault("disable", jax.process_index() != 0)
+        self._bar = tqdm_auto.tqdm(total=total, initial=initial, desc=desc, unit="step",
+                                   dynamic_ncols=True, **tqdm_kwargs)
+
+    def update(self, metrics: Mapping[str, Any], steps: int = 1) -> None:
+        """Advances by `steps` and shows the latest values of the chosen keys."""
+        shown = {k: f"{float(metrics[k]):.4g}" for k in self._keys if k in metrics}
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(steps)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
