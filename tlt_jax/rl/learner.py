@@ -37,10 +37,14 @@ class LearnerConfig:
 
 
 def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, with_entropy=False,
-                   impl="auto", remat=False):
+                   impl="auto", remat=False, positions_nT=None, segment_ids_nT=None):
     """Log-prob of each next token, [n, T-1] float32 (and the entropy, with_entropy),
-    projected blockwise: no [n, T, V] logits exist."""
-    h = tfm.forward(params, model_config, tokens_nT[:, :-1], remat=remat)
+    projected blockwise: no [n, T, V] logits exist. Packed rows pass positions and
+    segment ids (the last position of a segment then predicts the next one's first
+    token: callers mask it)."""
+    cut = lambda x: None if x is None else x[:, :-1]
+    h = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=cut(positions_nT),
+                    segment_ids_BT=cut(segment_ids_nT), remat=remat)
     n, t, d = h.shape
     out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config),
                                 tokens_nT[:, 1:].reshape(-1), temperature=temperature,

@@ -392,3 +392,15 @@ def encode_for_sft(tokenizer, example: Example) -> tuple[list[int], list[int]]:
     solution_ids = tokenizer(example.solution, add_special_tokens=False)["input_ids"]
     ids = prompt_ids + solution_ids + [tokenizer.eos_token_id]
     return ids, [0] * len(prompt_ids) + [1] * (len(solution_ids) + 1)
+
+
+def from_spec(spec: Mapping[str, Mapping[str, Any]]) -> Task | Mixture:
+    """A task or weighted mixture from a config: {name: {"weight": w, **knobs}}."""
+    if not spec:
+        raise ValueError("The task spec is empty; name at least one of " + ", ".join(sorted(TASKS)) + ".")
+    built, weights = [], []
+    for name, settings in spec.items():
+        settings = dict(settings)
+        weights.append(float(settings.pop("weight", 1.0)))
+        built.append(get_task(name, **settings))
+    return built[0] if len(built) == 1 else Mixture(tuple(built), tuple(weights))

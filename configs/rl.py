@@ -1,0 +1,54 @@
+"""GRPO on the synthetic reasoning tasks: `--config=configs/rl.py:tiny` (the main job).
+
+Presets: tiny (CPU, minutes: warm-started from the shipped SFT checkpoint, or a freshly
+trained one when it is absent), qwen2.5-0.5b and qwen2.5-1.5b (GPU shapes; their SFT
+warm start is trained first unless --config.sft_dir names a checkpoint).
+"""
+import ml_collections
+
+from configs import models, sft
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.sft = sft.get_config("tiny")  # how to build the warm start when sft_dir holds none
+    c.sft_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer
+    c.data = ml_collections.ConfigDict(dict(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256))
+    c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
+                                               steps_per_sync=16, temperature=1.0, top_p=1.0))
+    c.num_samples = 8  # G
+    c.prompts_per_step = 16
+    c.advantage = "grpo"
+    c.reward = "task"
+    c.reward_workers = 0
+    c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
+                                            aggregation="token_mean", advantage="grpo"))
+    c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0
+    c.learner = ml_collections.ConfigDict(dict(
+        micro_batch_size=64, num_minibatches=2, remat=False,
+        optimizer=dict(learning_rate=1e-4, warmup_steps=2, schedule="constant", decay_steps=1000,
+                       weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0)))
+    c.steps = 40
+    c.eval_every = 10
+    c.checkpoint_every = 5
+    c.max_consecutive_skips = 3
+    c.save_hf = True
+    c.seed = 0
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.run_dir = "runs/rl_tiny"
+    if preset == "tiny":
+        return c
+    if preset not in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        raise ValueError(f"Unknown rl preset {preset!r}; presets: tiny, qwen2.5-0.5b, qwen2.5-1.5b.")
+    c.sft.model = models.model_config(preset)
+    c.sft.run_dir = f"runs/sft_{preset}"
+    c.sft_dir = ""
+    c.rollout.update(num_slots=256, max_tokens=512)
+    c.sft.data.seq_len = 24 + 512
+    c.prompts_per_step, c.num_samples = 64, 8
+    c.learner.micro_batch_size = 16
+    c.learner.remat = True
+    c.learner.optimizer.learning_rate = 1e-6
+    c.steps = 200
+    c.run_dir = f"runs/rl_{preset}"
+    return c

@@ -1,0 +1,186 @@
+"""One RL step end to end, and the run around it.
+
+    prompts --> rollout engine (G samples each) --> rewards on the host
+            --> learner: log-probs at the start of the step (+ reference), GRPO updates
+            --> new weights to the rollout engine
+
+Every step records its time split (rollout per group, reward, learner, weight sync) and
+the rollout's long-tail losses (group idle, slot idle): the numbers speculation and spot
+training attack. Randomness and data are functions of (seed, step), and the checkpoint
+holds everything else, so a run killed and resumed continues exactly.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from tlt_jax import sampling
+from tlt_jax.rl import evaluation, grpo, rewards, tasks
+from tlt_jax.rl.learner import Learner
+from tlt_jax.rollout.engine import Rollouts, RolloutEngine
+
+
+_EVAL_STREAM = 0x7FFFFFFF  # evaluation samples from its own key stream
+
+
+class TooManyNonFiniteSteps(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RLStepConfig:
+    prompts_per_step: int = 8
+    num_samples: int = 8  # G, answers per prompt
+    advantage: str = "grpo"
+    reward: str = "task"
+    reward_workers: int = 0  # > 0: score in a process pool (slow reward functions)
+    max_consecutive_skips: int = 3
+
+
+def _score_chunk(args):
+    name, prompts, completions, fields = args
+    return rewards.safe_rewards(rewards.get_reward(name), prompts, completions, **fields)
+
+
+def score(reward_name: str, prompts: Sequence[str], completions: Sequence[str], fields: dict,
+          pool: concurrent.futures.Executor | None = None) -> tuple[np.ndarray, int]:
+    """Rewards on the host; a sample whose reward raises or is not finite scores 0, counted."""
+    if pool is None:
+        return rewards.safe_rewards(rewards.get_reward(reward_name), prompts, completions, **fields)
+    chunks = np.array_split(np.arange(len(prompts)), getattr(pool, "_max_workers", 1))
+    jobs = [(reward_name, [prompts[i] for i in c], [completions[i] for i in c],
+             {k: [v[i] for i in c] for k, v in fields.items()}) for c in chunks if len(c)]
+    results = list(pool.map(_score_chunk, jobs))
+    return np.concatenate([r for r, _ in results]), sum(f for _, f in results)
+
+
+def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
+                pad_id: int) -> dict:
+    """Learner batch: prompt then answer, right-padded to seq_len (see learner.py)."""
+    n = len(rollouts)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    loss_mask = np.zeros((n, seq_len - 1), bool)
+    rollout_logp = np.zeros((n, seq_len - 1), np.float32)
+    for i in range(n):
+        prompt = prompt_ids[rollouts.prompt_index[i]]
+        answer, logp = rollouts.tokens[i], rollouts.logprobs[i]
+        p, a = len(prompt), len(answer)
+        if p + a > seq_len:
+            raise ValueError(f"Prompt ({p}) plus answer ({a}) exceed the learner's seq_len={seq_len}.")
+        tokens[i, :p], tokens[i, p:p + a] = prompt, answer
+        loss_mask[i, p - 1:p - 1 + a] = True  # position t predicts token t+1
+        rollout_logp[i, p - 1:p - 1 + a] = logp
+    return dict(tokens=tokens, loss_mask=loss_mask, rollout_logp=rollout_logp,
+                advantages=np.asarray(advantages_n, np.float32))
+
+
+class RLLoop:
+    """Owns the engine, the learner and the data of one run; `step` does one RL step."""
+
+    def __init__(self, *, engine: RolloutEngine, learner: Learner, tokenizer, train_examples: Sequence[tasks.Example],
+                 eval_examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
+                 step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None):
+        self.engine, self.learner, self.tokenizer = engine, learner, tokenizer
+        self.train_examples, self.eval_examples = list(train_examples), list(eval_examples)
+        self.sampling_params, self.config, self.seq_len, self.seed = sampling_params, step_config, seq_len, seed
+        self.ref_params = ref_params
+        self.key = jax.random.PRNGKey(seed)  # checkpointed; every step's randomness derives from it
+        self.consecutive_skips = 0
+        self.nonfinite_steps = 0
+        self.reward_failures = 0
+        self._pool = (concurrent.futures.ProcessPoolExecutor(step_config.reward_workers)
+                      if step_config.reward_workers > 0 else None)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def prompts_for(self, data_position: int) -> list[tasks.Example]:
+        """The next prompts_per_step examples of the train stream (reshuffled each epoch)."""
+        n, k = len(self.train_examples), self.config.prompts_per_step
+        out = []
+        for pos in range(data_position, data_position + k):
+            epoch, offset = divmod(pos, n)
+            out.append(self.train_examples[np.random.default_rng([self.seed, epoch]).permutation(n)[offset]])
+        return out
+
+    def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
+        """One RL step. Returns (state, metrics, new data position, rollouts)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        examples = self.prompts_for(data_position)
+        prompt_ids = evaluation.encode_prompts(self.tokenizer, examples)
+        key = jax.random.fold_in(self.key, step)
+        rollouts = self.engine.generate(prompt_ids, cfg.num_samples, self.sampling_params, key,
+                                        on_group_done=on_group_done)
+        t_rollout = time.perf_counter()
+
+        chosen = [examples[i] for i in rollouts.prompt_index]
+        completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
+        reward, failures = score(cfg.reward, [e.prompt for e in chosen], completions, tasks.reward_fields(chosen),
+                                 self._pool)
+        correct = np.asarray(rewards.answer_correctness([e.prompt for e in chosen], completions,
+                                                        **tasks.reward_fields(chosen)))
+        self.reward_failures += failures
+        advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward), cfg.num_samples))
+        t_reward = time.perf_counter()
+
+        batch = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id)
+        old_logp, entropy = self.learner.logprobs(state.params, batch["tokens"], with_entropy=True)
+        batch["old_logp"] = np.asarray(old_logp)
+        if self.ref_params is not None:
+            batch["ref_logp"] = np.asarray(self.learner.logprobs(self.ref_params, batch["tokens"]))
+        state, updates = self.learner.update(state, batch)
+        skipped = int(sum(u["skipped"] for u in updates))
+        t_learner = time.perf_counter()
+
+        self.engine.update_params(state.params)
+        t_sync = time.perf_counter()
+
+        self.nonfinite_steps += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped == len(updates) else 0
+        if self.consecutive_skips >= cfg.max_consecutive_skips:
+            raise TooManyNonFiniteSteps(
+                f"{self.consecutive_skips} RL steps in a row had a non-finite loss or gradient (step {step}); "
+                "stopping with the last good checkpoint intact. Lower the learning rate or check the rewards.")
+
+        mask = batch["loss_mask"]
+        lengths = rollouts.lengths
+        timeline = rollouts.timeline.summary()
+        last = updates[-1]
+        metrics = {
+            "reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
+            "accuracy": float(correct.mean()),
+            "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
+            "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
+            "entropy": float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1)),
+            "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
+            "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
+            "rollout_logp_gap": float(last["rollout_logp_gap"]),
+            "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
+            "skipped_updates": skipped, "reward_failures": failures,
+            "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
+            "time_learner_s": t_learner - t_reward, "time_weight_sync_s": t_sync - t_learner,
+            "time_step_s": t_sync - t0,
+            "rollout_group_idle_fraction": timeline["group_idle_fraction"],
+            "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
+            "rollout_tokens_per_s": timeline["tokens_per_s"],
+        }
+        for g in rollouts.timeline.groups:
+            metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
+        metrics["time_idle_s"] = timeline["group_idle_fraction"] * metrics["time_rollout_s"]
+        return state, metrics, data_position + cfg.prompts_per_step, rollouts
+
+    def evaluate(self, step: int) -> dict:
+        greedy = dataclasses.replace(self.sampling_params, temperature=0.0)
+        result = evaluation.evaluate(self.engine, self.tokenizer, self.eval_examples, greedy,
+                                     jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step))
+        return {f"eval_{k}": v for k, v in result.items()}

@@ -1,0 +1,158 @@
+"""Supervised warm start on solution traces: cross-entropy through the blockwise log-prob
+(no [tokens, vocab] logits), on the same mesh and train state as every other trainer."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from tlt_jax import sharding
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl import tasks
+from tlt_jax.rl.learner import token_logprobs
+from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
+                                 state_shardings)
+
+
+def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) -> dict:
+    """Packs examples greedily into rows of seq_len tokens (no padding wasted on short
+    traces). Returns int32 tokens / positions / segment_ids [n, seq_len] (segment 0 is
+    padding) and the target mask [n, seq_len-1], True where position t predicts a
+    solution token or <eos> of its own example. Examples longer than seq_len are dropped,
+    counted."""
+    rows, row = [], []
+    dropped = 0
+    for example in examples:
+        ids, mask = tasks.encode_for_sft(tokenizer, example)
+        if len(ids) > seq_len:
+            dropped += 1
+            continue
+        if sum(len(i) for i, _ in row) + len(ids) > seq_len:
+            rows.append(row)
+            row = []
+        row.append((ids, mask))
+    rows.append(row)
+    if dropped:
+        logging.warning("%d of %d examples are longer than seq_len=%d and were dropped.", dropped, len(examples),
+                        seq_len)
+    if not any(rows):
+        raise ValueError(f"Every example is longer than seq_len={seq_len}; raise seq_len.")
+    n = len(rows)
+    out = {k: np.zeros((n, seq_len), np.int32) for k in ("tokens", "positions", "segment_ids")}
+    out["tokens"][:] = tokenizer.pad_token_id
+    target = np.zeros((n, seq_len), bool)  # target[i, t]: token t is to be predicted
+    for i, row in enumerate(rows):
+        at = 0
+        for segment, (ids, mask) in enumerate(row, start=1):
+            span = slice(at, at + len(ids))
+            out["tokens"][i, span], out["positions"][i, span] = ids, np.arange(len(ids))
+            out["segment_ids"][i, span], target[i, span] = segment, mask
+            at += len(ids)
+    out["mask"] = target[:, 1:]  # a segment's first token is never a target: no leak across examples
+    return out
+
+
+class SFTTrainer:
+    def __init__(self, model_config: ModelConfig, optimizer_config: OptimizerConfig, mesh, *, remat=False,
+                 logprob_impl="auto"):
+        self.model_config, self.mesh = model_config, mesh
+        self.optimizer = make_optimizer(optimizer_config)
+        self.remat, self.logprob_impl = remat, logprob_impl
+        self._step = None
+
+    def init_state(self, params) -> TrainState:
+        return init_train_state(self.optimizer, params, sharding.param_shardings(self.model_config, params, self.mesh),
+                                self.mesh)
+
+    def loss(self, params, batch):
+        """Mean negative log-likelihood of the masked targets of a packed batch."""
+        logp = token_logprobs(params, self.model_config, batch["tokens"], positions_nT=batch["positions"],
+                              segment_ids_nT=batch["segment_ids"], impl=self.logprob_impl, remat=self.remat)
+        return -jnp.sum(logp * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1)
+
+    def step(self, state: TrainState, batch: dict):
+        """One update from a `pack_examples` batch; returns (state, metrics)."""
+        if self._step is None:
+            def fn(state, batch):
+                loss, grads = jax.value_and_grad(self.loss)(state.params, batch)
+                state, guard = apply_gradients(self.optimizer, state, grads, loss)
+                return state, dict(loss=loss, **guard)
+
+            st_sh = state_shardings(self.optimizer, state.params,
+                                    sharding.param_shardings(self.model_config, state.params, self.mesh), self.mesh)
+            self._step = sharding.jit_sharded(
+                fn, in_shardings=(st_sh, {k: sharding.batch_sharding(self.mesh, 2) for k in batch}),
+                out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
+        return self._step(state, batch)
+
+
+def train_sft(config, *, progress: bool = True) -> dict:
+    """The SFT job of `configs/sft.py`: builds the task tokenizer, trains, evaluates by
+    sampling, checkpoints with orbax (resuming when run again) and writes the final model
+    in the Hugging Face format to <run_dir>/hf. Returns the final metrics."""
+    import os
+
+    from tlt_jax import checkpoint, metrics, sampling
+    from tlt_jax.models import transformer as tfm
+    from tlt_jax.models.config import from_config_dict
+    from tlt_jax.models.hf_io import save_hf
+    from tlt_jax.rl import evaluation
+    from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    tokenizer = tasks.build_task_tokenizer(os.path.join(run_dir, "tokenizer"))
+    model_cfg = from_config_dict(config.model).replace(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    mesh = sharding.make_mesh(config.mesh)
+    task = tasks.from_spec(config.data.tasks.to_dict())
+    train = pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
+                          config.data.seq_len)
+    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed)
+    trainer = SFTTrainer(model_cfg, OptimizerConfig(**config.optimizer), mesh)
+    state = trainer.init_state(tfm.init_params(model_cfg, jax.random.PRNGKey(config.seed)))
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
+    start = 0
+    if ckpt.latest_step() is not None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        state, meta = ckpt.restore(target=target)
+        start = meta["step"]
+        logging.info("Resumed SFT at step %d", start)
+    writer = metrics.MetricsWriter(run_dir, resume_step=start)
+    engine = RolloutEngine(model_cfg, state.params, mesh, RolloutConfig(
+        num_slots=config.eval.num_slots, max_prompt_length=config.eval.max_prompt_length,
+        max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=model_cfg.eos_token_id))
+    greedy = sampling.SamplingParams(temperature=0.0, max_tokens=config.data.seq_len)
+
+    def run_eval(step):
+        engine.update_params(state.params)
+        result = evaluation.evaluate(engine, tokenizer, eval_examples, greedy, jax.random.PRNGKey(step))
+        return {f"eval_{k}": v for k, v in result.items()}
+
+    n, b = len(train["tokens"]), config.batch_size
+    bar = metrics.ProgressBar(config.steps, ["loss", "eval_accuracy"], initial=start, desc="sft", disable=not progress)
+    record = {}
+    for step in range(start, config.steps):
+        order = np.random.default_rng([config.seed, step * b // n]).permutation(n)  # one shuffle per epoch
+        idx = order[np.arange(step * b, (step + 1) * b) % n]
+        state, out = trainer.step(state, {k: v[idx] for k, v in train.items()})
+        record = {k: float(v) for k, v in jax.device_get(out).items()}
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            record.update(run_eval(step + 1))
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            ckpt.save(step + 1, state, {"step": step + 1})
+        writer.write(step + 1, record)
+        bar.update(record)
+    bar.close()
+    if start >= config.steps:
+        record = run_eval(config.steps)
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer, overwrite=True)
+    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    metrics.plot_curves(records, ["loss", "eval_accuracy"], os.path.join(run_dir, "sft_curves.png"))
+    return record

@@ -1,0 +1,144 @@
+"""The RL run of `configs/rl.py`: SFT warm start, GRPO steps, checkpoints, metrics, plots.
+
+Resuming: the checkpoint holds the train state (policy and optimizer), the reference
+policy, the RNG key, the data position, the step and the config; a run killed at any
+point and started again with the same run_dir continues exactly where the last good
+checkpoint left it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from absl import logging
+
+from tlt_jax import checkpoint, metrics, sampling, sharding
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.rl import grpo, tasks
+from tlt_jax.rl.learner import Learner, LearnerConfig
+from tlt_jax.rl.loop import RLLoop, RLStepConfig
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.train_state import OptimizerConfig
+
+_TIMING_PREFIXES = ("time_", "rollout_tokens_per_s")
+
+
+def _warm_start(config):
+    """(model config, params, tokenizer) of the SFT checkpoint, built first when absent."""
+    sft_dir = config.sft_dir
+    if not (sft_dir and os.path.exists(os.path.join(sft_dir, "config.json"))):
+        from tlt_jax.rl.sft import train_sft
+        config.sft.run_dir = os.path.join(config.run_dir, "sft")
+        sft_dir = os.path.join(config.sft.run_dir, "hf")
+        if not os.path.exists(os.path.join(sft_dir, "config.json")):
+            logging.info("No SFT checkpoint at %r: training one into %s", config.sft_dir, config.sft.run_dir)
+            train_sft(config.sft)
+    model_cfg, params = load_hf(sft_dir)
+    return model_cfg, params, load_tokenizer(sft_dir)
+
+
+def train_rl(config, *, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Runs (or resumes) the RL job; returns a summary with SFT and final eval accuracy.
+    `stop_after` ends the process's work after that many steps (tests of resumption)."""
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    model_cfg, params, tokenizer = _warm_start(config)
+    mesh = sharding.make_mesh(config.mesh)
+    task = tasks.from_spec(config.data.tasks.to_dict())
+    train_examples = tasks.make_split(task, "train", config.data.num_train, config.seed)
+    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed)
+
+    r = config.rollout
+    sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+    seq_len = r.max_prompt_length + r.max_tokens
+    engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
+        num_slots=r.num_slots, max_prompt_length=r.max_prompt_length, max_length=seq_len,
+        steps_per_sync=r.steps_per_sync, eos_token_id=model_cfg.eos_token_id))
+    lc = config.learner
+    learner = Learner(model_cfg, LearnerConfig(
+        optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
+        micro_batch_size=lc.micro_batch_size, temperature=r.temperature, remat=lc.remat,
+        grpo=grpo.GRPOConfig(**config.grpo)), mesh)
+    state = learner.init_state(params)
+    keep_reference = config.grpo.kl_coef > 0 or config.track_kl
+    ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
+    step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
+                            advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
+                            max_consecutive_skips=config.max_consecutive_skips)
+    loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
+                  eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
+                  seed=config.seed, ref_params=ref_params)
+
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
+    start, data_position, sft_eval = 0, 0, None
+
+    def saved_tree():
+        tree = {"train": state, "key": loop.key}
+        if loop.ref_params is not None:
+            tree["ref"] = loop.ref_params
+        return tree
+
+    if ckpt.latest_step() is not None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved_tree())
+        restored, meta = ckpt.restore(target=target)
+        state, loop.key, loop.ref_params = restored["train"], restored["key"], restored.get("ref")
+        start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
+        engine.update_params(state.params)
+        logging.info("Resumed RL at step %d (data position %d)", start, data_position)
+    writer = metrics.MetricsWriter(run_dir, resume_step=start)
+    if sft_eval is None:
+        sft_eval = loop.evaluate(0)
+        writer.write(0, {"eval_accuracy": sft_eval["eval_accuracy"], "eval_length_mean": sft_eval["eval_length_mean"]})
+        logging.info("SFT checkpoint: eval accuracy %.3f", sft_eval["eval_accuracy"])
+
+    def save(step):
+        ckpt.save(step, saved_tree(),
+                  {"step": step, "data_position": data_position, "sft_eval": sft_eval,
+                   "config": json.loads(config.to_json_best_effort())})
+
+    bar = metrics.ProgressBar(config.steps, ["reward_mean", "accuracy", "eval_accuracy"], initial=start, desc="rl",
+                              disable=not progress)
+    record, rollouts, last_eval = {}, None, None
+    end = config.steps if stop_after is None else min(config.steps, start + stop_after)
+    try:
+        for step in range(start, end):
+            state, record, data_position, rollouts = loop.step(state, step, data_position)
+            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                last_eval = loop.evaluate(step + 1)
+                record.update(last_eval)
+            writer.write(step + 1, record)
+            bar.update(record)
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                save(step + 1)
+    finally:
+        bar.close()
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+        loop.close()
+
+    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    metrics.plot_curves(records, ["reward_mean", "accuracy", "eval_accuracy"], os.path.join(run_dir, "reward.png"))
+    metrics.plot_time_split([r for r in records if "time_rollout_s" in r],
+                            ["time_rollout_s", "time_reward_s", "time_learner_s", "time_weight_sync_s"],
+                            os.path.join(run_dir, "time_split.png"))
+    if rollouts is not None:
+        metrics.plot_length_histogram(rollouts.lengths, os.path.join(run_dir, "response_lengths.png"))
+        rollouts.timeline.plot(os.path.join(run_dir, "rollout_timeline.png"))
+    if end == config.steps and config.save_hf:
+        save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer,
+                overwrite=True)
+    summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
+               "final_eval_accuracy": (last_eval or {}).get("eval_accuracy"),
+               "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
+               "run_dir": run_dir}
+    return summary
+
+
+def learning_metrics(record: dict) -> dict:
+    """A metrics record without wall-clock timings: what must match after a resume."""
+    return {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIXES) and k != "wall_time"}
