@@ -147,10 +147,6 @@ class RLLoop:
 
         self.nonfinite_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped == len(updates) else 0
-        if self.consecutive_skips >= cfg.max_consecutive_skips:
-            raise TooManyNonFiniteSteps(
-                f"{self.consecutive_skips} RL steps in a row had a non-finite loss or gradient (step {step}); "
-                "stopping with the last good checkpoint intact. Lower the learning rate or check the rewards.")
 
         mask = batch["loss_mask"]
         lengths = rollouts.lengths
@@ -178,6 +174,13 @@ class RLLoop:
             metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
         metrics["time_idle_s"] = timeline["group_idle_fraction"] * metrics["time_rollout_s"]
         return state, metrics, data_position + cfg.prompts_per_step, rollouts
+
+    def check_finite(self, step: int) -> None:
+        """Raises once max_consecutive_skips RL steps in a row changed nothing."""
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            raise TooManyNonFiniteSteps(
+                f"{self.consecutive_skips} RL steps in a row had a non-finite loss or gradient (last: step {step}); "
+                "stopping with the last good checkpoint intact. Lower the learning rate or check the rewards.")
 
     def evaluate(self, step: int) -> dict:
         greedy = dataclasses.replace(self.sampling_params, temperature=0.0)

@@ -24,7 +24,7 @@ from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import OptimizerConfig
 
-_TIMING_PREFIXES = ("time_", "rollout_tokens_per_s")
+_TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time")
 
 
 def _warm_start(config):
@@ -112,6 +112,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                 record.update(last_eval)
             writer.write(step + 1, record)
             bar.update(record)
+            loop.check_finite(step + 1)
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 save(step + 1)
     finally:
@@ -141,4 +142,4 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
 
 def learning_metrics(record: dict) -> dict:
     """A metrics record without wall-clock timings: what must match after a resume."""
-    return {k: v for k, v in record.items() if not k.startswith(_TIMING_PREFIXES) and k != "wall_time"}
+    return {k: v for k, v in record.items() if not k.startswith(_TIMING_KEYS)}

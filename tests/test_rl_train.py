@@ -1,0 +1,99 @@
+"""The RL run: exact resumption after SIGKILL, and a clean stop on non-finite steps."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from configs import rl
+from tlt_jax import checkpoint, metrics
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.hf_io import save_hf
+from tlt_jax.rl import rewards, tasks
+from tlt_jax.rl.loop import TooManyNonFiniteSteps
+from tlt_jax.rl.train import learning_metrics, train_rl
+
+OVERRIDES = {
+    "data.num_train": 64, "data.num_eval": 8, "rollout.num_slots": 16, "rollout.max_tokens": 24,
+    "prompts_per_step": 4, "num_samples": 4, "learner.micro_batch_size": 8, "learner.num_minibatches": 2,
+    "steps": 4, "eval_every": 2, "checkpoint_every": 1, "save_hf": False,
+    "mesh.data": 2, "mesh.fsdp": 4,  # two rollout groups; the learner shards over all 8 devices
+}
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    """A random tiny policy with the task tokenizer, standing in for an SFT checkpoint."""
+    out = tmp_path_factory.mktemp("sft") / "hf"
+    tokenizer = tasks.build_task_tokenizer(str(out) + "_tokenizer")
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    save_hf(str(out), cfg, jax.device_get(tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)),
+            tokenizer=tokenizer)
+    return str(out)
+
+
+def _config(sft_dir, run_dir, **extra):
+    c = rl.get_config("tiny")
+    c.sft_dir, c.run_dir = sft_dir, run_dir
+    for key, value in {**OVERRIDES, **extra}.items():
+        *parents, leaf = key.split(".")
+        target = c
+        for part in parents:
+            target = target[part]
+        target[leaf] = value
+    return c
+
+
+def _learning_records(run_dir):
+    return {r["step"]: learning_metrics(r) for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+
+
+def test_resume_after_sigkill_continues_exactly(warm_start, tmp_path):
+    full = str(tmp_path / "full")
+    summary = train_rl(_config(warm_start, full), progress=False)
+    assert summary["steps"] == 4 and summary["sft_eval_accuracy"] is not None
+
+    killed = str(tmp_path / "killed")
+    args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
+                             f"--config.sft_dir={warm_start}", f"--config.run_dir={killed}", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = os.path.join(killed, "checkpoints", "2", checkpoint.MANIFEST_NAME)
+    deadline = time.time() + 240
+    while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(marker), "the killed run never reached its step-2 checkpoint"
+
+    train_rl(_config(warm_start, killed), progress=False)
+    a, b = _learning_records(full), _learning_records(killed)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        assert a[step] == b[step], step
+    assert "eval_accuracy" in a[4] and "kl" in a[4]
+    for name in ("reward.png", "time_split.png", "response_lengths.png", "rollout_timeline.png"):
+        assert os.path.getsize(os.path.join(killed, name)) > 0
+
+
+def test_non_finite_steps_stop_the_run_with_the_last_good_checkpoint(warm_start, tmp_path, monkeypatch):
+    # A reward with variance even for a random policy, so that there is a gradient to blow up.
+    monkeypatch.setitem(rewards.REWARDS, "length", lambda prompts, completions, **_: [len(c) / 10 for c in completions])
+    run_dir = str(tmp_path / "nan")
+    config = _config(warm_start, run_dir, steps=8, max_consecutive_skips=2, reward="length")
+    config.learner.optimizer.learning_rate = 1e30  # the first update overflows the weights
+    with pytest.raises(TooManyNonFiniteSteps, match="2 RL steps in a row"):
+        train_rl(config, progress=False)
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"))
+    good = ckpt.latest_step()
+    assert good is not None and good <= 3
+    ckpt.verify(good)
+    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["skipped_updates"] for r in records if "skipped_updates" in r][-2:] == [2, 2]
