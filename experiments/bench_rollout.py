@@ -34,10 +34,11 @@ _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _MODELS = flags.DEFINE_list("models", None, "Override the preset's model list.")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
 _HF = flags.DEFINE_bool("hf", True, "Also time transformers' generate.")
+_HF_BATCHES = flags.DEFINE_list("hf_batches", None, "Batch sizes at which transformers runs (default: all).")
 
 PRESETS = {
     "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
-    "gpu": dict(models=["qwen2.5-0.5b", "qwen2.5-1.5b"], batches=[1, 4, 16, 64, 256], prompt=64,
+    "gpu": dict(models=["qwen2.5-1.5b", "qwen2.5-0.5b"], batches=[1, 4, 16, 64, 256], prompt=64,
                 new_tokens=128, repeats=3),
 }
 
@@ -129,6 +130,8 @@ def main(argv):
     p, n, repeats = preset["prompt"], preset["new_tokens"], preset["repeats"]
     bandwidth = measure_bandwidth_gbs()
     rows = []
+    result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                  bandwidth_gbs=bandwidth, jax=jax.__version__, rows=rows)
     for name in model_names:
         cfg = from_config_dict(models.model_config(name))
         params = tfm.init_params(cfg, jax.random.PRNGKey(0))
@@ -146,7 +149,7 @@ def main(argv):
             row = dict(model=name, batch=b, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
                        tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
-            if hf_dir:
+            if hf_dir and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
                 for static in (False, True):
                     hf = bench_hf(hf_dir, b, p, n, repeats, static)
                     label = "hf_static" if static else "hf"
@@ -157,14 +160,17 @@ def main(argv):
                         row[f"{label}_error"] = hf["error"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
-                  bandwidth_gbs=bandwidth, jax=jax.__version__, rows=rows)
+            _write(result)
     header = f"{'model':14} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
     for r in rows:
         print(f"{r['model']:14} {r['batch']:5d} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
               f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
               f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
+
+
+def _write(result):
+    """Rewritten after every row, so a run cut short keeps what it measured."""
     if _OUT.value:
         os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
         with open(_OUT.value, "w") as f:

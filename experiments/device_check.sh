@@ -17,8 +17,19 @@ python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.d
 # process per case; cases still queued after 190 s are recorded as skipped, and
 # bench_kl.json is rewritten after every case, so an outer kill keeps what finished.
 echo "== bench_kl --preset=gpu"
-timeout 235 python -m experiments.bench_kl --preset=gpu --time_budget_s=190 \
+timeout 215 python -m experiments.bench_kl --preset=gpu --time_budget_s=170 \
   --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
 echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
 tail -n 45 "$OUT/bench_kl.log"
 # ===== END losses ====================================================================
+
+# ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
+# Budget: under 3 minutes. Qwen2.5-0.5B and 1.5B shapes (random bf16 weights), batch
+# 1..256, 64-token prompts, 128 decode steps in one device loop; transformers' generate
+# (dynamic and static cache) on the same checkpoint at batch 16 and 64.
+echo "== bench_rollout --preset=gpu"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 170 python -m experiments.bench_rollout --preset=gpu --hf_batches=16,64 \
+  --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
+echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
+tail -n 16 "$OUT/bench_rollout.log"
+# ===== END rollout ==============================================================================
