@@ -18,6 +18,7 @@ Implementations: anchor_dense / anchor_naive_chunked (../shared/anchors/kl_ancho
 copied below), dense / chunked_xla / pallas (tlt_jax.losses; options in brackets,
 e.g. chunked_xla[tokens=2048,dw_accum=param]), dense_log_softmax (logprob baseline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,27 +38,31 @@ GIB = 2**30
 
 
 def dense_kl(h, w, t_idx, t_logp):
-  import jax
-  import jax.numpy as jnp
-  logits = (h @ w).astype(jnp.float32)                 # [N, V]
-  logz = jax.nn.logsumexp(logits, axis=-1)             # [N]
-  s_logp = jnp.take_along_axis(logits, t_idx, axis=-1) - logz[:, None]
-  p = jnp.exp(t_logp)
-  return jnp.sum(p * (t_logp - s_logp)) / h.shape[0]
+    import jax
+    import jax.numpy as jnp
+
+    logits = (h @ w).astype(jnp.float32)  # [N, V]
+    logz = jax.nn.logsumexp(logits, axis=-1)  # [N]
+    s_logp = jnp.take_along_axis(logits, t_idx, axis=-1) - logz[:, None]
+    p = jnp.exp(t_logp)
+    return jnp.sum(p * (t_logp - s_logp)) / h.shape[0]
 
 
 def chunked_kl(h, w, t_idx, t_logp, chunk=4096):
-  import jax
-  import jax.numpy as jnp
-  n = h.shape[0]
-  @jax.checkpoint
-  def one(args):
-    hc, ic, lc = args
-    return dense_kl(hc, w, ic, lc) * hc.shape[0]
-  hs = h.reshape(n // chunk, chunk, -1)
-  ids = t_idx.reshape(n // chunk, chunk, -1)
-  lps = t_logp.reshape(n // chunk, chunk, -1)
-  return jnp.sum(jax.lax.map(one, (hs, ids, lps))) / n
+    import jax
+    import jax.numpy as jnp
+
+    n = h.shape[0]
+
+    @jax.checkpoint
+    def one(args):
+        hc, ic, lc = args
+        return dense_kl(hc, w, ic, lc) * hc.shape[0]
+
+    hs = h.reshape(n // chunk, chunk, -1)
+    ids = t_idx.reshape(n // chunk, chunk, -1)
+    lps = t_logp.reshape(n // chunk, chunk, -1)
+    return jnp.sum(jax.lax.map(one, (hs, ids, lps))) / n
 
 
 # ------------------------------------------------------------------------------------
@@ -65,60 +70,83 @@ def chunked_kl(h, w, t_idx, t_logp, chunk=4096):
 # ------------------------------------------------------------------------------------
 
 PRESETS = {
-    "gpu": dict(d=3072, v=128256, k=100, ns=(8192, 32768, 65536, 262144), naive_chunk=4096,
-                repeats=3, case_timeout_s=90, device_mem_gib=139.0, check_n=2048,
-                memory_variants=(("chunked_xla[dw_accum=param]", (32768, 262144)),),
-                pallas_ns=(8192, 32768), logprob_ns=(32768,), dense_ns=(8192,),
-                speed_variants=(("chunked_xla[tokens=2048]", (32768,)),
-                                ("chunked_xla[tokens=512,dw_accum=param]", (32768,)))),
-    "cpu": dict(d=256, v=8192, k=100, ns=(1024, 4096), naive_chunk=512,
-                repeats=3, case_timeout_s=120, device_mem_gib=64.0, check_n=512,
-                memory_variants=(("chunked_xla[dw_accum=param]", (4096,)),),
-                pallas_ns=(1024,), logprob_ns=(1024,), dense_ns=(1024,), speed_variants=()),
+    "gpu": dict(
+        d=3072,
+        v=128256,
+        k=100,
+        ns=(8192, 32768, 65536, 262144),
+        naive_chunk=4096,
+        repeats=3,
+        case_timeout_s=90,
+        device_mem_gib=139.0,
+        check_n=2048,
+        memory_variants=(("chunked_xla[dw_accum=param]", (32768, 262144)),),
+        pallas_ns=(8192, 32768),
+        logprob_ns=(32768,),
+        dense_ns=(8192,),
+        speed_variants=(("chunked_xla[tokens=2048]", (32768,)), ("chunked_xla[tokens=512,dw_accum=param]", (32768,))),
+    ),
+    "cpu": dict(
+        d=256,
+        v=8192,
+        k=100,
+        ns=(1024, 4096),
+        naive_chunk=512,
+        repeats=3,
+        case_timeout_s=120,
+        device_mem_gib=64.0,
+        check_n=512,
+        memory_variants=(("chunked_xla[dw_accum=param]", (4096,)),),
+        pallas_ns=(1024,),
+        logprob_ns=(1024,),
+        dense_ns=(1024,),
+        speed_variants=(),
+    ),
 }
 DENSE_LIKE = ("anchor_dense", "dense", "dense_log_softmax")
 
 
 def _cases(preset: str):
-  """Cases in priority order: a --time_budget_s cut drops the tail of this list."""
-  p = PRESETS[preset]
-  cases = []
+    """Cases in priority order: a --time_budget_s cut drops the tail of this list."""
+    p = PRESETS[preset]
+    cases = []
 
-  def add(kind, impl, mode, n_values):
-    cases.extend(dict(kind=kind, impl=impl, mode=mode, n=n) for n in n_values)
+    def add(kind, impl, mode, n_values):
+        cases.extend(dict(kind=kind, impl=impl, mode=mode, n=n) for n in n_values)
 
-  # Cross-implementation agreement on this backend first: a failing kernel shows early.
-  add("check", "dense,chunked_xla,pallas", "both", (p["check_n"],))
-  add("kl", "anchor_dense", "mean", p["ns"])
-  add("kl", "anchor_naive_chunked", "mean", p["ns"])
-  add("kl", "chunked_xla", "mean", p["ns"])
-  add("kl", "chunked_xla", "token", p["ns"])
-  for impl, ns in p["memory_variants"]:
-    add("kl", impl, "mean", ns)
-  for mode in ("mean", "token"):
-    add("kl", "pallas", mode, p["pallas_ns"])
-  for impl in ("dense_log_softmax", "chunked_xla", "pallas"):
-    add("logprob", impl, "token", p["logprob_ns"])
-  for mode in ("mean", "token"):
-    add("kl", "dense", mode, p["dense_ns"])
-  for impl, ns in p["speed_variants"]:
-    add("kl", impl, "mean", ns)
-  for c in cases:
-    c.update(d=p["d"], v=p["v"], k=p["k"], naive_chunk=p["naive_chunk"],
-             repeats=2 if c["n"] >= 262144 else p["repeats"])
-  return cases
+    # Cross-implementation agreement on this backend first: a failing kernel shows early.
+    add("check", "dense,chunked_xla,pallas", "both", (p["check_n"],))
+    add("kl", "anchor_dense", "mean", p["ns"])
+    add("kl", "anchor_naive_chunked", "mean", p["ns"])
+    add("kl", "chunked_xla", "mean", p["ns"])
+    add("kl", "chunked_xla", "token", p["ns"])
+    for impl, ns in p["memory_variants"]:
+        add("kl", impl, "mean", ns)
+    for mode in ("mean", "token"):
+        add("kl", "pallas", mode, p["pallas_ns"])
+    for impl in ("dense_log_softmax", "chunked_xla", "pallas"):
+        add("logprob", impl, "token", p["logprob_ns"])
+    for mode in ("mean", "token"):
+        add("kl", "dense", mode, p["dense_ns"])
+    for impl, ns in p["speed_variants"]:
+        add("kl", impl, "mean", ns)
+    for c in cases:
+        c.update(
+            d=p["d"], v=p["v"], k=p["k"], naive_chunk=p["naive_chunk"], repeats=2 if c["n"] >= 262144 else p["repeats"]
+        )
+    return cases
 
 
 def parse_impl(impl: str):
-  """'chunked_xla[tokens=2048,dw_accum=param]' -> ('chunked_xla', {'tokens': 2048, ...})."""
-  if "[" not in impl:
-    return impl, {}
-  base, opts = impl[:-1].split("[", 1)
-  parsed = {}
-  for item in opts.split(","):
-    key, val = item.split("=")
-    parsed[key] = int(val) if val.isdigit() else val
-  return base, parsed
+    """'chunked_xla[tokens=2048,dw_accum=param]' -> ('chunked_xla', {'tokens': 2048, ...})."""
+    if "[" not in impl:
+        return impl, {}
+    base, opts = impl[:-1].split("[", 1)
+    parsed = {}
+    for item in opts.split(","):
+        key, val = item.split("=")
+        parsed[key] = int(val) if val.isdigit() else val
+    return base, parsed
 
 
 # ------------------------------------------------------------------------------------
@@ -127,133 +155,158 @@ def parse_impl(impl: str):
 
 
 def _inputs(case):
-  """h, w (bf16, as the anchor), ids, teacher logp, cotangent; generated in row chunks
-  so that generation temporaries stay far below any case's own peak."""
-  import jax
-  import jax.numpy as jnp
-  n, d, v, k = case["n"], case["d"], case["v"], case["k"]
-  k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(0), 5)
+    """h, w (bf16, as the anchor), ids, teacher logp, cotangent; generated in row chunks
+    so that generation temporaries stay far below any case's own peak."""
+    import jax
+    import jax.numpy as jnp
 
-  def normal(key, shape, scale, chunk):
-    rows = math.gcd(shape[0], chunk)
-    keys = jax.random.split(key, shape[0] // rows)
-    gen = lambda kk: (jax.random.normal(kk, (rows,) + shape[1:], jnp.float32) * scale).astype(
-        jnp.bfloat16)
-    return jax.jit(lambda ks: jax.lax.map(gen, ks).reshape(shape))(keys)
+    n, d, v, k = case["n"], case["d"], case["v"], case["k"]
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(0), 5)
 
-  h = normal(k1, (n, d), 1.0, 1024)
-  w = normal(k2, (d, v), 1.0 / d**0.5, 64)
-  if case["kind"] == "check":  # distinct ids, as a teacher top-K (gradients need it)
-    ids = jax.jit(jax.vmap(lambda kk: jax.random.choice(kk, v, (k,), replace=False)))(
-        jax.random.split(k3, n))
-  else:  # the anchor's workload (a few rows repeat an id; timing does not care)
-    ids = jax.jit(lambda kk: jax.random.randint(kk, (n, k), 0, v))(k3)
-  logp = jax.jit(lambda kk: jax.nn.log_softmax(jax.random.normal(kk, (n, k)), -1) - 0.1)(k4)
-  cot = jax.random.normal(k5, (n,), jnp.float32)
-  return h, w, ids, logp, cot
+    def normal(key, shape, scale, chunk):
+        rows = math.gcd(shape[0], chunk)
+        keys = jax.random.split(key, shape[0] // rows)
+        gen = lambda kk: (jax.random.normal(kk, (rows,) + shape[1:], jnp.float32) * scale).astype(jnp.bfloat16)
+        return jax.jit(lambda ks: jax.lax.map(gen, ks).reshape(shape))(keys)
+
+    h = normal(k1, (n, d), 1.0, 1024)
+    w = normal(k2, (d, v), 1.0 / d**0.5, 64)
+    if case["kind"] == "check":  # distinct ids, as a teacher top-K (gradients need it)
+        ids = jax.jit(jax.vmap(lambda kk: jax.random.choice(kk, v, (k,), replace=False)))(jax.random.split(k3, n))
+    else:  # the anchor's workload (a few rows repeat an id; timing does not care)
+        ids = jax.jit(lambda kk: jax.random.randint(kk, (n, k), 0, v))(k3)
+    logp = jax.jit(lambda kk: jax.nn.log_softmax(jax.random.normal(kk, (n, k)), -1) - 0.1)(k4)
+    cot = jax.random.normal(k5, (n,), jnp.float32)
+    return h, w, ids, logp, cot
 
 
 def _objective(case):
-  import jax
-  import jax.numpy as jnp
-  from tlt_jax import losses
-  impl, opts = parse_impl(case["impl"])
-  blocks = opts or None
-  if case["kind"] == "logprob":
-    if impl == "dense_log_softmax":  # what a JAX user writes today
-      def f(h, w, ids, logp, cot):
-        logq = jax.nn.log_softmax((h @ w).astype(jnp.float32), axis=-1)
-        return jnp.sum(jnp.take_along_axis(logq, ids[:, :1], axis=-1)[:, 0] * cot)
-      return f
+    import jax
+    import jax.numpy as jnp
+    from tlt_jax import losses
+
+    impl, opts = parse_impl(case["impl"])
+    blocks = opts or None
+    if case["kind"] == "logprob":
+        if impl == "dense_log_softmax":  # what a JAX user writes today
+
+            def f(h, w, ids, logp, cot):
+                logq = jax.nn.log_softmax((h @ w).astype(jnp.float32), axis=-1)
+                return jnp.sum(jnp.take_along_axis(logq, ids[:, :1], axis=-1)[:, 0] * cot)
+
+            return f
+        return lambda h, w, ids, logp, cot: jnp.sum(
+            losses.linear_logprob(h, w, ids[:, 0], impl=impl, block_sizes=blocks) * cot
+        )
+    if impl == "anchor_dense":
+        return lambda h, w, ids, logp, cot: dense_kl(h, w, ids, logp)
+    if impl == "anchor_naive_chunked":
+        return lambda h, w, ids, logp, cot: chunked_kl(h, w, ids, logp, chunk=case["naive_chunk"])
+    if case["mode"] == "mean":
+        return lambda h, w, ids, logp, cot: losses.linear_topk_kl(
+            h, w, ids, logp, reduction="mean", impl=impl, block_sizes=blocks
+        )
     return lambda h, w, ids, logp, cot: jnp.sum(
-        losses.linear_logprob(h, w, ids[:, 0], impl=impl, block_sizes=blocks) * cot)
-  if impl == "anchor_dense":
-    return lambda h, w, ids, logp, cot: dense_kl(h, w, ids, logp)
-  if impl == "anchor_naive_chunked":
-    return lambda h, w, ids, logp, cot: chunked_kl(h, w, ids, logp, chunk=case["naive_chunk"])
-  if case["mode"] == "mean":
-    return lambda h, w, ids, logp, cot: losses.linear_topk_kl(
-        h, w, ids, logp, reduction="mean", impl=impl, block_sizes=blocks)
-  return lambda h, w, ids, logp, cot: jnp.sum(losses.linear_topk_kl(
-      h, w, ids, logp, reduction="none", impl=impl, block_sizes=blocks) * cot)
+        losses.linear_topk_kl(h, w, ids, logp, reduction="none", impl=impl, block_sizes=blocks) * cot
+    )
 
 
 def run_check(case):
-  """Relative error of each impl's loss, dh, dw against impl="dense" (bf16 inputs,
-  tail=True, scalar "mean" and a random per-token cotangent), on this backend."""
-  import jax
-  import jax.numpy as jnp
-  from tlt_jax import losses
-  h, w, ids, logp, cot = _inputs(case)
-  rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)))
-                           / jnp.linalg.norm(b.astype(jnp.float32)))
-  errors = {}
-  for mode in ("mean", "token"):
-    ref = None
-    for impl in case["impl"].split(","):
-      def objective(h, w, impl=impl):
-        loss = losses.linear_topk_kl(h, w, ids, logp, tail=True, impl=impl,
-                                     reduction="mean" if mode == "mean" else "none")
-        return loss if mode == "mean" else jnp.sum(loss * cot)
-      try:
-        got = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(h, w)
-        jax.block_until_ready(got)
-      except Exception as e:  # noqa: BLE001 -- recorded, the other impls still run
-        errors[f"{impl}/{mode}"] = f"{type(e).__name__}: {str(e)[:300]}"
-        continue
-      if ref is None:
-        ref = got
-        continue
-      errors[f"{impl}/{mode}"] = dict(loss=abs(float(got[0]) - float(ref[0])) / abs(float(ref[0])),
-                                      dh=rel(got[1][0], ref[1][0]), dw=rel(got[1][1], ref[1][1]))
-  failed = any(isinstance(e, str) for e in errors.values())
-  return dict(case, status="error" if failed else "ok", errors=errors,
-              note="; ".join(f"{k}: " + (e[:120] if isinstance(e, str) else
-                                         " ".join(f"{n}={v:.1e}" for n, v in e.items()))
-                             for k, e in errors.items()))
+    """Relative error of each impl's loss, dh, dw against impl="dense" (bf16 inputs,
+    tail=True, scalar "mean" and a random per-token cotangent), on this backend."""
+    import jax
+    import jax.numpy as jnp
+    from tlt_jax import losses
+
+    h, w, ids, logp, cot = _inputs(case)
+    rel = lambda a, b: float(
+        jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.linalg.norm(b.astype(jnp.float32))
+    )
+    errors = {}
+    for mode in ("mean", "token"):
+        ref = None
+        for impl in case["impl"].split(","):
+
+            def objective(h, w, impl=impl):
+                loss = losses.linear_topk_kl(
+                    h, w, ids, logp, tail=True, impl=impl, reduction="mean" if mode == "mean" else "none"
+                )
+                return loss if mode == "mean" else jnp.sum(loss * cot)
+
+            try:
+                got = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))(h, w)
+                jax.block_until_ready(got)
+            except Exception as e:  # noqa: BLE001 -- recorded, the other impls still run
+                errors[f"{impl}/{mode}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                continue
+            if ref is None:
+                ref = got
+                continue
+            errors[f"{impl}/{mode}"] = dict(
+                loss=abs(float(got[0]) - float(ref[0])) / abs(float(ref[0])),
+                dh=rel(got[1][0], ref[1][0]),
+                dw=rel(got[1][1], ref[1][1]),
+            )
+    failed = any(isinstance(e, str) for e in errors.values())
+    return dict(
+        case,
+        status="error" if failed else "ok",
+        errors=errors,
+        note="; ".join(
+            f"{k}: " + (e[:120] if isinstance(e, str) else " ".join(f"{n}={v:.1e}" for n, v in e.items()))
+            for k, e in errors.items()
+        ),
+    )
 
 
 def run_case(case):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  if case["kind"] == "check":
-    return run_check(case)
-  dev = jax.devices()[0]
-  args = _inputs(case)
-  jax.block_until_ready(args)
-  floor = sum(a.nbytes for a in args) + args[0].nbytes + args[1].nbytes + 4  # + dh, dw, loss
-  stats0 = dev.memory_stats() or {}
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-  fn = jax.jit(jax.value_and_grad(_objective(case), argnums=(0, 1)))
-  t0 = time.perf_counter()
-  compiled = fn.lower(*args).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    if case["kind"] == "check":
+        return run_check(case)
+    dev = jax.devices()[0]
+    args = _inputs(case)
+    jax.block_until_ready(args)
+    floor = sum(a.nbytes for a in args) + args[0].nbytes + args[1].nbytes + 4  # + dh, dw, loss
+    stats0 = dev.memory_stats() or {}
 
-  out = compiled(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(case["repeats"]):
+    fn = jax.jit(jax.value_and_grad(_objective(case), argnums=(0, 1)))
     t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+
     out = compiled(*args)
     jax.block_until_ready(out)
-    times.append(time.perf_counter() - t0)
-  stats = dev.memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
-  n, d, v = case["n"], case["d"], case["v"]
-  med = float(np.median(times))
-  return dict(case, status="ok", device=dev.device_kind, ms=med * 1e3,
-              times_ms=[t * 1e3 for t in times],
-              compile_s=compile_s, loss=float(out[0]),
-              grad_finite=all(bool(jnp.isfinite(g).all()) for g in out[1]),
-              peak_gib=None if peak is None else peak / GIB,
-              floor_gib=floor / GIB,
-              above_floor_gib=None if peak is None else (peak - floor) / GIB,
-              in_use_before_gib=stats0.get("bytes_in_use", 0) / GIB if stats0 else None,
-              xla_temp_gib=None if temp is None else temp / GIB,
-              tflops_3proj=6 * n * d * v / med / 1e12)
+    times = []
+    for _ in range(case["repeats"]):
+        t0 = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    stats = dev.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    n, d, v = case["n"], case["d"], case["v"]
+    med = float(np.median(times))
+    return dict(
+        case,
+        status="ok",
+        device=dev.device_kind,
+        ms=med * 1e3,
+        times_ms=[t * 1e3 for t in times],
+        compile_s=compile_s,
+        loss=float(out[0]),
+        grad_finite=all(bool(jnp.isfinite(g).all()) for g in out[1]),
+        peak_gib=None if peak is None else peak / GIB,
+        floor_gib=floor / GIB,
+        above_floor_gib=None if peak is None else (peak - floor) / GIB,
+        in_use_before_gib=stats0.get("bytes_in_use", 0) / GIB if stats0 else None,
+        xla_temp_gib=None if temp is None else temp / GIB,
+        tflops_3proj=6 * n * d * v / med / 1e12,
+    )
 
 
 # ------------------------------------------------------------------------------------
@@ -262,172 +315,204 @@ def run_case(case):
 
 
 def _spawn(case, timeout_s):
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  cmd = [sys.executable, "-m", "experiments.bench_kl", "--case", json.dumps(case)]
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  except subprocess.TimeoutExpired:
-    return dict(case, status="timeout", note=f"over {timeout_s:.0f}s")
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-  return dict(case, status="error", note=f"rc={proc.returncode}: " + " | ".join(tail)[-400:])
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "experiments.bench_kl", "--case", json.dumps(case)]
+    try:
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+    except subprocess.TimeoutExpired:
+        return dict(case, status="timeout", note=f"over {timeout_s:.0f}s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return dict(case, status="error", note=f"rc={proc.returncode}: " + " | ".join(tail)[-400:])
 
 
 def _skip_reason(case, results, preset):
-  p = PRESETS[preset]
-  if case["impl"] in DENSE_LIKE:
-    need_gib = 6.0 * case["n"] * case["v"] / GIB  # ~6 B per logit: the anchor's 188 GiB @256k
-    if need_gib > p["device_mem_gib"]:
-      return f"skipped: predicted OOM (~{need_gib:.0f} GiB of logits)"
-  base = parse_impl(case["impl"])[0]
-  for r in results:
-    if r["kind"] == "check" and any(name.startswith(base + "/") and isinstance(err, str)
-                                    for name, err in (r.get("errors") or {}).items()):
-      return "skipped: failed the agreement check"
-    if not all(r[key] == case[key] for key in ("kind", "impl", "mode")) or r["n"] >= case["n"]:
-      continue
-    if r["status"] in ("error", "timeout", "oom"):  # a failure at a smaller N skips the larger
-      return f"skipped: failed at N={r['n']}"
-    if r["status"] == "ok":  # linear extrapolation of (warm-up + repeats) runs
-      predicted_s = r["ms"] / 1e3 * case["n"] / r["n"] * (case["repeats"] + 1)
-      if predicted_s > p["case_timeout_s"] - 15:
-        return f"skipped: predicted {predicted_s:.0f}s of runs"
-  return None
+    p = PRESETS[preset]
+    if case["impl"] in DENSE_LIKE:
+        need_gib = 6.0 * case["n"] * case["v"] / GIB  # ~6 B per logit: the anchor's 188 GiB @256k
+        if need_gib > p["device_mem_gib"]:
+            return f"skipped: predicted OOM (~{need_gib:.0f} GiB of logits)"
+    base = parse_impl(case["impl"])[0]
+    for r in results:
+        if r["kind"] == "check" and any(
+            name.startswith(base + "/") and isinstance(err, str) for name, err in (r.get("errors") or {}).items()
+        ):
+            return "skipped: failed the agreement check"
+        if not all(r[key] == case[key] for key in ("kind", "impl", "mode")) or r["n"] >= case["n"]:
+            continue
+        if r["status"] in ("error", "timeout", "oom"):  # a failure at a smaller N skips the larger
+            return f"skipped: failed at N={r['n']}"
+        if r["status"] == "ok":  # linear extrapolation of (warm-up + repeats) runs
+            predicted_s = r["ms"] / 1e3 * case["n"] / r["n"] * (case["repeats"] + 1)
+            if predicted_s > p["case_timeout_s"] - 15:
+                return f"skipped: predicted {predicted_s:.0f}s of runs"
+    return None
 
 
 def _add_ratios(results):
-  def ref_ms(r, impl):
-    for o in results:
-      if o["impl"] == impl and o["n"] == r["n"] and o["status"] == "ok" and (
-          o["kind"] == r["kind"] or impl.startswith("anchor")):
-        return o["ms"]
-    return None
+    def ref_ms(r, impl):
+        for o in results:
+            if (
+                o["impl"] == impl
+                and o["n"] == r["n"]
+                and o["status"] == "ok"
+                and (o["kind"] == r["kind"] or impl.startswith("anchor"))
+            ):
+                return o["ms"]
+        return None
 
-  for r in results:
-    if r["status"] != "ok":
-      continue
-    dense = ref_ms(r, "dense_log_softmax" if r["kind"] == "logprob" else "anchor_dense")
-    naive = ref_ms(r, "anchor_naive_chunked")
-    r["x_dense"] = None if dense is None else dense / r["ms"]
-    r["x_naive"] = None if naive is None else naive / r["ms"]
-    ours = not (r["impl"] in DENSE_LIKE or r["impl"].startswith("anchor"))
-    if ours and r["kind"] == "kl":
-      bar = 0.95 if r["mode"] == "mean" else 0.72
-      # Without device memory stats (CPU) XLA's temp size stands in: "mem~".
-      transient, mem = r["above_floor_gib"], "mem"
-      if transient is None:
-        transient, mem = r["xla_temp_gib"], "mem~"
-      mem_ok = None if transient is None else transient <= 1.0
-      thr_ok = None if r["x_dense"] is None else r["x_dense"] >= bar
-      r["bars"] = f"{mem}:{_mark(mem_ok)} thr>={bar}:{_mark(thr_ok)}"
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        dense = ref_ms(r, "dense_log_softmax" if r["kind"] == "logprob" else "anchor_dense")
+        naive = ref_ms(r, "anchor_naive_chunked")
+        r["x_dense"] = None if dense is None else dense / r["ms"]
+        r["x_naive"] = None if naive is None else naive / r["ms"]
+        ours = not (r["impl"] in DENSE_LIKE or r["impl"].startswith("anchor"))
+        if ours and r["kind"] == "kl":
+            bar = 0.95 if r["mode"] == "mean" else 0.72
+            # Without device memory stats (CPU) XLA's temp size stands in: "mem~".
+            transient, mem = r["above_floor_gib"], "mem"
+            if transient is None:
+                transient, mem = r["xla_temp_gib"], "mem~"
+            mem_ok = None if transient is None else transient <= 1.0
+            thr_ok = None if r["x_dense"] is None else r["x_dense"] >= bar
+            r["bars"] = f"{mem}:{_mark(mem_ok)} thr>={bar}:{_mark(thr_ok)}"
 
 
 def _mark(ok):
-  return "?" if ok is None else ("ok" if ok else "MISS")
+    return "?" if ok is None else ("ok" if ok else "MISS")
 
 
 def _fmt(x, spec):
-  return "-" if x is None else format(x, spec)
+    return "-" if x is None else format(x, spec)
 
 
 def print_table(results):
-  cols = ("kind", "mode", "impl", "N", "ms", "x_dense", "x_naive", "peak", ">floor", "xla_tmp",
-          "loss", "bars / note")
-  rows, checks = [], []
-  for r in results:
-    if r["kind"] == "check":
-      checks.append(r)
-      continue
-    ok = r["status"] == "ok"
-    rows.append((r["kind"], r["mode"], r["impl"], str(r["n"]),
-                 _fmt(r.get("ms"), ".1f"), _fmt(r.get("x_dense"), ".2f"),
-                 _fmt(r.get("x_naive"), ".2f"), _fmt(r.get("peak_gib"), ".2f"),
-                 _fmt(r.get("above_floor_gib"), ".2f"), _fmt(r.get("xla_temp_gib"), ".2f"),
-                 _fmt(r.get("loss"), ".5f"),
-                 r.get("bars", "") if ok else f"{r['status']}: {r.get('note', '')}"[:90]))
-  widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-  line = lambda vals: "  ".join(v.rjust(wd) if i in range(3, 11) else v.ljust(wd)
-                                for i, (v, wd) in enumerate(zip(vals, widths)))
-  for r in checks:
-    print(f"check N={r['n']} (relative error vs dense, bf16, tail=True): {r['status']}")
-    for name, err in (r.get("errors") or {}).items():
-      print(f"  {name}: " + (err if isinstance(err, str) else
-                              " ".join(f"{k}={v:.2e}" for k, v in err.items())))
-    if not r.get("errors"):
-      print(f"  {r.get('note', '')}")
-  print(line(cols))
-  for row in rows:
-    print(line(row))
-  print("memory in GiB; peak: device peak; >floor: peak minus inputs and gradient outputs; "
-        "xla_tmp: compiled temp buffers; x_*: throughput vs anchor at the same N")
+    cols = ("kind", "mode", "impl", "N", "ms", "x_dense", "x_naive", "peak", ">floor", "xla_tmp", "loss", "bars / note")
+    rows, checks = [], []
+    for r in results:
+        if r["kind"] == "check":
+            checks.append(r)
+            continue
+        ok = r["status"] == "ok"
+        rows.append(
+            (
+                r["kind"],
+                r["mode"],
+                r["impl"],
+                str(r["n"]),
+                _fmt(r.get("ms"), ".1f"),
+                _fmt(r.get("x_dense"), ".2f"),
+                _fmt(r.get("x_naive"), ".2f"),
+                _fmt(r.get("peak_gib"), ".2f"),
+                _fmt(r.get("above_floor_gib"), ".2f"),
+                _fmt(r.get("xla_temp_gib"), ".2f"),
+                _fmt(r.get("loss"), ".5f"),
+                r.get("bars", "") if ok else f"{r['status']}: {r.get('note', '')}"[:90],
+            )
+        )
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(
+        v.rjust(wd) if i in range(3, 11) else v.ljust(wd) for i, (v, wd) in enumerate(zip(vals, widths))
+    )
+    for r in checks:
+        print(f"check N={r['n']} (relative error vs dense, bf16, tail=True): {r['status']}")
+        for name, err in (r.get("errors") or {}).items():
+            print(f"  {name}: " + (err if isinstance(err, str) else " ".join(f"{k}={v:.2e}" for k, v in err.items())))
+        if not r.get("errors"):
+            print(f"  {r.get('note', '')}")
+    print(line(cols))
+    for row in rows:
+        print(line(row))
+    print(
+        "memory in GiB; peak: device peak; >floor: peak minus inputs and gradient outputs; "
+        "xla_tmp: compiled temp buffers; x_*: throughput vs anchor at the same N"
+    )
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-  ap.add_argument("--out", default=None, help="JSON output path")
-  ap.add_argument("--only", default=None, help="comma list of impls to keep")
-  ap.add_argument("--time_budget_s", type=float, default=None,
-                  help="stop launching cases after this many seconds (rest: skipped)")
-  ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
-  args = ap.parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--only", default=None, help="comma list of impls to keep")
+    ap.add_argument(
+        "--time_budget_s", type=float, default=None, help="stop launching cases after this many seconds (rest: skipped)"
+    )
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
+    args = ap.parse_args(argv)
 
-  if args.case:
-    case = json.loads(args.case)
-    try:
-      result = run_case(case)
-    except Exception as e:  # noqa: BLE001 -- OOM and lowering failures are results here
-      msg = f"{type(e).__name__}: {e}"
-      status = "oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else "error"
-      result = dict(case, status=status, note=msg[:400])
-    print("RESULT " + json.dumps(result), flush=True)
-    return
+    if args.case:
+        case = json.loads(args.case)
+        try:
+            result = run_case(case)
+        except Exception as e:  # noqa: BLE001 -- OOM and lowering failures are results here
+            msg = f"{type(e).__name__}: {e}"
+            status = "oom" if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower() else "error"
+            result = dict(case, status=status, note=msg[:400])
+        print("RESULT " + json.dumps(result), flush=True)
+        return
 
-  preset = PRESETS[args.preset]
-  cases = _cases(args.preset)
-  if args.only:
-    keep = set(args.only.split(","))
-    cases = [c for c in cases if c["impl"] in keep]
-  start, results = time.perf_counter(), []
-  for case in cases:
-    elapsed = time.perf_counter() - start
-    reason = _skip_reason(case, results, args.preset)
-    if reason is None and args.time_budget_s is not None and elapsed > args.time_budget_s:
-      reason = "skipped: time budget"
-    if reason is not None:
-      results.append(dict(case, status="skipped", note=reason))
-    else:
-      timeout = preset["case_timeout_s"]
-      if args.time_budget_s is not None:
-        timeout = max(20.0, min(timeout, args.time_budget_s + 30 - elapsed))
-      results.append(_spawn(case, timeout))
-    r = results[-1]
-    print(f"[{time.perf_counter() - start:6.1f}s] {r['kind']}/{r['mode']} {r['impl']} "
-          f"N={r['n']}: {r['status']} {_fmt(r.get('ms'), '.1f')} ms {r.get('note', '')}"[:200],
-          flush=True)
-    _write(args, results, start, final=False)  # partial results survive an outer kill
-  _add_ratios(results)
-  print_table(results)
-  _write(args, results, start, final=True)
+    preset = PRESETS[args.preset]
+    cases = _cases(args.preset)
+    if args.only:
+        keep = set(args.only.split(","))
+        cases = [c for c in cases if c["impl"] in keep]
+    start, results = time.perf_counter(), []
+    for case in cases:
+        elapsed = time.perf_counter() - start
+        reason = _skip_reason(case, results, args.preset)
+        if reason is None and args.time_budget_s is not None and elapsed > args.time_budget_s:
+            reason = "skipped: time budget"
+        if reason is not None:
+            results.append(dict(case, status="skipped", note=reason))
+        else:
+            timeout = preset["case_timeout_s"]
+            if args.time_budget_s is not None:
+                timeout = max(20.0, min(timeout, args.time_budget_s + 30 - elapsed))
+            results.append(_spawn(case, timeout))
+        r = results[-1]
+        print(
+            f"[{time.perf_counter() - start:6.1f}s] {r['kind']}/{r['mode']} {r['impl']} "
+            f"N={r['n']}: {r['status']} {_fmt(r.get('ms'), '.1f')} ms {r.get('note', '')}"[:200],
+            flush=True,
+        )
+        _write(args, results, start, final=False)  # partial results survive an outer kill
+    _add_ratios(results)
+    print_table(results)
+    _write(args, results, start, final=True)
 
 
 def _write(args, results, start, final):
-  if not args.out:
-    return
-  import jax  # provenance only; the driver never touches a device
-  preset = PRESETS[args.preset]
-  meta = dict(preset=args.preset, shapes={k: preset[k] for k in ("d", "v", "k")},
-              jax_version=jax.__version__, python=sys.version.split()[0], complete=final,
-              wall_s=time.perf_counter() - start, results=results)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(meta, f, indent=1)
-  if final:
-    print(f"wrote {args.out}")
+    if not args.out:
+        return
+    import jax  # provenance only; the driver never touches a device
+
+    preset = PRESETS[args.preset]
+    meta = dict(
+        preset=args.preset,
+        shapes={k: preset[k] for k in ("d", "v", "k")},
+        jax_version=jax.__version__,
+        python=sys.version.split()[0],
+        complete=final,
+        wall_s=time.perf_counter() - start,
+        results=results,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(meta, f, indent=1)
+    if final:
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

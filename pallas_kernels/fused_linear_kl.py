@@ -81,6 +81,7 @@ them) and carry zero sparse coefficients; ids are distinct within a row (top-K i
 are); masked or padded rows carry zero coefficients; h is finite in every row (0 * NaN
 in a matmul would still reach dW).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,9 +94,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 try:  # Triton lowering parameters; absent in builds without the GPU Pallas backend.
-  from jax.experimental.pallas import triton as _pltriton
+    from jax.experimental.pallas import triton as _pltriton
 except ImportError:  # pragma: no cover
-  _pltriton = None
+    _pltriton = None
 
 ENGINES = ("chunked_xla", "pallas")
 
@@ -106,31 +107,32 @@ _SPARSE_ROWS = 256
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiling of the fused loss; None picks a per-backend default.
+    """Tiling of the fused loss; None picks a per-backend default.
 
-  tokens: rows per token block (chunked_xla, pallas).
-  vocab: vocabulary tile (pallas).
-  depth: D chunk summed inside a pallas z tile (pallas).
-  dw_accum: "float32" or "param" (chunked_xla): dtype that sums dW over token blocks.
-  num_warps, num_stages: Triton compiler parameters (pallas on GPU).
-  interpret: run pallas kernels in interpret mode; None: everywhere but on a GPU.
-  For pallas on the GPU, tokens / vocab / depth must be powers of two >= 16.
-  """
-  tokens: int | None = None
-  vocab: int | None = None
-  depth: int | None = None
-  dw_accum: str = "float32"
-  num_warps: int | None = None
-  num_stages: int | None = None
-  interpret: bool | None = None
+    tokens: rows per token block (chunked_xla, pallas).
+    vocab: vocabulary tile (pallas).
+    depth: D chunk summed inside a pallas z tile (pallas).
+    dw_accum: "float32" or "param" (chunked_xla): dtype that sums dW over token blocks.
+    num_warps, num_stages: Triton compiler parameters (pallas on GPU).
+    interpret: run pallas kernels in interpret mode; None: everywhere but on a GPU.
+    For pallas on the GPU, tokens / vocab / depth must be powers of two >= 16.
+    """
 
-  def __post_init__(self):
-    for name in ("tokens", "vocab", "depth", "num_warps", "num_stages"):
-      val = getattr(self, name)
-      if val is not None and (not isinstance(val, int) or val <= 0):
-        raise ValueError(f"BlockSizes.{name} must be a positive int, got {val!r}")
-    if self.dw_accum not in ("float32", "param"):
-      raise ValueError(f"BlockSizes.dw_accum must be 'float32' or 'param', got {self.dw_accum!r}")
+    tokens: int | None = None
+    vocab: int | None = None
+    depth: int | None = None
+    dw_accum: str = "float32"
+    num_warps: int | None = None
+    num_stages: int | None = None
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        for name in ("tokens", "vocab", "depth", "num_warps", "num_stages"):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or val <= 0):
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {val!r}")
+        if self.dw_accum not in ("float32", "param"):
+            raise ValueError(f"BlockSizes.dw_accum must be 'float32' or 'param', got {self.dw_accum!r}")
 
 
 # Defaults per (engine, backend). GPU chunked_xla blocks are large because each block
@@ -144,43 +146,46 @@ _DEFAULTS = {
 
 
 def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
+    return 1 << max(0, (x - 1).bit_length())
 
 
 def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+    return -(-x // m) * m
 
 
-def resolve_block_sizes(engine: str, blocks: BlockSizes | None, n: int, d: int, v: int,
-                        backend: str | None = None) -> BlockSizes:
-  """Fills None fields with defaults and shrinks tiles to the (power-of-two) problem size."""
-  backend = backend or jax.default_backend()
-  defaults = _DEFAULTS[(engine, "gpu" if backend == "gpu" else "cpu")]
-  blocks = blocks or BlockSizes()
-  filled = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)}
-  for key, val in defaults.items():
-    if filled[key] is None:
-      filled[key] = val
-  if engine == "chunked_xla":
-    filled["tokens"] = min(filled["tokens"], _round_up(n, 8))
-  else:  # Triton tiles are powers of two >= 16 (tl.dot's minimum).
-    for key, size in (("tokens", n), ("vocab", v), ("depth", d)):
-      filled[key] = min(filled[key], max(16, _next_pow2(size)))
-  return BlockSizes(**filled)
+def resolve_block_sizes(
+    engine: str, blocks: BlockSizes | None, n: int, d: int, v: int, backend: str | None = None
+) -> BlockSizes:
+    """Fills None fields with defaults and shrinks tiles to the (power-of-two) problem size."""
+    backend = backend or jax.default_backend()
+    defaults = _DEFAULTS[(engine, "gpu" if backend == "gpu" else "cpu")]
+    blocks = blocks or BlockSizes()
+    filled = {f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)}
+    for key, val in defaults.items():
+        if filled[key] is None:
+            filled[key] = val
+    if engine == "chunked_xla":
+        filled["tokens"] = min(filled["tokens"], _round_up(n, 8))
+    else:  # Triton tiles are powers of two >= 16 (tl.dot's minimum).
+        for key, size in (("tokens", n), ("vocab", v), ("depth", d)):
+            filled[key] = min(filled[key], max(16, _next_pow2(size)))
+    return BlockSizes(**filled)
 
 
 class RowStats(NamedTuple):
-  """Per-row statistics of z = h @ w / T. lse_N, zid_NK, ez_N (None unless asked) float32."""
-  lse: jax.Array
-  zid: jax.Array
-  ez: jax.Array | None
+    """Per-row statistics of z = h @ w / T. lse_N, zid_NK, ez_N (None unless asked) float32."""
+
+    lse: jax.Array
+    zid: jax.Array
+    ez: jax.Array | None
 
 
 class Coefs(NamedTuple):
-  """Cotangent of z in the form (*): alpha_N, beta_N (or None), sparse_NK, float32."""
-  alpha: jax.Array
-  beta: jax.Array | None
-  sparse: jax.Array
+    """Cotangent of z in the form (*): alpha_N, beta_N (or None), sparse_NK, float32."""
+
+    alpha: jax.Array
+    beta: jax.Array | None
+    sparse: jax.Array
 
 
 # A scalar-reduction callback: (RowStats of a row block, rows pytree of that block)
@@ -189,34 +194,34 @@ CoefFn = Callable[[RowStats, Any], tuple[jax.Array, Coefs]]
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad)
 
 
 def _to_blocks(x: jax.Array, bn: int) -> jax.Array:
-  """[N, ...] -> [ceil(N / bn), bn, ...], zero-padded rows."""
-  n_pad = _round_up(x.shape[0], bn)
-  return _pad_axis(x, 0, n_pad).reshape(n_pad // bn, bn, *x.shape[1:])
+    """[N, ...] -> [ceil(N / bn), bn, ...], zero-padded rows."""
+    n_pad = _round_up(x.shape[0], bn)
+    return _pad_axis(x, 0, n_pad).reshape(n_pad // bn, bn, *x.shape[1:])
 
 
 def _from_blocks(x: jax.Array, n: int) -> jax.Array:
-  return x.reshape(-1, *x.shape[2:])[:n]
+    return x.reshape(-1, *x.shape[2:])[:n]
 
 
 def _gather_ids(ids, n_vocab):
-  return jnp.clip(ids, 0, n_vocab - 1)
+    return jnp.clip(ids, 0, n_vocab - 1)
 
 
 def _scatter_ids(ids, n_vocab):
-  """Out-of-range ids -> n_vocab, dropped by scatters with mode="drop"."""
-  return jnp.where((ids >= 0) & (ids < n_vocab), ids, n_vocab)
+    """Out-of-range ids -> n_vocab, dropped by scatters with mode="drop"."""
+    return jnp.where((ids >= 0) & (ids < n_vocab), ids, n_vocab)
 
 
 def _scale_logits(z: jax.Array, temperature: float) -> jax.Array:
-  return z if temperature == 1.0 else z * (1.0 / temperature)
+    return z if temperature == 1.0 else z * (1.0 / temperature)
 
 
 # ------------------------------------------------------------------------------------
@@ -225,89 +230,93 @@ def _scale_logits(z: jax.Array, temperature: float) -> jax.Array:
 
 
 def _xla_logits(h_bD, w_DV, temperature):
-  return _scale_logits(jnp.dot(h_bD, w_DV, preferred_element_type=jnp.float32), temperature)
+    return _scale_logits(jnp.dot(h_bD, w_DV, preferred_element_type=jnp.float32), temperature)
 
 
 def _xla_stats(z_bV, ids_bK, with_ez) -> RowStats:
-  lse_b = jax.nn.logsumexp(z_bV, axis=1)
-  zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, z_bV.shape[1]), axis=1)
-  ez_b = jnp.sum(jnp.exp(z_bV - lse_b[:, None]) * z_bV, axis=1) if with_ez else None
-  return RowStats(lse_b, zid_bK, ez_b)
+    lse_b = jax.nn.logsumexp(z_bV, axis=1)
+    zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, z_bV.shape[1]), axis=1)
+    ez_b = jnp.sum(jnp.exp(z_bV - lse_b[:, None]) * z_bV, axis=1) if with_ez else None
+    return RowStats(lse_b, zid_bK, ez_b)
 
 
 def _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs: Coefs, temperature, acc_dtype):
-  """dz for one block from (*), then dh_b [bn, D] and the block's dW [D, V] in acc_dtype.
+    """dz for one block from (*), then dh_b [bn, D] and the block's dW [D, V] in acc_dtype.
 
-  dz goes to the parameter dtype (both matmuls run at its rate, as dense XLA does)
-  without an f32 [bn, V] cotangent buffer: the dense part is rounded once, and the K
-  entries are overwritten by their exact f32 value, rounded once.
-  """
-  def dense(z):
-    alpha = coefs.alpha[:, None]
-    return alpha if coefs.beta is None else alpha + coefs.beta[:, None] * z
+    dz goes to the parameter dtype (both matmuls run at its rate, as dense XLA does)
+    without an f32 [bn, V] cotangent buffer: the dense part is rounded once, and the K
+    entries are overwritten by their exact f32 value, rounded once.
+    """
 
-  n_vocab = z_bV.shape[1]
-  dz_bV = _scale_logits(jnp.exp(z_bV - lse_b[:, None]) * dense(z_bV), temperature)
-  zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, n_vocab), axis=1)
-  at_ids_bK = jnp.exp(zid_bK - lse_b[:, None]) * dense(zid_bK) + coefs.sparse
-  rows_b1 = jnp.arange(z_bV.shape[0])[:, None]
-  dz_bV = dz_bV.astype(w_DV.dtype).at[rows_b1, _scatter_ids(ids_bK, n_vocab)].set(
-      _scale_logits(at_ids_bK, temperature).astype(w_DV.dtype), mode="drop")
-  dh_bD = lax.dot_general(dz_bV, w_DV, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32).astype(h_bD.dtype)
-  dw_DV = lax.dot_general(h_bD, dz_bV, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-  return dh_bD, dw_DV
+    def dense(z):
+        alpha = coefs.alpha[:, None]
+        return alpha if coefs.beta is None else alpha + coefs.beta[:, None] * z
+
+    n_vocab = z_bV.shape[1]
+    dz_bV = _scale_logits(jnp.exp(z_bV - lse_b[:, None]) * dense(z_bV), temperature)
+    zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, n_vocab), axis=1)
+    at_ids_bK = jnp.exp(zid_bK - lse_b[:, None]) * dense(zid_bK) + coefs.sparse
+    rows_b1 = jnp.arange(z_bV.shape[0])[:, None]
+    dz_bV = (
+        dz_bV.astype(w_DV.dtype)
+        .at[rows_b1, _scatter_ids(ids_bK, n_vocab)]
+        .set(_scale_logits(at_ids_bK, temperature).astype(w_DV.dtype), mode="drop")
+    )
+    dh_bD = lax.dot_general(dz_bV, w_DV, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
+        h_bD.dtype
+    )
+    dw_DV = lax.dot_general(h_bD, dz_bV, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+    return dh_bD, dw_DV
 
 
 def _acc_dtype(w_DV, blocks: BlockSizes):
-  return jnp.float32 if blocks.dw_accum == "float32" else w_DV.dtype
+    return jnp.float32 if blocks.dw_accum == "float32" else w_DV.dtype
 
 
 def _xla_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks) -> RowStats:
-  n = h_ND.shape[0]
+    n = h_ND.shape[0]
 
-  def one(args):
-    h_bD, ids_bK = args
-    return _xla_stats(_xla_logits(h_bD, w_DV, temperature), ids_bK, with_ez)
+    def one(args):
+        h_bD, ids_bK = args
+        return _xla_stats(_xla_logits(h_bD, w_DV, temperature), ids_bK, with_ez)
 
-  stats = lax.map(one, (_to_blocks(h_ND, blocks.tokens), _to_blocks(ids_NK, blocks.tokens)))
-  return jax.tree.map(lambda x: _from_blocks(x, n), stats)
+    stats = lax.map(one, (_to_blocks(h_ND, blocks.tokens), _to_blocks(ids_NK, blocks.tokens)))
+    return jax.tree.map(lambda x: _from_blocks(x, n), stats)
 
 
 def _xla_scan(h_ND, w_DV, ids_NK, rows, block_coefs, temperature, blocks):
-  """One lax.scan over token blocks: z_b, block_coefs(z_b, ids_b, rows_b) ->
-  (value_b, lse_b, Coefs_b), then dh_b and the dW accumulation. -> (value, dh, dW)."""
-  n, bn, acc_dtype = h_ND.shape[0], blocks.tokens, _acc_dtype(w_DV, blocks)
+    """One lax.scan over token blocks: z_b, block_coefs(z_b, ids_b, rows_b) ->
+    (value_b, lse_b, Coefs_b), then dh_b and the dW accumulation. -> (value, dh, dW)."""
+    n, bn, acc_dtype = h_ND.shape[0], blocks.tokens, _acc_dtype(w_DV, blocks)
 
-  def body(carry, xs):
-    dw_acc, value = carry
-    h_bD, ids_bK, rows_b = xs
-    z_bV = _xla_logits(h_bD, w_DV, temperature)
-    value_b, lse_b, coefs_b = block_coefs(z_bV, ids_bK, rows_b)
-    dh_bD, dw_DV = _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs_b, temperature,
-                                    acc_dtype)
-    return (dw_acc + dw_DV, value + value_b), dh_bD
+    def body(carry, xs):
+        dw_acc, value = carry
+        h_bD, ids_bK, rows_b = xs
+        z_bV = _xla_logits(h_bD, w_DV, temperature)
+        value_b, lse_b, coefs_b = block_coefs(z_bV, ids_bK, rows_b)
+        dh_bD, dw_DV = _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs_b, temperature, acc_dtype)
+        return (dw_acc + dw_DV, value + value_b), dh_bD
 
-  xs = (_to_blocks(h_ND, bn), _to_blocks(ids_NK, bn),
-        jax.tree.map(lambda x: _to_blocks(x, bn), rows))
-  init = (jnp.zeros(w_DV.shape, acc_dtype), jnp.zeros((), jnp.float32))
-  (dw_acc, value), dh_blocks = lax.scan(body, init, xs)
-  return value, _from_blocks(dh_blocks, n), dw_acc.astype(w_DV.dtype)
+    xs = (_to_blocks(h_ND, bn), _to_blocks(ids_NK, bn), jax.tree.map(lambda x: _to_blocks(x, bn), rows))
+    init = (jnp.zeros(w_DV.shape, acc_dtype), jnp.zeros((), jnp.float32))
+    (dw_acc, value), dh_blocks = lax.scan(body, init, xs)
+    return value, _from_blocks(dh_blocks, n), dw_acc.astype(w_DV.dtype)
 
 
 def _xla_grads(h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, temperature, blocks):
-  _, dh_ND, dw_DV = _xla_scan(h_ND, w_DV, ids_NK, (lse_N, coefs),
-                              lambda z, ids, rows: (0.0, *rows), temperature, blocks)
-  return dh_ND, dw_DV
+    _, dh_ND, dw_DV = _xla_scan(
+        h_ND, w_DV, ids_NK, (lse_N, coefs), lambda z, ids, rows: (0.0, *rows), temperature, blocks
+    )
+    return dh_ND, dw_DV
 
 
 def _xla_fused(h_ND, w_DV, ids_NK, rows, coef_fn: CoefFn, temperature, with_ez, blocks):
-  def block_coefs(z_bV, ids_bK, rows_b):
-    stats = _xla_stats(z_bV, ids_bK, with_ez)
-    value_b, coefs_b = coef_fn(stats, rows_b)
-    return value_b, stats.lse, coefs_b
+    def block_coefs(z_bV, ids_bK, rows_b):
+        stats = _xla_stats(z_bV, ids_bK, with_ez)
+        value_b, coefs_b = coef_fn(stats, rows_b)
+        return value_b, stats.lse, coefs_b
 
-  return _xla_scan(h_ND, w_DV, ids_NK, rows, block_coefs, temperature, blocks)
+    return _xla_scan(h_ND, w_DV, ids_NK, rows, block_coefs, temperature, blocks)
 
 
 # ------------------------------------------------------------------------------------
@@ -316,222 +325,258 @@ def _xla_fused(h_ND, w_DV, ids_NK, rows, coef_fn: CoefFn, temperature, with_ez, 
 
 
 def _interpret(blocks: BlockSizes) -> bool:
-  return jax.default_backend() != "gpu" if blocks.interpret is None else blocks.interpret
+    return jax.default_backend() != "gpu" if blocks.interpret is None else blocks.interpret
 
 
 def _compiler_params(blocks: BlockSizes):
-  # Triton parameters select the Triton lowering (jax >= 0.10 defaults to Mosaic GPU).
-  if _interpret(blocks):
-    return None
-  if _pltriton is None:
-    raise NotImplementedError("this jax build has no Pallas Triton backend; use interpret=True")
-  return _pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    # Triton parameters select the Triton lowering (jax >= 0.10 defaults to Mosaic GPU).
+    if _interpret(blocks):
+        return None
+    if _pltriton is None:
+        raise NotImplementedError("this jax build has no Pallas Triton backend; use interpret=True")
+    return _pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def _z_tile(load_h, load_w, n_depth, shape, inv_t):
-  """sum_c load_h(c) @ load_w(c) over D chunks c, f32 accumulation: one [bn, bv] z tile."""
-  def body(c, acc):
-    return acc + jnp.dot(load_h(c), load_w(c), preferred_element_type=jnp.float32)
-  z = lax.fori_loop(0, n_depth, body, jnp.zeros(shape, jnp.float32))
-  return z if inv_t == 1.0 else z * inv_t
+    """sum_c load_h(c) @ load_w(c) over D chunks c, f32 accumulation: one [bn, bv] z tile."""
+
+    def body(c, acc):
+        return acc + jnp.dot(load_h(c), load_w(c), preferred_element_type=jnp.float32)
+
+    z = lax.fori_loop(0, n_depth, body, jnp.zeros(shape, jnp.float32))
+    return z if inv_t == 1.0 else z * inv_t
 
 
 def _valid_cols(j, shape, bv, n_vocab):
-  cols = j * bv + lax.broadcasted_iota(jnp.int32, shape, 1)
-  return cols < n_vocab
+    cols = j * bv + lax.broadcasted_iota(jnp.int32, shape, 1)
+    return cols < n_vocab
 
 
 def _dense_cotangent(z, lse, alpha, beta, valid, inv_t, dtype):
-  """q (alpha + beta z) / T for a z tile; padded columns (z = -inf) give exactly 0."""
-  q = jnp.exp(z - lse[:, None])
-  dense = alpha[:, None]
-  if beta is not None:
-    # -inf * 0 at padded columns would be NaN: use 0 there (q is 0 anyway).
-    z_finite = z if valid is None else jnp.where(valid, z, 0.0)
-    dense = dense + beta[:, None] * z_finite
-  e = q * dense
-  return (e if inv_t == 1.0 else e * inv_t).astype(dtype)
+    """q (alpha + beta z) / T for a z tile; padded columns (z = -inf) give exactly 0."""
+    q = jnp.exp(z - lse[:, None])
+    dense = alpha[:, None]
+    if beta is not None:
+        # -inf * 0 at padded columns would be NaN: use 0 there (q is 0 anyway).
+        z_finite = z if valid is None else jnp.where(valid, z, 0.0)
+        dense = dense + beta[:, None] * z_finite
+    e = q * dense
+    return (e if inv_t == 1.0 else e * inv_t).astype(dtype)
 
 
 def _stats_kernel(h_ref, w_ref, *out_refs, n_vocab, bv, bd, inv_t, with_ez):
-  bn = h_ref.shape[0]
-  n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
-  padded = n_vocab != w_ref.shape[1]
+    bn = h_ref.shape[0]
+    n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
+    padded = n_vocab != w_ref.shape[1]
 
-  def vbody(j, carry):
-    m, l, s = carry
-    v0 = pl.multiple_of(j * bv, bv)
-    z = _z_tile(lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
-                lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
-                n_depth, (bn, bv), inv_t)
-    valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-    if padded:
-      z = jnp.where(valid, z, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(z, axis=1))
-    corr = jnp.exp(m - m_new)
-    e = jnp.exp(z - m_new[:, None])
-    l = l * corr + jnp.sum(e, axis=1)
+    def vbody(j, carry):
+        m, l, s = carry
+        v0 = pl.multiple_of(j * bv, bv)
+        z = _z_tile(
+            lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
+            lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
+            n_depth,
+            (bn, bv),
+            inv_t,
+        )
+        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
+        if padded:
+            z = jnp.where(valid, z, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(z, axis=1))
+        corr = jnp.exp(m - m_new)
+        e = jnp.exp(z - m_new[:, None])
+        l = l * corr + jnp.sum(e, axis=1)
+        if with_ez:
+            s = s * corr + jnp.sum(e * (jnp.where(valid, z, 0.0) if padded else z), axis=1)
+        return m_new, l, s
+
+    init = (jnp.full((bn,), -jnp.inf, jnp.float32), jnp.zeros((bn,), jnp.float32), jnp.zeros((bn,), jnp.float32))
+    m, l, s = lax.fori_loop(0, n_vt, vbody, init)
+    out_refs[0][...] = m + jnp.log(l)
     if with_ez:
-      s = s * corr + jnp.sum(e * (jnp.where(valid, z, 0.0) if padded else z), axis=1)
-    return m_new, l, s
-
-  init = (jnp.full((bn,), -jnp.inf, jnp.float32), jnp.zeros((bn,), jnp.float32),
-          jnp.zeros((bn,), jnp.float32))
-  m, l, s = lax.fori_loop(0, n_vt, vbody, init)
-  out_refs[0][...] = m + jnp.log(l)
-  if with_ez:
-    out_refs[1][...] = s / l
+        out_refs[1][...] = s / l
 
 
 def _dh_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, bv, bd, inv_t, with_beta):
-  beta_ref, dh_ref = rest if with_beta else (None, rest[0])
-  bn = h_ref.shape[0]
-  n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
-  padded = n_vocab != w_ref.shape[1]
-  lse, alpha = lse_ref[...], alpha_ref[...]
-  beta = beta_ref[...] if with_beta else None
+    beta_ref, dh_ref = rest if with_beta else (None, rest[0])
+    bn = h_ref.shape[0]
+    n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
+    padded = n_vocab != w_ref.shape[1]
+    lse, alpha = lse_ref[...], alpha_ref[...]
+    beta = beta_ref[...] if with_beta else None
 
-  def zero(c, _):
-    dh_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)] = jnp.zeros((bn, bd), jnp.float32)
-  lax.fori_loop(0, n_depth, zero, None)
+    def zero(c, _):
+        dh_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)] = jnp.zeros((bn, bd), jnp.float32)
 
-  def vbody(j, _):
-    v0 = pl.multiple_of(j * bv, bv)
-    z = _z_tile(lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
-                lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
-                n_depth, (bn, bv), inv_t)
-    valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-    if padded:
-      z = jnp.where(valid, z, -jnp.inf)
-    e = _dense_cotangent(z, lse, alpha, beta, valid, inv_t, w_ref.dtype)
+    lax.fori_loop(0, n_depth, zero, None)
 
-    def dbody(c, _):
-      d0 = pl.multiple_of(c * bd, bd)
-      w_c = w_ref[pl.ds(d0, bd), pl.ds(v0, bv)]
-      dh_ref[:, pl.ds(d0, bd)] += lax.dot_general(e, w_c, (((1,), (1,)), ((), ())),
-                                                  preferred_element_type=jnp.float32)
-    lax.fori_loop(0, n_depth, dbody, None)
+    def vbody(j, _):
+        v0 = pl.multiple_of(j * bv, bv)
+        z = _z_tile(
+            lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
+            lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
+            n_depth,
+            (bn, bv),
+            inv_t,
+        )
+        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
+        if padded:
+            z = jnp.where(valid, z, -jnp.inf)
+        e = _dense_cotangent(z, lse, alpha, beta, valid, inv_t, w_ref.dtype)
 
-  lax.fori_loop(0, n_vt, vbody, None)
+        def dbody(c, _):
+            d0 = pl.multiple_of(c * bd, bd)
+            w_c = w_ref[pl.ds(d0, bd), pl.ds(v0, bv)]
+            dh_ref[:, pl.ds(d0, bd)] += lax.dot_general(
+                e, w_c, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        lax.fori_loop(0, n_depth, dbody, None)
+
+    lax.fori_loop(0, n_vt, vbody, None)
 
 
-def _dw_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, padded, bn, bd, inv_t,
-               with_beta):
-  beta_ref, dw_ref = rest if with_beta else (None, rest[0])
-  bv = w_ref.shape[1]
-  n_tb, n_depth = h_ref.shape[0] // bn, h_ref.shape[1] // bd
-  j = pl.program_id(0)
+def _dw_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, padded, bn, bd, inv_t, with_beta):
+    beta_ref, dw_ref = rest if with_beta else (None, rest[0])
+    bv = w_ref.shape[1]
+    n_tb, n_depth = h_ref.shape[0] // bn, h_ref.shape[1] // bd
+    j = pl.program_id(0)
 
-  def zero(c, _):
-    dw_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), :] = jnp.zeros((bd, bv), jnp.float32)
-  lax.fori_loop(0, n_depth, zero, None)
+    def zero(c, _):
+        dw_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), :] = jnp.zeros((bd, bv), jnp.float32)
 
-  def tbody(b, _):
-    r0 = pl.multiple_of(b * bn, bn)
-    z = _z_tile(lambda c: h_ref[pl.ds(r0, bn), pl.ds(pl.multiple_of(c * bd, bd), bd)],
-                lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), :],
-                n_depth, (bn, bv), inv_t)
-    valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-    if padded:
-      z = jnp.where(valid, z, -jnp.inf)
-    beta = beta_ref[pl.ds(r0, bn)] if with_beta else None
-    e = _dense_cotangent(z, lse_ref[pl.ds(r0, bn)], alpha_ref[pl.ds(r0, bn)], beta, valid, inv_t,
-                         h_ref.dtype)
+    lax.fori_loop(0, n_depth, zero, None)
 
-    def dbody(c, _):
-      d0 = pl.multiple_of(c * bd, bd)
-      h_c = h_ref[pl.ds(r0, bn), pl.ds(d0, bd)]
-      dw_ref[pl.ds(d0, bd), :] += lax.dot_general(h_c, e, (((0,), (0,)), ((), ())),
-                                                  preferred_element_type=jnp.float32)
-    lax.fori_loop(0, n_depth, dbody, None)
+    def tbody(b, _):
+        r0 = pl.multiple_of(b * bn, bn)
+        z = _z_tile(
+            lambda c: h_ref[pl.ds(r0, bn), pl.ds(pl.multiple_of(c * bd, bd), bd)],
+            lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), :],
+            n_depth,
+            (bn, bv),
+            inv_t,
+        )
+        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
+        if padded:
+            z = jnp.where(valid, z, -jnp.inf)
+        beta = beta_ref[pl.ds(r0, bn)] if with_beta else None
+        e = _dense_cotangent(z, lse_ref[pl.ds(r0, bn)], alpha_ref[pl.ds(r0, bn)], beta, valid, inv_t, h_ref.dtype)
 
-  lax.fori_loop(0, n_tb, tbody, None)
+        def dbody(c, _):
+            d0 = pl.multiple_of(c * bd, bd)
+            h_c = h_ref[pl.ds(r0, bn), pl.ds(d0, bd)]
+            dw_ref[pl.ds(d0, bd), :] += lax.dot_general(
+                h_c, e, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        lax.fori_loop(0, n_depth, dbody, None)
+
+    lax.fori_loop(0, n_tb, tbody, None)
 
 
 def _pallas_pad(h_ND, w_DV, blocks: BlockSizes):
-  n, d = h_ND.shape
-  dp, vp = _round_up(d, blocks.depth), _round_up(w_DV.shape[1], blocks.vocab)
-  h_p = _pad_axis(_pad_axis(h_ND, 0, _round_up(n, blocks.tokens)), 1, dp)
-  return h_p, _pad_axis(_pad_axis(w_DV, 0, dp), 1, vp)
+    n, d = h_ND.shape
+    dp, vp = _round_up(d, blocks.depth), _round_up(w_DV.shape[1], blocks.vocab)
+    h_p = _pad_axis(_pad_axis(h_ND, 0, _round_up(n, blocks.tokens)), 1, dp)
+    return h_p, _pad_axis(_pad_axis(w_DV, 0, dp), 1, vp)
 
 
 def _pallas_call(kernel, out_shape, grid, in_specs, out_specs, blocks, name):
-  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                        out_specs=out_specs, interpret=_interpret(blocks),
-                        compiler_params=_compiler_params(blocks), name=name)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=_interpret(blocks),
+        compiler_params=_compiler_params(blocks),
+        name=name,
+    )
 
 
 def _pallas_lse(h_p, w_p, n_vocab, temperature, with_ez, blocks):
-  """lse (and ez) for every padded row: grid over token blocks, online lse over vocab tiles."""
-  (np_, dp), vp, bn = h_p.shape, w_p.shape[1], blocks.tokens
-  kernel = functools.partial(_stats_kernel, n_vocab=n_vocab, bv=blocks.vocab, bd=blocks.depth,
-                             inv_t=1.0 / temperature, with_ez=with_ez)
-  n_out = 2 if with_ez else 1
-  return _pallas_call(
-      kernel, (jax.ShapeDtypeStruct((np_,), jnp.float32),) * n_out, (np_ // bn,),
-      [pl.BlockSpec((bn, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0))],
-      (pl.BlockSpec((bn,), lambda i: (i,)),) * n_out, blocks, "fused_linear_lse")(h_p, w_p)
+    """lse (and ez) for every padded row: grid over token blocks, online lse over vocab tiles."""
+    (np_, dp), vp, bn = h_p.shape, w_p.shape[1], blocks.tokens
+    kernel = functools.partial(
+        _stats_kernel, n_vocab=n_vocab, bv=blocks.vocab, bd=blocks.depth, inv_t=1.0 / temperature, with_ez=with_ez
+    )
+    n_out = 2 if with_ez else 1
+    return _pallas_call(
+        kernel,
+        (jax.ShapeDtypeStruct((np_,), jnp.float32),) * n_out,
+        (np_ // bn,),
+        [pl.BlockSpec((bn, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0))],
+        (pl.BlockSpec((bn,), lambda i: (i,)),) * n_out,
+        blocks,
+        "fused_linear_lse",
+    )(h_p, w_p)
 
 
 def _gather_teacher_logits(h_ND, w_DV, ids_NK, temperature):
-  """zid_NK = h_n . w[:, ids_nk] / T by gathers of W columns, _SPARSE_ROWS rows at a time."""
-  n, sb = h_ND.shape[0], min(_SPARSE_ROWS, h_ND.shape[0])
+    """zid_NK = h_n . w[:, ids_nk] / T by gathers of W columns, _SPARSE_ROWS rows at a time."""
+    n, sb = h_ND.shape[0], min(_SPARSE_ROWS, h_ND.shape[0])
 
-  def one(args):
-    h_bD, ids_bK = args
-    w_DbK = jnp.take(w_DV, _gather_ids(ids_bK, w_DV.shape[1]), axis=1)
-    return _scale_logits(jnp.einsum("nd,dnk->nk", h_bD, w_DbK, preferred_element_type=jnp.float32),
-                         temperature)
+    def one(args):
+        h_bD, ids_bK = args
+        w_DbK = jnp.take(w_DV, _gather_ids(ids_bK, w_DV.shape[1]), axis=1)
+        return _scale_logits(jnp.einsum("nd,dnk->nk", h_bD, w_DbK, preferred_element_type=jnp.float32), temperature)
 
-  return _from_blocks(lax.map(one, (_to_blocks(h_ND, sb), _to_blocks(ids_NK, sb))), n)
+    return _from_blocks(lax.map(one, (_to_blocks(h_ND, sb), _to_blocks(ids_NK, sb))), n)
 
 
 def _pallas_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks) -> RowStats:
-  n = h_ND.shape[0]
-  h_p, w_p = _pallas_pad(h_ND, w_DV, blocks)
-  outs = _pallas_lse(h_p, w_p, w_DV.shape[1], temperature, with_ez, blocks)
-  return RowStats(outs[0][:n], _gather_teacher_logits(h_ND, w_DV, ids_NK, temperature),
-                  outs[1][:n] if with_ez else None)
+    n = h_ND.shape[0]
+    h_p, w_p = _pallas_pad(h_ND, w_DV, blocks)
+    outs = _pallas_lse(h_p, w_p, w_DV.shape[1], temperature, with_ez, blocks)
+    return RowStats(
+        outs[0][:n], _gather_teacher_logits(h_ND, w_DV, ids_NK, temperature), outs[1][:n] if with_ez else None
+    )
 
 
 def _pallas_grads(h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, temperature, blocks):
-  (n, d), v = h_ND.shape, w_DV.shape[1]
-  bn, bv, bd = blocks.tokens, blocks.vocab, blocks.depth
-  h_p, w_p = _pallas_pad(h_ND, w_DV, blocks)
-  (np_, dp), vp = h_p.shape, w_p.shape[1]
-  with_beta, inv_t = coefs.beta is not None, 1.0 / temperature
-  rows = [_pad_axis(x, 0, np_) for x in (lse_N, coefs.alpha) + ((coefs.beta,) if with_beta else ())]
-  statics = dict(n_vocab=v, bd=bd, inv_t=inv_t, with_beta=with_beta)
+    (n, d), v = h_ND.shape, w_DV.shape[1]
+    bn, bv, bd = blocks.tokens, blocks.vocab, blocks.depth
+    h_p, w_p = _pallas_pad(h_ND, w_DV, blocks)
+    (np_, dp), vp = h_p.shape, w_p.shape[1]
+    with_beta, inv_t = coefs.beta is not None, 1.0 / temperature
+    rows = [_pad_axis(x, 0, np_) for x in (lse_N, coefs.alpha) + ((coefs.beta,) if with_beta else ())]
+    statics = dict(n_vocab=v, bd=bd, inv_t=inv_t, with_beta=with_beta)
 
-  row_block = pl.BlockSpec((bn,), lambda i: (i,))
-  dh_p = _pallas_call(
-      functools.partial(_dh_kernel, bv=bv, **statics),
-      jax.ShapeDtypeStruct((np_, dp), jnp.float32), (np_ // bn,),
-      [pl.BlockSpec((bn, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0))]
-      + [row_block] * len(rows),
-      pl.BlockSpec((bn, dp), lambda i: (i, 0)), blocks, "fused_linear_dh")(h_p, w_p, *rows)
+    row_block = pl.BlockSpec((bn,), lambda i: (i,))
+    dh_p = _pallas_call(
+        functools.partial(_dh_kernel, bv=bv, **statics),
+        jax.ShapeDtypeStruct((np_, dp), jnp.float32),
+        (np_ // bn,),
+        [pl.BlockSpec((bn, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0))] + [row_block] * len(rows),
+        pl.BlockSpec((bn, dp), lambda i: (i, 0)),
+        blocks,
+        "fused_linear_dh",
+    )(h_p, w_p, *rows)
 
-  row_full = pl.BlockSpec((np_,), lambda j: (0,))
-  dw_p = _pallas_call(
-      functools.partial(_dw_kernel, bn=bn, padded=vp != v, **statics),
-      jax.ShapeDtypeStruct((dp, vp), jnp.float32), (vp // bv,),
-      [pl.BlockSpec((np_, dp), lambda j: (0, 0)), pl.BlockSpec((dp, bv), lambda j: (0, j))]
-      + [row_full] * len(rows),
-      pl.BlockSpec((dp, bv), lambda j: (0, j)), blocks, "fused_linear_dw")(h_p, w_p, *rows)
+    row_full = pl.BlockSpec((np_,), lambda j: (0,))
+    dw_p = _pallas_call(
+        functools.partial(_dw_kernel, bn=bn, padded=vp != v, **statics),
+        jax.ShapeDtypeStruct((dp, vp), jnp.float32),
+        (vp // bv,),
+        [pl.BlockSpec((np_, dp), lambda j: (0, 0)), pl.BlockSpec((dp, bv), lambda j: (0, j))] + [row_full] * len(rows),
+        pl.BlockSpec((dp, bv), lambda j: (0, j)),
+        blocks,
+        "fused_linear_dw",
+    )(h_p, w_p, *rows)
 
-  # Sparse terms of (*): sum_k sparse_nk w[:, id_nk] into dh, scatter-add into dW, both f32.
-  def body(dw_DV, xs):
-    h_bD, ids_bK, sparse_bK, dh_bD = xs
-    w_DbK = jnp.take(w_DV, _gather_ids(ids_bK, v), axis=1)
-    sparse_bK = sparse_bK * inv_t
-    dh_bD = dh_bD + jnp.einsum("nk,dnk->nd", sparse_bK, w_DbK, preferred_element_type=jnp.float32)
-    upd_DbK = jnp.einsum("nd,nk->dnk", h_bD.astype(jnp.float32), sparse_bK)
-    return dw_DV.at[:, _scatter_ids(ids_bK, v)].add(upd_DbK, mode="drop"), dh_bD.astype(h_ND.dtype)
+    # Sparse terms of (*): sum_k sparse_nk w[:, id_nk] into dh, scatter-add into dW, both f32.
+    def body(dw_DV, xs):
+        h_bD, ids_bK, sparse_bK, dh_bD = xs
+        w_DbK = jnp.take(w_DV, _gather_ids(ids_bK, v), axis=1)
+        sparse_bK = sparse_bK * inv_t
+        dh_bD = dh_bD + jnp.einsum("nk,dnk->nd", sparse_bK, w_DbK, preferred_element_type=jnp.float32)
+        upd_DbK = jnp.einsum("nd,nk->dnk", h_bD.astype(jnp.float32), sparse_bK)
+        return dw_DV.at[:, _scatter_ids(ids_bK, v)].add(upd_DbK, mode="drop"), dh_bD.astype(h_ND.dtype)
 
-  sb = min(_SPARSE_ROWS, n)
-  xs = tuple(_to_blocks(x, sb) for x in (h_ND, ids_NK, coefs.sparse, dh_p[:n, :d]))
-  dw_DV, dh_blocks = lax.scan(body, dw_p[:d, :v], xs)
-  return _from_blocks(dh_blocks, n), dw_DV.astype(w_DV.dtype)
+    sb = min(_SPARSE_ROWS, n)
+    xs = tuple(_to_blocks(x, sb) for x in (h_ND, ids_NK, coefs.sparse, dh_p[:n, :d]))
+    dw_DV, dh_blocks = lax.scan(body, dw_p[:d, :v], xs)
+    return _from_blocks(dh_blocks, n), dw_DV.astype(w_DV.dtype)
 
 
 # ------------------------------------------------------------------------------------
@@ -540,41 +585,51 @@ def _pallas_grads(h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, temperature, blocks):
 
 
 def _check_engine(engine):
-  if engine not in ENGINES:
-    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
 
 
-def row_stats(engine: str, h_ND, w_DV, ids_NK, *, temperature: float, with_ez: bool,
-              blocks: BlockSizes | None) -> RowStats:
-  """Per-row statistics of z = h w / T: one projection (plus W-column gathers for pallas)."""
-  _check_engine(engine)
-  blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
-  fn = _xla_row_stats if engine == "chunked_xla" else _pallas_row_stats
-  return fn(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
+def row_stats(
+    engine: str, h_ND, w_DV, ids_NK, *, temperature: float, with_ez: bool, blocks: BlockSizes | None
+) -> RowStats:
+    """Per-row statistics of z = h w / T: one projection (plus W-column gathers for pallas)."""
+    _check_engine(engine)
+    blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
+    fn = _xla_row_stats if engine == "chunked_xla" else _pallas_row_stats
+    return fn(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
 
 
-def grads(engine: str, h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, *, temperature: float,
-          blocks: BlockSizes | None):
-  """(dh_ND, dw_DV) in the input dtypes for the cotangent (*) of z = h w / T, z recomputed."""
-  _check_engine(engine)
-  blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
-  fn = _xla_grads if engine == "chunked_xla" else _pallas_grads
-  return fn(h_ND, w_DV, ids_NK, lse_N, coefs, temperature, blocks)
+def grads(engine: str, h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, *, temperature: float, blocks: BlockSizes | None):
+    """(dh_ND, dw_DV) in the input dtypes for the cotangent (*) of z = h w / T, z recomputed."""
+    _check_engine(engine)
+    blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
+    fn = _xla_grads if engine == "chunked_xla" else _pallas_grads
+    return fn(h_ND, w_DV, ids_NK, lse_N, coefs, temperature, blocks)
 
 
-def fused_value_and_grads(engine: str, h_ND, w_DV, ids_NK, rows, coef_fn: CoefFn, *,
-                          temperature: float, with_ez: bool, blocks: BlockSizes | None):
-  """A scalar loss and its gradients wrt h and w in one pass where the engine allows it.
+def fused_value_and_grads(
+    engine: str,
+    h_ND,
+    w_DV,
+    ids_NK,
+    rows,
+    coef_fn: CoefFn,
+    *,
+    temperature: float,
+    with_ez: bool,
+    blocks: BlockSizes | None,
+):
+    """A scalar loss and its gradients wrt h and w in one pass where the engine allows it.
 
-  rows: pytree of [N, ...] per-row arrays handed to coef_fn block by block (zero-padded
-  rows must give zero loss and zero coefficients). Returns (value f32 [], dh_ND, dw_DV).
-  chunked_xla: 3 projections; pallas: statistics pass then gradients (5 projections).
-  """
-  _check_engine(engine)
-  blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
-  if engine == "chunked_xla":
-    return _xla_fused(h_ND, w_DV, ids_NK, rows, coef_fn, temperature, with_ez, blocks)
-  stats = _pallas_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
-  value, coefs = coef_fn(stats, rows)
-  dh_ND, dw_DV = _pallas_grads(h_ND, w_DV, ids_NK, stats.lse, coefs, temperature, blocks)
-  return value, dh_ND, dw_DV
+    rows: pytree of [N, ...] per-row arrays handed to coef_fn block by block (zero-padded
+    rows must give zero loss and zero coefficients). Returns (value f32 [], dh_ND, dw_DV).
+    chunked_xla: 3 projections; pallas: statistics pass then gradients (5 projections).
+    """
+    _check_engine(engine)
+    blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
+    if engine == "chunked_xla":
+        return _xla_fused(h_ND, w_DV, ids_NK, rows, coef_fn, temperature, with_ez, blocks)
+    stats = _pallas_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
+    value, coefs = coef_fn(stats, rows)
+    dh_ND, dw_DV = _pallas_grads(h_ND, w_DV, ids_NK, stats.lse, coefs, temperature, blocks)
+    return value, dh_ND, dw_DV

@@ -39,6 +39,7 @@ Conventions:
     "pallas", or "auto" (the fastest measured implementation for the backend, from
     _AUTO_IMPL).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,49 +71,50 @@ _LOG_ZERO = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-  impl: str
-  temperature: float
-  blocks: BlockSizes | None
-  tail: bool = False
-  with_entropy: bool = False
+    impl: str
+    temperature: float
+    blocks: BlockSizes | None
+    tail: bool = False
+    with_entropy: bool = False
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-  """Maps "auto" to the implementation measured fastest on the backend."""
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  return _AUTO_IMPL.get(backend or jax.default_backend(), "chunked_xla") if impl == "auto" else impl
+    """Maps "auto" to the implementation measured fastest on the backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return _AUTO_IMPL.get(backend or jax.default_backend(), "chunked_xla") if impl == "auto" else impl
 
 
 def _as_blocks(block_sizes) -> BlockSizes | None:
-  if block_sizes is None or isinstance(block_sizes, BlockSizes):
-    return block_sizes
-  if isinstance(block_sizes, dict):
-    return BlockSizes(**block_sizes)
-  raise ValueError(f"block_sizes must be a BlockSizes, a dict or None, got {type(block_sizes)}")
+    if block_sizes is None or isinstance(block_sizes, BlockSizes):
+        return block_sizes
+    if isinstance(block_sizes, dict):
+        return BlockSizes(**block_sizes)
+    raise ValueError(f"block_sizes must be a BlockSizes, a dict or None, got {type(block_sizes)}")
 
 
 def _check_projection(h_ND, w_DV, temperature):
-  if h_ND.ndim != 2 or w_DV.ndim != 2 or h_ND.shape[1] != w_DV.shape[0]:
-    raise ValueError(f"h_ND {h_ND.shape} and w_DV {w_DV.shape} must be [N, D] and [D, V]")
-  if h_ND.dtype != w_DV.dtype or not jnp.issubdtype(h_ND.dtype, jnp.floating):
-    raise ValueError(f"h_ND {h_ND.shape} {h_ND.dtype} and w_DV {w_DV.shape} {w_DV.dtype} must "
-                     "share one floating dtype")
-  if not temperature > 0:
-    raise ValueError(f"temperature must be > 0, got {temperature}")
+    if h_ND.ndim != 2 or w_DV.ndim != 2 or h_ND.shape[1] != w_DV.shape[0]:
+        raise ValueError(f"h_ND {h_ND.shape} and w_DV {w_DV.shape} must be [N, D] and [D, V]")
+    if h_ND.dtype != w_DV.dtype or not jnp.issubdtype(h_ND.dtype, jnp.floating):
+        raise ValueError(
+            f"h_ND {h_ND.shape} {h_ND.dtype} and w_DV {w_DV.shape} {w_DV.dtype} must " "share one floating dtype"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 def _check_ids(name, ids, h_ND, trailing):
-  if ids.shape[:1] != h_ND.shape[:1] or ids.ndim != 1 + len(trailing):
-    want = "[N, K]" if trailing else "[N]"
-    raise ValueError(f"{name} {ids.shape} must be {want} for h_ND {h_ND.shape}")
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"{name} {ids.shape} must be integer, got {ids.dtype}")
+    if ids.shape[:1] != h_ND.shape[:1] or ids.ndim != 1 + len(trailing):
+        want = "[N, K]" if trailing else "[N]"
+        raise ValueError(f"{name} {ids.shape} must be {want} for h_ND {h_ND.shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} {ids.shape} must be integer, got {ids.dtype}")
 
 
 def _in_vocab(ids, n_vocab):
-  """(ids as int32, mask of ids in [0, V)); the engines skip the others."""
-  return ids.astype(jnp.int32), (ids >= 0) & (ids < n_vocab)
+    """(ids as int32, mask of ids in [0, V)); the engines skip the others."""
+    return ids.astype(jnp.int32), (ids >= 0) & (ids < n_vocab)
 
 
 # ------------------------------------------------------------------------------------
@@ -121,23 +123,22 @@ def _in_vocab(ids, n_vocab):
 
 
 def _kl_rows(zid_NK, lse_N, logp_NK, valid_NK, tail):
-  """Per-row loss and unit-cotangent coefficients (alpha_N, sparse_NK) of the form (*)."""
-  logq_NK = zid_NK - lse_N[:, None]
-  p_NK = jnp.where(valid_NK, jnp.exp(logp_NK), 0.0)
-  support = p_NK > 0
-  logp_safe = jnp.where(support, logp_NK, 0.0)
-  loss_N = jnp.sum(jnp.where(support, p_NK * (logp_safe - logq_NK), 0.0), axis=1)
-  mass_N = jnp.sum(p_NK, axis=1)
-  if not tail:
-    return loss_N, mass_N, -p_NK
-  one_m_mass = jnp.clip(-jnp.expm1(jax.nn.logsumexp(
-      jnp.where(valid_NK, logp_NK, _LOG_ZERO), axis=1)), 0.0, 1.0)
-  q_NK = jnp.where(valid_NK, jnp.exp(logq_NK), 0.0)
-  one_m_q_raw = -jnp.expm1(jax.nn.logsumexp(jnp.where(valid_NK, logq_NK, _LOG_ZERO), axis=1))
-  one_m_q = jnp.maximum(one_m_q_raw, _ONE_MINUS_Q_FLOOR)
-  loss_N = loss_N + xlogy(one_m_mass, one_m_mass) - one_m_mass * jnp.log(one_m_q)
-  r_N = jnp.where(one_m_q_raw > _ONE_MINUS_Q_FLOOR, one_m_mass / one_m_q, 0.0)
-  return loss_N, mass_N - r_N * jnp.sum(q_NK, axis=1), r_N[:, None] * q_NK - p_NK
+    """Per-row loss and unit-cotangent coefficients (alpha_N, sparse_NK) of the form (*)."""
+    logq_NK = zid_NK - lse_N[:, None]
+    p_NK = jnp.where(valid_NK, jnp.exp(logp_NK), 0.0)
+    support = p_NK > 0
+    logp_safe = jnp.where(support, logp_NK, 0.0)
+    loss_N = jnp.sum(jnp.where(support, p_NK * (logp_safe - logq_NK), 0.0), axis=1)
+    mass_N = jnp.sum(p_NK, axis=1)
+    if not tail:
+        return loss_N, mass_N, -p_NK
+    one_m_mass = jnp.clip(-jnp.expm1(jax.nn.logsumexp(jnp.where(valid_NK, logp_NK, _LOG_ZERO), axis=1)), 0.0, 1.0)
+    q_NK = jnp.where(valid_NK, jnp.exp(logq_NK), 0.0)
+    one_m_q_raw = -jnp.expm1(jax.nn.logsumexp(jnp.where(valid_NK, logq_NK, _LOG_ZERO), axis=1))
+    one_m_q = jnp.maximum(one_m_q_raw, _ONE_MINUS_Q_FLOOR)
+    loss_N = loss_N + xlogy(one_m_mass, one_m_mass) - one_m_mass * jnp.log(one_m_q)
+    r_N = jnp.where(one_m_q_raw > _ONE_MINUS_Q_FLOOR, one_m_mass / one_m_q, 0.0)
+    return loss_N, mass_N - r_N * jnp.sum(q_NK, axis=1), r_N[:, None] * q_NK - p_NK
 
 
 # ------------------------------------------------------------------------------------
@@ -146,35 +147,33 @@ def _kl_rows(zid_NK, lse_N, logp_NK, valid_NK, tail):
 
 
 def _dense_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg: _Config):
-  z_NV = jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32) / cfg.temperature
-  lse_N = jax.nn.logsumexp(z_NV, axis=1)
-  zid_NK = jnp.take_along_axis(z_NV, jnp.clip(ids_NK, 0, w_DV.shape[1] - 1), axis=1)
-  return _kl_rows(zid_NK, lse_N, jax.lax.stop_gradient(logp_NK), valid_NK, cfg.tail)[0]
+    z_NV = jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32) / cfg.temperature
+    lse_N = jax.nn.logsumexp(z_NV, axis=1)
+    zid_NK = jnp.take_along_axis(z_NV, jnp.clip(ids_NK, 0, w_DV.shape[1] - 1), axis=1)
+    return _kl_rows(zid_NK, lse_N, jax.lax.stop_gradient(logp_NK), valid_NK, cfg.tail)[0]
 
 
 def _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg: _Config):
-  stats = fk.row_stats(cfg.impl, h_ND, w_DV, ids_NK, temperature=cfg.temperature, with_ez=False,
-                       blocks=cfg.blocks)
-  return stats, _kl_rows(stats.zid, stats.lse, logp_NK, valid_NK, cfg.tail)[0]
+    stats = fk.row_stats(cfg.impl, h_ND, w_DV, ids_NK, temperature=cfg.temperature, with_ez=False, blocks=cfg.blocks)
+    return stats, _kl_rows(stats.zid, stats.lse, logp_NK, valid_NK, cfg.tail)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _kl_tokens(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg: _Config):
-  return _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)[1]
+    return _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)[1]
 
 
 def _kl_tokens_fwd(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg):
-  stats, loss_N = _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
-  return loss_N, (h_ND, w_DV, ids_NK, logp_NK, valid_NK, stats.lse, stats.zid)
+    stats, loss_N = _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
+    return loss_N, (h_ND, w_DV, ids_NK, logp_NK, valid_NK, stats.lse, stats.zid)
 
 
 def _kl_tokens_bwd(cfg, res, g_N):
-  h_ND, w_DV, ids_NK, logp_NK, valid_NK, lse_N, zid_NK = res
-  _, alpha_N, sparse_NK = _kl_rows(zid_NK, lse_N, logp_NK, valid_NK, cfg.tail)
-  coefs = fk.Coefs(g_N * alpha_N, None, g_N[:, None] * sparse_NK)
-  dh_ND, dw_DV = fk.grads(cfg.impl, h_ND, w_DV, ids_NK, lse_N, coefs,
-                          temperature=cfg.temperature, blocks=cfg.blocks)
-  return dh_ND, dw_DV, None, None, None
+    h_ND, w_DV, ids_NK, logp_NK, valid_NK, lse_N, zid_NK = res
+    _, alpha_N, sparse_NK = _kl_rows(zid_NK, lse_N, logp_NK, valid_NK, cfg.tail)
+    coefs = fk.Coefs(g_N * alpha_N, None, g_N[:, None] * sparse_NK)
+    dh_ND, dw_DV = fk.grads(cfg.impl, h_ND, w_DV, ids_NK, lse_N, coefs, temperature=cfg.temperature, blocks=cfg.blocks)
+    return dh_ND, dw_DV, None, None, None
 
 
 _kl_tokens.defvjp(_kl_tokens_fwd, _kl_tokens_bwd)
@@ -182,93 +181,110 @@ _kl_tokens.defvjp(_kl_tokens_fwd, _kl_tokens_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _kl_scalar(h_ND, w_DV, ids_NK, logp_NK, valid_NK, weight_N, cfg: _Config):
-  return jnp.sum(weight_N * _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)[1])
+    return jnp.sum(weight_N * _engine_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)[1])
 
 
 def _kl_scalar_fwd(h_ND, w_DV, ids_NK, logp_NK, valid_NK, weight_N, cfg):
-  # Gradients for a unit cotangent are formed in the same pass as the value.
-  def coef_fn(stats, rows):
-    logp_bK, valid_bK, weight_b = rows
-    loss_b, alpha_b, sparse_bK = _kl_rows(stats.zid, stats.lse, logp_bK, valid_bK, cfg.tail)
-    return (jnp.sum(weight_b * loss_b),
-            fk.Coefs(weight_b * alpha_b, None, weight_b[:, None] * sparse_bK))
+    # Gradients for a unit cotangent are formed in the same pass as the value.
+    def coef_fn(stats, rows):
+        logp_bK, valid_bK, weight_b = rows
+        loss_b, alpha_b, sparse_bK = _kl_rows(stats.zid, stats.lse, logp_bK, valid_bK, cfg.tail)
+        return (jnp.sum(weight_b * loss_b), fk.Coefs(weight_b * alpha_b, None, weight_b[:, None] * sparse_bK))
 
-  value, dh_ND, dw_DV = fk.fused_value_and_grads(
-      cfg.impl, h_ND, w_DV, ids_NK, (logp_NK, valid_NK, weight_N), coef_fn,
-      temperature=cfg.temperature, with_ez=False, blocks=cfg.blocks)
-  return value, (dh_ND, dw_DV)
+    value, dh_ND, dw_DV = fk.fused_value_and_grads(
+        cfg.impl,
+        h_ND,
+        w_DV,
+        ids_NK,
+        (logp_NK, valid_NK, weight_N),
+        coef_fn,
+        temperature=cfg.temperature,
+        with_ez=False,
+        blocks=cfg.blocks,
+    )
+    return value, (dh_ND, dw_DV)
 
 
 def _scale(x, g):
-  return (x.astype(jnp.float32) * g).astype(x.dtype)
+    return (x.astype(jnp.float32) * g).astype(x.dtype)
 
 
 def _kl_scalar_bwd(cfg, res, g):
-  dh_ND, dw_DV = res
-  return _scale(dh_ND, g), _scale(dw_DV, g), None, None, None, None
+    dh_ND, dw_DV = res
+    return _scale(dh_ND, g), _scale(dw_DV, g), None, None, None, None
 
 
 _kl_scalar.defvjp(_kl_scalar_fwd, _kl_scalar_bwd)
 
 
-def linear_topk_kl(h_ND: jax.Array, w_DV: jax.Array, teacher_ids_NK: jax.Array,
-                   teacher_logp_NK: jax.Array, *, mask_N: jax.Array | None = None,
-                   temperature: float = 1.0, tail: bool = False, reduction: str = "none",
-                   impl: str = "auto", block_sizes: BlockSizes | dict | None = None) -> jax.Array:
-  """KL(teacher top-K || softmax(h w / T)) per token, without [N, V] logits.
+def linear_topk_kl(
+    h_ND: jax.Array,
+    w_DV: jax.Array,
+    teacher_ids_NK: jax.Array,
+    teacher_logp_NK: jax.Array,
+    *,
+    mask_N: jax.Array | None = None,
+    temperature: float = 1.0,
+    tail: bool = False,
+    reduction: str = "none",
+    impl: str = "auto",
+    block_sizes: BlockSizes | dict | None = None,
+) -> jax.Array:
+    """KL(teacher top-K || softmax(h w / T)) per token, without [N, V] logits.
 
-  Args:
-    h_ND: student hidden states [N, D], bf16 or f32.
-    w_DV: LM head [D, V], same dtype as h_ND.
-    teacher_ids_NK: int [N, K] teacher top-K ids (K <= V), distinct within a row; ids
-      outside [0, V) are absent.
-    teacher_logp_NK: float [N, K] teacher full-vocabulary log-probs at those ids (not
-      renormalised over the K).
-    mask_N: bool [N]; False rows give 0 and no gradient. None: all rows.
-    temperature: divides the student logits.
-    tail: add the (1 - M) log((1 - M) / (1 - Q)) bucket for the mass outside the top-K.
-    reduction: "none" -> loss_N float32 [N]; "sum" / "mean" (over unmasked rows) ->
-      float32 scalar, whose gradients are formed in the same pass as the value.
-    impl: "auto", "dense", "chunked_xla" or "pallas".
-    block_sizes: BlockSizes or dict of its fields; None for defaults.
-  Returns:
-    float32 loss_N [N] (masked rows 0), or a scalar with "sum" / "mean". Differentiable
-    wrt h_ND and w_DV (nats).
-  """
-  _check_projection(h_ND, w_DV, temperature)
-  _check_ids("teacher_ids_NK", teacher_ids_NK, h_ND, trailing=(None,))
-  if teacher_logp_NK.shape != teacher_ids_NK.shape or not jnp.issubdtype(teacher_logp_NK.dtype,
-                                                                          jnp.floating):
-    raise ValueError(f"teacher_logp_NK {teacher_logp_NK.shape} {teacher_logp_NK.dtype} must be "
-                     f"floating with the shape of teacher_ids_NK {teacher_ids_NK.shape}")
-  n, (k, v) = h_ND.shape[0], (teacher_ids_NK.shape[1], w_DV.shape[1])
-  if not 1 <= k <= v:
-    raise ValueError(f"need 1 <= K <= V: teacher_ids_NK {teacher_ids_NK.shape}, w_DV {w_DV.shape}")
-  if mask_N is None:
-    mask_N = jnp.ones((n,), bool)
-  elif mask_N.shape != (n,) or mask_N.dtype != jnp.bool_:
-    raise ValueError(f"mask_N {mask_N.shape} {mask_N.dtype} must be bool [N] for h_ND {h_ND.shape}")
-  if reduction not in REDUCTIONS:
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-  cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), tail=bool(tail))
+    Args:
+      h_ND: student hidden states [N, D], bf16 or f32.
+      w_DV: LM head [D, V], same dtype as h_ND.
+      teacher_ids_NK: int [N, K] teacher top-K ids (K <= V), distinct within a row; ids
+        outside [0, V) are absent.
+      teacher_logp_NK: float [N, K] teacher full-vocabulary log-probs at those ids (not
+        renormalised over the K).
+      mask_N: bool [N]; False rows give 0 and no gradient. None: all rows.
+      temperature: divides the student logits.
+      tail: add the (1 - M) log((1 - M) / (1 - Q)) bucket for the mass outside the top-K.
+      reduction: "none" -> loss_N float32 [N]; "sum" / "mean" (over unmasked rows) ->
+        float32 scalar, whose gradients are formed in the same pass as the value.
+      impl: "auto", "dense", "chunked_xla" or "pallas".
+      block_sizes: BlockSizes or dict of its fields; None for defaults.
+    Returns:
+      float32 loss_N [N] (masked rows 0), or a scalar with "sum" / "mean". Differentiable
+      wrt h_ND and w_DV (nats).
+    """
+    _check_projection(h_ND, w_DV, temperature)
+    _check_ids("teacher_ids_NK", teacher_ids_NK, h_ND, trailing=(None,))
+    if teacher_logp_NK.shape != teacher_ids_NK.shape or not jnp.issubdtype(teacher_logp_NK.dtype, jnp.floating):
+        raise ValueError(
+            f"teacher_logp_NK {teacher_logp_NK.shape} {teacher_logp_NK.dtype} must be "
+            f"floating with the shape of teacher_ids_NK {teacher_ids_NK.shape}"
+        )
+    n, (k, v) = h_ND.shape[0], (teacher_ids_NK.shape[1], w_DV.shape[1])
+    if not 1 <= k <= v:
+        raise ValueError(f"need 1 <= K <= V: teacher_ids_NK {teacher_ids_NK.shape}, w_DV {w_DV.shape}")
+    if mask_N is None:
+        mask_N = jnp.ones((n,), bool)
+    elif mask_N.shape != (n,) or mask_N.dtype != jnp.bool_:
+        raise ValueError(f"mask_N {mask_N.shape} {mask_N.dtype} must be bool [N] for h_ND {h_ND.shape}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), tail=bool(tail))
 
-  ids_NK, valid_NK = _in_vocab(teacher_ids_NK, v)
-  valid_NK = valid_NK & mask_N[:, None]
-  logp_NK = teacher_logp_NK.astype(jnp.float32)
-  if reduction == "none" or cfg.impl == "dense":
-    if cfg.impl == "dense":
-      loss_N = _dense_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
-    else:
-      loss_N = _kl_tokens(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
-    loss_N = jnp.where(mask_N, loss_N, 0.0)
-    if reduction == "none":
-      return loss_N
-    total = jnp.sum(loss_N)
-    return total if reduction == "sum" else total / jnp.maximum(jnp.sum(mask_N), 1)
-  weight_N = mask_N.astype(jnp.float32)
-  if reduction == "mean":
-    weight_N = weight_N / jnp.maximum(jnp.sum(weight_N), 1.0)
-  return _kl_scalar(h_ND, w_DV, ids_NK, logp_NK, valid_NK, weight_N, cfg)
+    ids_NK, valid_NK = _in_vocab(teacher_ids_NK, v)
+    valid_NK = valid_NK & mask_N[:, None]
+    logp_NK = teacher_logp_NK.astype(jnp.float32)
+    if reduction == "none" or cfg.impl == "dense":
+        if cfg.impl == "dense":
+            loss_N = _dense_kl_rows(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
+        else:
+            loss_N = _kl_tokens(h_ND, w_DV, ids_NK, logp_NK, valid_NK, cfg)
+        loss_N = jnp.where(mask_N, loss_N, 0.0)
+        if reduction == "none":
+            return loss_N
+        total = jnp.sum(loss_N)
+        return total if reduction == "sum" else total / jnp.maximum(jnp.sum(mask_N), 1)
+    weight_N = mask_N.astype(jnp.float32)
+    if reduction == "mean":
+        weight_N = weight_N / jnp.maximum(jnp.sum(weight_N), 1.0)
+    return _kl_scalar(h_ND, w_DV, ids_NK, logp_NK, valid_NK, weight_N, cfg)
 
 
 # ------------------------------------------------------------------------------------
@@ -277,64 +293,71 @@ def linear_topk_kl(h_ND: jax.Array, w_DV: jax.Array, teacher_ids_NK: jax.Array,
 
 
 def _logprob_outputs(stats: fk.RowStats, valid_N, with_entropy):
-  logp_N = jnp.where(valid_N, stats.zid[:, 0] - stats.lse, 0.0)
-  return (logp_N, stats.lse - stats.ez) if with_entropy else logp_N
+    logp_N = jnp.where(valid_N, stats.zid[:, 0] - stats.lse, 0.0)
+    return (logp_N, stats.lse - stats.ez) if with_entropy else logp_N
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _logprob(h_ND, w_DV, ids_N1, valid_N, cfg: _Config):
-  return _logprob_fwd(h_ND, w_DV, ids_N1, valid_N, cfg)[0]
+    return _logprob_fwd(h_ND, w_DV, ids_N1, valid_N, cfg)[0]
 
 
 def _logprob_fwd(h_ND, w_DV, ids_N1, valid_N, cfg):
-  stats = fk.row_stats(cfg.impl, h_ND, w_DV, ids_N1, temperature=cfg.temperature,
-                       with_ez=cfg.with_entropy, blocks=cfg.blocks)
-  return _logprob_outputs(stats, valid_N, cfg.with_entropy), (h_ND, w_DV, ids_N1, valid_N, stats)
+    stats = fk.row_stats(
+        cfg.impl, h_ND, w_DV, ids_N1, temperature=cfg.temperature, with_ez=cfg.with_entropy, blocks=cfg.blocks
+    )
+    return _logprob_outputs(stats, valid_N, cfg.with_entropy), (h_ND, w_DV, ids_N1, valid_N, stats)
 
 
 def _logprob_bwd(cfg, res, g):
-  h_ND, w_DV, ids_N1, valid_N, stats = res
-  g_lp = jnp.where(valid_N, g[0] if cfg.with_entropy else g, 0.0)
-  # d logp / dz = 1[target] - q;  d H / dz = q (E_q[z] - z).
-  if cfg.with_entropy:
-    coefs = fk.Coefs(g[1] * stats.ez - g_lp, -g[1], g_lp[:, None])
-  else:
-    coefs = fk.Coefs(-g_lp, None, g_lp[:, None])
-  dh_ND, dw_DV = fk.grads(cfg.impl, h_ND, w_DV, ids_N1, stats.lse, coefs,
-                          temperature=cfg.temperature, blocks=cfg.blocks)
-  return dh_ND, dw_DV, None, None
+    h_ND, w_DV, ids_N1, valid_N, stats = res
+    g_lp = jnp.where(valid_N, g[0] if cfg.with_entropy else g, 0.0)
+    # d logp / dz = 1[target] - q;  d H / dz = q (E_q[z] - z).
+    if cfg.with_entropy:
+        coefs = fk.Coefs(g[1] * stats.ez - g_lp, -g[1], g_lp[:, None])
+    else:
+        coefs = fk.Coefs(-g_lp, None, g_lp[:, None])
+    dh_ND, dw_DV = fk.grads(
+        cfg.impl, h_ND, w_DV, ids_N1, stats.lse, coefs, temperature=cfg.temperature, blocks=cfg.blocks
+    )
+    return dh_ND, dw_DV, None, None
 
 
 _logprob.defvjp(_logprob_fwd, _logprob_bwd)
 
 
 def _dense_logprob(h_ND, w_DV, ids_N1, valid_N, cfg: _Config):
-  logq_NV = jax.nn.log_softmax(
-      jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32) / cfg.temperature, axis=1)
-  ids_N1 = jnp.clip(ids_N1, 0, w_DV.shape[1] - 1)
-  logp_N = jnp.where(valid_N, jnp.take_along_axis(logq_NV, ids_N1, axis=1)[:, 0], 0.0)
-  if not cfg.with_entropy:
-    return logp_N
-  return logp_N, -jnp.sum(jnp.exp(logq_NV) * logq_NV, axis=1)
+    logq_NV = jax.nn.log_softmax(jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32) / cfg.temperature, axis=1)
+    ids_N1 = jnp.clip(ids_N1, 0, w_DV.shape[1] - 1)
+    logp_N = jnp.where(valid_N, jnp.take_along_axis(logq_NV, ids_N1, axis=1)[:, 0], 0.0)
+    if not cfg.with_entropy:
+        return logp_N
+    return logp_N, -jnp.sum(jnp.exp(logq_NV) * logq_NV, axis=1)
 
 
-def linear_logprob(h_ND: jax.Array, w_DV: jax.Array, targets_N: jax.Array, *,
-                   temperature: float = 1.0, with_entropy: bool = False, impl: str = "auto",
-                   block_sizes: BlockSizes | dict | None = None) -> Any:
-  """log softmax(h w / T)[target] per token, without [N, V] logits.
+def linear_logprob(
+    h_ND: jax.Array,
+    w_DV: jax.Array,
+    targets_N: jax.Array,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    impl: str = "auto",
+    block_sizes: BlockSizes | dict | None = None,
+) -> Any:
+    """log softmax(h w / T)[target] per token, without [N, V] logits.
 
-  Args:
-    h_ND, w_DV: as in linear_topk_kl.
-    targets_N: int [N]; targets outside [0, V) give logp 0 and no gradient (padding).
-    with_entropy: also return the entropy of softmax(h w / T) per token.
-  Returns:
-    float32 logp_N [N], or (logp_N, entropy_N) (nats); differentiable wrt h and w.
-  """
-  _check_projection(h_ND, w_DV, temperature)
-  _check_ids("targets_N", targets_N, h_ND, trailing=())
-  cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes),
-                with_entropy=bool(with_entropy))
-  ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
-  if cfg.impl == "dense":
-    return _dense_logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
-  return _logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
+    Args:
+      h_ND, w_DV: as in linear_topk_kl.
+      targets_N: int [N]; targets outside [0, V) give logp 0 and no gradient (padding).
+      with_entropy: also return the entropy of softmax(h w / T) per token.
+    Returns:
+      float32 logp_N [N], or (logp_N, entropy_N) (nats); differentiable wrt h and w.
+    """
+    _check_projection(h_ND, w_DV, temperature)
+    _check_ids("targets_N", targets_N, h_ND, trailing=())
+    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), with_entropy=bool(with_entropy))
+    ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
+    if cfg.impl == "dense":
+        return _dense_logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
+    return _logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
