@@ -13,7 +13,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.sft = sft.get_config("tiny")  # how to build the warm start when sft_dir holds none
     c.sft_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer
-    c.data = ml_collections.ConfigDict(dict(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256))
+    # RL prompts come from their own seed: the SFT run drew its training problems from
+    # seed 0, and a memorised problem gives no learning signal.
+    c.data = ml_collections.ConfigDict(dict(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1))
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, temperature=1.0, top_p=1.0))
     c.num_samples = 8  # G

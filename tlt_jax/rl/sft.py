@@ -111,7 +111,7 @@ def train_sft(config, *, progress: bool = True) -> dict:
     task = tasks.from_spec(config.data.tasks.to_dict())
     train = pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
                           config.data.seq_len)
-    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed)
+    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed, unique=True)
     trainer = SFTTrainer(model_cfg, OptimizerConfig(**config.optimizer), mesh)
     state = trainer.init_state(tfm.init_params(model_cfg, jax.random.PRNGKey(config.seed)))
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)

@@ -341,24 +341,27 @@ def split_of(prompt: str) -> str:
     return "eval" if bucket < EVAL_PERCENT else "train"
 
 
-def make_split(task: Task | Mixture, split: str, n: int, seed: int = 0) -> list[Example]:
+def make_split(task: Task | Mixture, split: str, n: int, seed: int = 0, unique: bool = False) -> list[Example]:
     """`n` examples of `split` ("train" or "eval"), deterministic in (task, split, n, seed).
 
     Problems are drawn with replacement and kept when `split_of` assigns them to `split`;
-    a small problem space can therefore repeat problems within a split.
+    a small problem space can therefore repeat problems within a split, unless `unique`
+    (evaluation sets: each problem counts once).
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
     rng = np.random.default_rng([seed, SPLITS.index(split)])
     examples: list[Example] = []
+    seen: set[str] = set()
     # Generous: ~10% of draws land in eval; fewer than that means the problem space is tiny.
     max_draws = 100 * n + 1000
     for _ in range(max_draws):
         if len(examples) == n:
             break
         example = task.sample(rng)
-        if split_of(example.prompt) == split:
+        if split_of(example.prompt) == split and not (unique and example.prompt in seen):
             examples.append(example)
+            seen.add(example.prompt)
     if len(examples) < n:
         raise RuntimeError(f"only {len(examples)} of {n} {split} problems in {max_draws} draws from "
                            f"{task.name}; widen its knobs.")

@@ -49,8 +49,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     model_cfg, params, tokenizer = _warm_start(config)
     mesh = sharding.make_mesh(config.mesh)
     task = tasks.from_spec(config.data.tasks.to_dict())
-    train_examples = tasks.make_split(task, "train", config.data.num_train, config.seed)
-    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed)
+    train_examples = tasks.make_split(task, "train", config.data.num_train, config.data.seed)
+    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.data.seed, unique=True)
 
     r = config.rollout
     sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
