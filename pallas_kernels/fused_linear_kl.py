@@ -337,19 +337,20 @@ def _compiler_params(blocks: BlockSizes):
     return _pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def _z_tile(load_h, load_w, n_depth, shape, inv_t):
-    """sum_c load_h(c) @ load_w(c) over D chunks c, f32 accumulation: one [bn, bv] z tile."""
+def _z_tile(load_h, load_w, n_depth, shape, inv_t, j, n_vocab, padded):
+    """Vocabulary tile j of z: sum_c load_h(c) @ load_w(c) over D chunks c, f32
+    accumulation, [bn, bv]. Columns past n_vocab (w padded) are -inf. Returns (z, valid),
+    valid None when nothing is padded."""
 
     def body(c, acc):
         return acc + jnp.dot(load_h(c), load_w(c), preferred_element_type=jnp.float32)
 
     z = lax.fori_loop(0, n_depth, body, jnp.zeros(shape, jnp.float32))
-    return z if inv_t == 1.0 else z * inv_t
-
-
-def _valid_cols(j, shape, bv, n_vocab):
-    cols = j * bv + lax.broadcasted_iota(jnp.int32, shape, 1)
-    return cols < n_vocab
+    z = z if inv_t == 1.0 else z * inv_t
+    if not padded:
+        return z, None
+    valid = j * shape[1] + lax.broadcasted_iota(jnp.int32, shape, 1) < n_vocab
+    return jnp.where(valid, z, -jnp.inf), valid
 
 
 def _dense_cotangent(z, lse, alpha, beta, valid, inv_t, dtype):
@@ -372,16 +373,16 @@ def _stats_kernel(h_ref, w_ref, *out_refs, n_vocab, bv, bd, inv_t, with_ez):
     def vbody(j, carry):
         m, l, s = carry
         v0 = pl.multiple_of(j * bv, bv)
-        z = _z_tile(
+        z, valid = _z_tile(
             lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
             lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
             n_depth,
             (bn, bv),
             inv_t,
+            j,
+            n_vocab,
+            padded,
         )
-        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-        if padded:
-            z = jnp.where(valid, z, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         corr = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new[:, None])
@@ -412,16 +413,16 @@ def _dh_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, bv, bd, inv_t, 
 
     def vbody(j, _):
         v0 = pl.multiple_of(j * bv, bv)
-        z = _z_tile(
+        z, valid = _z_tile(
             lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
             lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
             n_depth,
             (bn, bv),
             inv_t,
+            j,
+            n_vocab,
+            padded,
         )
-        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-        if padded:
-            z = jnp.where(valid, z, -jnp.inf)
         e = _dense_cotangent(z, lse, alpha, beta, valid, inv_t, w_ref.dtype)
 
         def dbody(c, _):
@@ -449,16 +450,16 @@ def _dw_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, padded, bn, bd,
 
     def tbody(b, _):
         r0 = pl.multiple_of(b * bn, bn)
-        z = _z_tile(
+        z, valid = _z_tile(
             lambda c: h_ref[pl.ds(r0, bn), pl.ds(pl.multiple_of(c * bd, bd), bd)],
             lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), :],
             n_depth,
             (bn, bv),
             inv_t,
+            j,
+            n_vocab,
+            padded,
         )
-        valid = _valid_cols(j, (bn, bv), bv, n_vocab) if padded else None
-        if padded:
-            z = jnp.where(valid, z, -jnp.inf)
         beta = beta_ref[pl.ds(r0, bn)] if with_beta else None
         e = _dense_cotangent(z, lse_ref[pl.ds(r0, bn)], alpha_ref[pl.ds(r0, bn)], beta, valid, inv_t, h_ref.dtype)
 
