@@ -19,7 +19,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-3, warmup_steps=50, schedule="cosine",
                                                  decay_steps=400, weight_decay=0.01, b1=0.9, b2=0.98,
                                                  max_grad_norm=1.0))
-    c.steps = 400
+    c.steps = 200  # a deliberately brief warm start (half the cosine horizon): RL has headroom
     c.batch_size = 32
     c.eval_every = 200
     c.checkpoint_every = 200
