@@ -28,9 +28,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0
     c.learner = ml_collections.ConfigDict(dict(
         micro_batch_size=64, num_minibatches=2, remat=False,
-        optimizer=dict(learning_rate=1e-4, warmup_steps=2, schedule="constant", decay_steps=1000,
+        optimizer=dict(learning_rate=5e-5, warmup_steps=2, schedule="constant", decay_steps=1000,
                        weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0)))
-    c.steps = 40
+    c.steps = 60
     c.eval_every = 10
     c.checkpoint_every = 5
     c.max_consecutive_skips = 3
