@@ -260,3 +260,17 @@ def test_sigkill_mid_save_then_resume_matches_uninterrupted_run(tmp_path):
         final_state, final_meta = ckpt.restore(target=initial_state)
         assert final_meta["step"] == worker.NUM_STEPS
         _assert_trees_equal(final_state, reference_state)
+
+
+def test_resume_returns_the_template_until_a_step_exists(tmp_path):
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("a", "b"))
+    like = {"w": jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("a", "b")))}
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        state, meta = ckpt.resume(like)
+        assert meta is None and state is like
+        ckpt.save(3, {"w": like["w"] * 2}, {"position": 7})
+        ckpt.wait()
+        state, meta = ckpt.resume(like)
+    assert meta == {"position": 7, "step": 3}
+    np.testing.assert_array_equal(state["w"], np.arange(16.0).reshape(4, 4) * 2)
+    assert state["w"].sharding == like["w"].sharding

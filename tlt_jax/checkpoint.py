@@ -263,6 +263,13 @@ class Checkpointer:
         raise FileNotFoundError(f"No usable checkpoint in {self.directory}; every step failed: "
                                 + "; ".join(self._rejected[s] for s in reversed(steps)))
 
+    def resume(self, like: Any) -> tuple[Any, dict | None]:
+        """(state, meta) of the newest good step, laid out like `like` (its shapes,
+        dtypes and shardings); (like, None) when the directory holds no step yet."""
+        if self.latest_step() is None:
+            return like, None
+        return self.restore(target=like)
+
     def close(self) -> None:
         """Waits for the last save to commit, then releases orbax's threads."""
         try:

@@ -82,9 +82,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             tree["ref"] = loop.ref_params
         return tree
 
-    if ckpt.latest_step() is not None:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved_tree())
-        restored, meta = ckpt.restore(target=target)
+    restored, meta = ckpt.resume(saved_tree())
+    if meta:
         state, loop.key, loop.ref_params = restored["train"], restored["key"], restored.get("ref")
         start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         engine.update_params(state.params)
