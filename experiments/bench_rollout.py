@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from configs import models
 from tlt_jax import launch, sampling, sharding

@@ -10,7 +10,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 from ml_collections import config_flags
 
 from tlt_jax import launch, sampling, sharding

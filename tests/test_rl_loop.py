@@ -1,5 +1,6 @@
 """Pieces of one RL step: the learner batch layout and reward scoring in a process pool."""
 import concurrent.futures
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ def test_scoring_in_a_process_pool_equals_scoring_inline():
     prompts = [e.prompt for e in examples]
     fields = tasks.reward_fields(examples)
     inline, failures = loop.score("task", prompts, completions, fields)
-    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         pooled, pooled_failures = loop.score("task", prompts, completions, fields, pool)
     np.testing.assert_array_equal(inline, pooled)
     assert failures == pooled_failures == 0

@@ -1,5 +1,4 @@
 """The RL run: exact resumption after SIGKILL, and a clean stop on non-finite steps."""
-import json
 import os
 import signal
 import subprocess

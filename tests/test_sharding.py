@@ -1,6 +1,5 @@
 """Forward results agree across mesh shapes; parameters land where the rules say."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
+import multiprocessing
 import time
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from tlt_jax import sampling
 from tlt_jax.rl import evaluation, grpo, rewards, tasks
@@ -45,11 +44,6 @@ class RLStepConfig:
     max_consecutive_skips: int = 3
 
 
-def _score_chunk(args):
-    name, prompts, completions, fields = args
-    return rewards.safe_rewards(rewards.get_reward(name), prompts, completions, **fields)
-
-
 def score(reward_name: str, prompts: Sequence[str], completions: Sequence[str], fields: dict,
           pool: concurrent.futures.Executor | None = None) -> tuple[np.ndarray, int]:
     """Rewards on the host; a sample whose reward raises or is not finite scores 0, counted."""
@@ -58,7 +52,7 @@ def score(reward_name: str, prompts: Sequence[str], completions: Sequence[str], 
     chunks = np.array_split(np.arange(len(prompts)), getattr(pool, "_max_workers", 1))
     jobs = [(reward_name, [prompts[i] for i in c], [completions[i] for i in c],
              {k: [v[i] for i in c] for k, v in fields.items()}) for c in chunks if len(c)]
-    results = list(pool.map(_score_chunk, jobs))
+    results = list(pool.map(rewards.safe_rewards_by_name, jobs))
     return np.concatenate([r for r, _ in results]), sum(f for _, f in results)
 
 
@@ -96,8 +90,11 @@ class RLLoop:
         self.consecutive_skips = 0
         self.nonfinite_steps = 0
         self.reward_failures = 0
-        self._pool = (concurrent.futures.ProcessPoolExecutor(step_config.reward_workers)
-                      if step_config.reward_workers > 0 else None)
+        # Spawned, not forked: forking a process that runs JAX threads can deadlock. The
+        # workers import only the reward module.
+        self._pool = (concurrent.futures.ProcessPoolExecutor(
+            step_config.reward_workers, mp_context=multiprocessing.get_context("spawn"))
+            if step_config.reward_workers > 0 else None)
 
     def close(self):
         if self._pool is not None:

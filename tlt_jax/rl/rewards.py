@@ -197,3 +197,10 @@ def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
         logger.warning("reward %s failed on %d of %d samples; they score 0.",
                         getattr(fn, "__name__", fn), failures, batch)
     return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), failures
+
+
+def safe_rewards_by_name(job):
+    """`safe_rewards` for (reward name, prompts, completions, fields): what a reward
+    worker process runs (a top-level function of a module without JAX, cheap to spawn)."""
+    name, prompts, completions, fields = job
+    return safe_rewards(get_reward(name), prompts, completions, **fields)

@@ -11,11 +11,9 @@ import json
 import os
 
 import jax
-import numpy as np
 from absl import logging
 
 from tlt_jax import checkpoint, metrics, sampling, sharding
-from tlt_jax.models import transformer as tfm
 from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl import grpo, tasks
 from tlt_jax.rl.learner import Learner, LearnerConfig
