@@ -1,0 +1,113 @@
+"""Tests of tlt_jax/distill/train.py: offline (cached) and online teachers give the same
+student curves, a finished cache is reused without the teacher, and a cache made from
+another teacher is refused."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import distill as distill_config
+from configs import models
+from tlt_jax import metrics
+from tlt_jax.distill import teacher_cache as tc
+from tlt_jax.distill import train
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import from_config_dict
+from tlt_jax.models.hf_io import save_hf
+from tlt_jax.rl import tasks
+
+STEPS = 4
+
+
+def _save_teacher(path, tokenizer, seed):
+    cfg = from_config_dict(models.model_config("tiny")).replace(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    save_hf(path, cfg, jax.device_get(tfm.init_params(cfg, jax.random.PRNGKey(seed), init_std=0.2)),
+            tokenizer=tokenizer)
+    return str(path)
+
+
+def _config(teacher_dir, run_dir, **overrides):
+    c = distill_config.get_config("tiny")
+    c.teacher_dir = teacher_dir
+    c.student.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    c.data.update(num_train=48, num_eval=16, seq_len=64)
+    # The cache writer batches rows differently from training (16 vs 8), as in real runs; the
+    # bfloat16 cache checks that the online path rounds like the cache.
+    c.update(top_k=4, eval_top_k=8, cache_dtype="bfloat16", cache_batch_size=16, cache_rows_per_shard=4,
+             steps=STEPS, batch_size=8, eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS,
+             run_dir=str(run_dir))
+    c.optimizer.update(warmup_steps=0, schedule="constant", learning_rate=1e-2)
+    c.update(**overrides)
+    return c
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory):
+    """A random teacher (with the task tokenizer) and an offline run from it."""
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = tasks.build_task_tokenizer(str(root / "tokenizer"))
+    teacher_dir = _save_teacher(root / "teacher", tokenizer, seed=1)
+    config = _config(teacher_dir, root / "offline")
+    summary = train.train_distill(config, progress=False)
+    return root, tokenizer, config, summary
+
+
+def _records(run_dir):
+    return {r["step"]: r for r in metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))}
+
+
+def test_online_and_offline_curves_agree(offline_run):
+    root, _, offline, summary = offline_run
+    assert summary["teacher_rows_cached"] > 0 and summary["mode"] == "offline"
+    online = _config(offline.teacher_dir, root / "online", mode="online")
+    assert train.train_distill(online, progress=False)["teacher_rows_cached"] == 0
+    a, b = _records(offline.run_dir), _records(online.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        curve_a, curve_b = [a[s][key] for s in sorted(a)], [b[s][key] for s in sorted(b)]
+        np.testing.assert_allclose(curve_a, curve_b, rtol=1e-5, atol=1e-6, err_msg=key)
+    for key in ("eval_loss", "eval_kl", "eval_top1_agree"):
+        np.testing.assert_allclose(a[STEPS][key], b[STEPS][key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # The student learned something in a few steps, so the agreement is not vacuous.
+    assert a[STEPS]["loss"] < a[1]["loss"]
+    assert a[STEPS]["eval_kl"] >= 0 and 0 <= a[STEPS]["eval_top1_agree"] <= 1
+
+
+def test_finished_cache_is_reused_without_the_teacher(offline_run, monkeypatch):
+    _, _, offline, first = offline_run
+    cache = os.path.join(offline.run_dir, "teacher_cache")
+    markers = {os.path.join(done, name): os.stat(os.path.join(done, name)).st_mtime_ns
+               for done in (os.path.join(cache, split, "done") for split in ("train", "eval"))
+               for name in os.listdir(done)}
+    assert len(markers) > 2  # several shards per split
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher ran although the cache is complete")
+
+    monkeypatch.setattr(train, "make_teacher_topk", no_teacher)
+    # Run again: the run resumes at its last step and evaluates the restored student on the
+    # cached held-out targets, which must give the first run's final evaluation.
+    again = train.train_distill(offline, progress=False)
+    assert again["teacher_rows_cached"] == 0 and again["resumed_from"] == STEPS
+    assert {path: os.stat(path).st_mtime_ns for path in markers} == markers
+    for key in ("eval_loss", "eval_kl", "eval_top1_agree"):
+        assert again[key] == pytest.approx(first[key], rel=1e-6), key
+
+
+def test_cache_of_another_teacher_is_refused(offline_run):
+    root, tokenizer, offline, _ = offline_run
+    other = _config(_save_teacher(root / "other_teacher", tokenizer, seed=2), root / "other",
+                    cache_dir=os.path.join(offline.run_dir, "teacher_cache"))
+    with pytest.raises(tc.MetadataMismatchError, match="teacher_fingerprint"):
+        train.train_distill(other, progress=False)
+
+
+def test_bad_settings_are_refused(offline_run):
+    root, _, offline, _ = offline_run
+    for overrides, message in ((dict(top_k=99), r"top_k=99 must lie in \[1, 37\]"),
+                               (dict(eval_top_k=2), "eval_top_k=2 must be >= top_k=4"),
+                               (dict(mode="sideways"), "mode must be one of")):
+        with pytest.raises(ValueError, match=message):
+            train.train_distill(_config(offline.teacher_dir, root / "bad", **overrides), progress=False)

@@ -1,0 +1,368 @@
+"""Distillation of a student from a teacher's top-K distribution: the job of `configs/distill.py`.
+
+Offline (the default): the teacher runs once over the token dataset and its top-K ids and
+log-probs go to a teacher cache on disk (`teacher_cache`, resumable, checked against what it
+was made from); the student then trains from the cache with the fused top-K KL
+(`losses.linear_topk_kl`). Online: the same teacher function runs in the loop on each batch.
+Both modes feed the student the same rows in the same order with the same teacher values (the
+online path rounds log-probs to the cache's dtype), so with one seed their loss curves agree;
+the cache only saves the teacher's compute.
+
+Data: the SFT traces of the configured tasks packed into rows (`sft.pack_examples`). The
+distillation targets are the positions that predict solution tokens and <eos> (the pack
+mask): that is where an SFT teacher was trained; its distribution over prompt tokens was
+never fitted and is not worth copying.
+
+Loss (`config.tail`): False is the paper's top-K loss sum_S p (log p - log q); True adds the
+bucket of the mass outside the top-K, a true KL of the two distributions coarsened to K + 1
+outcomes (see `tlt_jax/losses.py`).
+
+Evaluation on held-out rows, at the same positions: `eval_loss` (the training objective),
+`eval_kl` (KL of teacher and student coarsened to the teacher's top `eval_top_k` ids plus a
+rest bucket: the full-vocabulary KL when eval_top_k is the vocabulary size, as in the tiny
+config), `eval_top1_agree` (student argmax == teacher argmax) and `eval_teacher_tail_mass`
+(teacher mass outside its top-K: how much the tail bucket has to carry).
+
+Run directory: teacher_cache/{train,eval} (unless `config.cache_dir` points elsewhere),
+checkpoints/ (orbax; a rerun resumes), metrics.jsonl + tensorboard/, distill_curves.png, and
+hf/ (the final student with the teacher's tokenizer, Hugging Face format).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from tlt_jax import checkpoint, losses, metrics, sharding
+from tlt_jax.distill import teacher_cache as tc
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig, from_config_dict
+from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.rl import tasks
+from tlt_jax.rl.sft import pack_examples
+from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
+                                 state_shardings)
+
+MODES = ("offline", "online")
+# Files that define a Hugging Face tokenizer; a checkpoint directory's weights are not hashed.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "tokenizer.model")
+
+TeacherTopK = Callable[[np.ndarray], tuple[jax.Array, jax.Array]]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def packed_layout(tokens_BT, bos_id: int, pad_id: int):
+    """(positions_BT, segment_ids_BT) of `pack_examples` rows, recovered from the tokens.
+
+    The teacher cache hashes and feeds the teacher tokens only, so the layout the teacher
+    attends with must be a function of the tokens: each example starts with <bos> and padding
+    (<pad>, segment 0, position 0) only fills the end of a row. `packed_dataset` checks this
+    against what `pack_examples` wrote.
+    """
+    t_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+    is_bos = tokens_BT == bos_id
+    segment_ids = jnp.cumsum(is_bos, axis=1, dtype=jnp.int32) * (tokens_BT != pad_id)
+    start_BT = jax.lax.cummax(jnp.where(is_bos, t_BT, 0), axis=1)
+    return jnp.where(segment_ids > 0, t_BT - start_BT, 0), segment_ids
+
+
+def packed_dataset(tokenizer, examples, seq_len: int) -> dict[str, np.ndarray]:
+    """`pack_examples` rows, checked to have the layout `packed_layout` recovers."""
+    rows = pack_examples(tokenizer, examples, seq_len)
+    positions, segment_ids = jax.jit(packed_layout, static_argnums=(1, 2))(
+        rows["tokens"], tokenizer.bos_token_id, tokenizer.pad_token_id)
+    if not (np.array_equal(positions, rows["positions"]) and np.array_equal(segment_ids, rows["segment_ids"])):
+        raise ValueError("The packed rows' layout is not recoverable from their tokens (every example must start "
+                         "with <bos>, and <bos>/<pad> must occur nowhere else); the teacher cannot see it.")
+    return rows
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    """Fingerprint of the tokenizer files in `path` (a checkpoint or tokenizer directory)."""
+    files = [name for name in _TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
+    if not files:
+        raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, ...) in {path!r}.")
+    parts = "\n".join(f"{name}={tc.fingerprint_path(os.path.join(path, name))}" for name in files)
+    return "sha256:" + hashlib.sha256(parts.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float, logp_dtype: str,
+                      bos_id: int, pad_id: int) -> TeacherTopK:
+    """tokens_BT -> (ids_BTK int32, logp_BTK in `logp_dtype`): the teacher's top-k at `temperature`.
+
+    One function for both modes: the cache writer calls it offline, the loop online. Log-probs
+    leave it already rounded to the cache's dtype, so the student sees the same values either way.
+    """
+    def fn(params, tokens_BT):
+        positions_BT, segment_ids_BT = packed_layout(tokens_BT, bos_id, pad_id)
+        h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+        ids_BTK, logp_BTK = tc.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
+        return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
+
+    out_sh = sharding.batch_sharding(mesh, 3)
+    jitted = sharding.jit_sharded(
+        fn, in_shardings=(sharding.param_shardings(model_cfg, params, mesh), sharding.batch_sharding(mesh, 2)),
+        out_shardings=(out_sh, out_sh))
+    return lambda tokens_BT: jitted(params, tokens_BT)
+
+
+def open_or_build_cache(path: str, tokens_NT: np.ndarray, teacher: TeacherTopK, meta: tc.CacheMeta, *,
+                        batch_size: int, rows_per_shard: int | None, progress: bool):
+    """(reader, rows the teacher ran on): a complete matching cache is read as is; a missing or
+    partial one is (re)built; one made differently raises MetadataMismatchError naming the fields."""
+    rows = [0]
+
+    def counted(tokens_BT):
+        rows[0] += len(tokens_BT)
+        return teacher(tokens_BT)
+
+    try:
+        try:
+            return tc.TeacherCacheReader(path, meta), 0
+        except (tc.NotAStoreError, tc.IncompleteStoreError):
+            reader = tc.write_teacher_cache(path, tokens_NT, counted, meta, batch_size=batch_size,
+                                            rows_per_shard=rows_per_shard, progress=progress)
+            return reader, rows[0]
+    except tc.MetadataMismatchError as e:
+        raise tc.MetadataMismatchError(f"{e} (point config.cache_dir elsewhere, or delete {path} to rebuild it)") from e
+
+
+# ----------------------------------------------------------------------------- student
+
+
+class DistillTrainer:
+    """Compiled student steps: guarded AdamW on the top-K KL, and held-out sums for evaluation.
+
+    Batches are dicts of [B, T] tokens / positions / segment_ids, the [B, T-1] target mask, and
+    the teacher's [B, T, K] ids / logp at every position (position t predicts token t + 1).
+    """
+
+    def __init__(self, model_config: ModelConfig, optimizer_config: OptimizerConfig, mesh, *, temperature: float,
+                 tail: bool, top_k: int, loss_impl: str = "auto", remat: bool = False):
+        self.model_config, self.mesh = model_config, mesh
+        self.optimizer = make_optimizer(optimizer_config)
+        self.temperature, self.tail, self.top_k = temperature, tail, top_k
+        self.loss_impl, self.remat = loss_impl, remat
+        self._step = self._eval = None
+
+    def init_state(self, params) -> TrainState:
+        return init_train_state(self.optimizer, params, self._param_shardings(params), self.mesh)
+
+    def _param_shardings(self, params):
+        return sharding.param_shardings(self.model_config, params, self.mesh)
+
+    def _batch_shardings(self, batch):
+        return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
+
+    def _rows(self, params, batch):
+        """Student hidden states h_ND and LM head at the N = B (T-1) predicting positions, with
+        the teacher's ids / logp there and the target mask."""
+        cut = lambda x: x[:, :-1]
+        h_BTD = tfm.forward(params, self.model_config, cut(batch["tokens"]), positions_BT=cut(batch["positions"]),
+                            segment_ids_BT=cut(batch["segment_ids"]), remat=self.remat)
+        b, t, d = h_BTD.shape
+        k = batch["ids"].shape[-1]
+        w_DV = tfm.lm_head_weight(params, self.model_config).astype(h_BTD.dtype)
+        return (h_BTD.reshape(b * t, d), w_DV, cut(batch["ids"]).reshape(b * t, k),
+                cut(batch["logp"]).reshape(b * t, k), batch["mask"].reshape(b * t))
+
+    def loss(self, params, batch):
+        """Mean top-K KL over the target positions of a batch (nats per token)."""
+        h_ND, w_DV, ids_NK, logp_NK, mask_N = self._rows(params, batch)
+        return losses.linear_topk_kl(h_ND, w_DV, ids_NK, logp_NK, mask_N=mask_N, temperature=self.temperature,
+                                     tail=self.tail, reduction="mean", impl=self.loss_impl)
+
+    def step(self, state: TrainState, batch: dict):
+        """One guarded update; returns (state, {"loss", "grad_norm", "skipped"})."""
+        if self._step is None:
+            def fn(state, batch):
+                loss, grads = jax.value_and_grad(self.loss)(state.params, batch)
+                state, guard = apply_gradients(self.optimizer, state, grads, loss)
+                return state, dict(loss=loss, **guard)
+
+            st_sh = state_shardings(self.optimizer, state.params, self._param_shardings(state.params), self.mesh)
+            self._step = sharding.jit_sharded(fn, in_shardings=(st_sh, self._batch_shardings(batch)),
+                                              out_shardings=(st_sh, sharding.replicated(self.mesh)),
+                                              donate_argnums=(0,))
+        return self._step(state, batch)
+
+    def eval_sums(self, params, batch) -> dict:
+        """Sums over the batch's target positions (its ids may hold more than top_k columns):
+        "loss" (training objective at top_k), "kl" (tail KL at all columns), "top1_agree"
+        (student argmax == teacher argmax), "teacher_tail_mass" (outside its top_k), "count"."""
+        if self._eval is None:
+            def fn(params, batch):
+                h_ND, w_DV, ids_NK, logp_NK, mask_N = self._rows(params, batch)
+                kl = lambda ids, logp, tail: losses.linear_topk_kl(
+                    h_ND, w_DV, ids, logp, mask_N=mask_N, temperature=self.temperature, tail=tail,
+                    reduction="sum", impl=self.loss_impl)
+                k = self.top_k
+                # One eval batch of logits at a time: the argmax needs the whole row.
+                argmax_N = jnp.argmax(tfm.logits_from_hidden(params, self.model_config, h_ND), axis=-1)
+                logp_top = logp_NK[:, :k].astype(jnp.float32)
+                tail_mass_N = -jnp.expm1(jax.nn.logsumexp(logp_top, axis=-1))
+                return {"loss": kl(ids_NK[:, :k], logp_NK[:, :k], self.tail), "kl": kl(ids_NK, logp_NK, True),
+                        "top1_agree": jnp.sum((argmax_N == ids_NK[:, 0]) & mask_N),
+                        "teacher_tail_mass": jnp.sum(jnp.where(mask_N, tail_mass_N, 0.0)),
+                        "count": jnp.sum(mask_N)}
+
+            self._eval = sharding.jit_sharded(fn, in_shardings=(self._param_shardings(params),
+                                                                self._batch_shardings(batch)),
+                                              out_shardings=sharding.replicated(self.mesh))
+        return self._eval(params, batch)
+
+
+# ----------------------------------------------------------------------------- job
+
+
+def _check_config(config, vocab_size: int) -> tuple[int, int]:
+    if config.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+    eval_top_k = config.eval_top_k or vocab_size
+    for name, k in (("top_k", config.top_k), ("eval_top_k", eval_top_k)):
+        if not 1 <= k <= vocab_size:
+            raise ValueError(f"{name}={k} must lie in [1, {vocab_size}] (the teacher's vocabulary)")
+    if eval_top_k < config.top_k:
+        raise ValueError(f"eval_top_k={eval_top_k} must be >= top_k={config.top_k} (evaluation reads the top_k "
+                         "columns of the eval targets)")
+    return config.top_k, eval_top_k
+
+
+def train_distill(config, *, progress: bool = True) -> dict:
+    """Runs (or resumes) the distillation job of `configs/distill.py`; returns a summary:
+    the last step's metrics, the final evaluation, the cache's origin and timings."""
+    t_start = time.time()
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    mesh = sharding.make_mesh(config.mesh)
+
+    teacher_cfg, teacher_params = load_hf(config.teacher_dir)
+    tokenizer_dir = config.tokenizer_dir or config.teacher_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab = teacher_cfg.vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens, the teacher's vocabulary only {vocab}.")
+    top_k, eval_top_k = _check_config(config, vocab)
+
+    task = tasks.from_spec(config.data.tasks.to_dict())
+    rows = {"train": packed_dataset(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
+                                    config.data.seq_len),
+            "eval": packed_dataset(tokenizer, tasks.make_split(task, "eval", config.data.num_eval, config.seed,
+                                                               unique=True), config.data.seq_len)}
+    split_k = {"train": top_k, "eval": eval_top_k}
+    teacher_fp = tc.fingerprint_arrays(teacher_params)
+
+    @functools.cache
+    def teacher(split) -> TeacherTopK:  # placed and compiled only if it runs: not for a complete cache
+        return make_teacher_topk(teacher_cfg, sharding.shard_params(teacher_cfg, teacher_params, mesh), mesh,
+                                 k=split_k[split], temperature=config.temperature, logp_dtype=config.cache_dtype,
+                                 bos_id=tokenizer.bos_token_id, pad_id=tokenizer.pad_token_id)
+
+    # Targets of rows `idx` of a split: the cache's, or the teacher's computed now.
+    cache_rows, t_cache = 0, time.time()
+    if config.mode == "offline":
+        cache_dir = config.cache_dir or os.path.join(run_dir, "teacher_cache")
+        tok_fp = tokenizer_fingerprint(tokenizer_dir)
+        readers = {}
+        for split, k in split_k.items():
+            meta = tc.CacheMeta(teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp,
+                                dataset_fingerprint=tc.fingerprint_tokens(rows[split]["tokens"]), top_k=k,
+                                temperature=config.temperature, logp_dtype=config.cache_dtype)
+            readers[split], computed = open_or_build_cache(
+                os.path.join(cache_dir, split), rows[split]["tokens"],
+                lambda tokens_BT, split=split: teacher(split)(tokens_BT), meta,
+                batch_size=config.cache_batch_size, rows_per_shard=config.cache_rows_per_shard or None,
+                progress=progress)
+            cache_rows += computed
+        logging.info("Teacher cache at %s: teacher ran on %d rows", cache_dir, cache_rows)
+
+        def targets(split, idx):
+            ids, logp = readers[split].read(idx)
+            return {"ids": ids, "logp": logp}
+    else:
+        def targets(split, idx):
+            ids, logp = teacher(split)(rows[split]["tokens"][idx])
+            return {"ids": ids, "logp": logp}
+    t_cache = time.time() - t_cache
+
+    student_cfg = from_config_dict(config.student).replace(
+        vocab_size=vocab, bos_token_id=teacher_cfg.bos_token_id, eos_token_id=teacher_cfg.eos_token_id)
+    trainer = DistillTrainer(student_cfg, OptimizerConfig(**config.optimizer), mesh, temperature=config.temperature,
+                             tail=config.tail, top_k=top_k, loss_impl=config.loss_impl, remat=config.remat)
+    state = trainer.init_state(tfm.init_params(student_cfg, jax.random.PRNGKey(config.seed)))
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
+    start = 0
+    if ckpt.latest_step() is not None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        state, meta = ckpt.restore(target=target)
+        start = meta["step"]
+        logging.info("Resumed distillation at step %d", start)
+    writer = metrics.MetricsWriter(run_dir, resume_step=start)
+
+    n_eval, eb = len(rows["eval"]["tokens"]), config.eval_batch_size
+
+    def run_eval() -> dict:
+        totals = None
+        for begin in range(0, n_eval, eb):
+            idx = np.arange(begin, begin + eb)
+            real = idx < n_eval
+            idx = np.where(real, idx, n_eval - 1)  # pad the last batch; padded rows are masked out
+            batch = {k: v[idx] for k, v in rows["eval"].items()}
+            batch["mask"] = batch["mask"] & real[:, None]
+            sums = jax.device_get(trainer.eval_sums(state.params, {**batch, **targets("eval", idx)}))
+            totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+        count = max(float(totals.pop("count")), 1.0)
+        return {f"eval_{k}": float(v) / count for k, v in totals.items()}
+
+    n, b = len(rows["train"]["tokens"]), config.batch_size
+
+    def batch_indices(step):
+        order = np.random.default_rng([config.seed, step * b // n]).permutation(n)  # one shuffle per epoch
+        return order[np.arange(step * b, (step + 1) * b) % n]
+
+    bar = metrics.ProgressBar(config.steps, ["loss", "eval_kl", "eval_top1_agree"], initial=start, desc="distill",
+                              disable=not progress)
+    record, t_train = {}, time.time()
+    next_targets = targets("train", batch_indices(start)) if start < config.steps else None
+    for step in range(start, config.steps):
+        idx = batch_indices(step)
+        state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **next_targets})
+        if step + 1 < config.steps:  # read (or compute) the next targets while the device steps
+            next_targets = targets("train", batch_indices(step + 1))
+        record = {k: float(v) for k, v in jax.device_get(out).items()}
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            record.update(run_eval())
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            ckpt.save(step + 1, state, {"step": step + 1})
+        writer.write(step + 1, record)
+        bar.update(record)
+    bar.close()
+    t_train = time.time() - t_train
+    if start >= config.steps:
+        record = run_eval()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    save_hf(os.path.join(run_dir, "hf"), student_cfg, jax.device_get(state.params), tokenizer=tokenizer,
+            overwrite=True)
+    records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
+    metrics.plot_curves(records, ["loss", "grad_norm", "eval_kl", "eval_top1_agree"],
+                        os.path.join(run_dir, "distill_curves.png"),
+                        title=f"distill {config.mode}, tail={config.tail}, K={top_k}")
+    return {**record, "mode": config.mode, "tail": bool(config.tail), "top_k": top_k, "eval_top_k": eval_top_k,
+            "steps": config.steps, "resumed_from": start, "teacher_rows_cached": cache_rows,
+            "cache_seconds": t_cache, "train_seconds": t_train, "total_seconds": time.time() - t_start}
