@@ -305,11 +305,9 @@ def train_distill(config, *, progress: bool = True) -> dict:
                              tail=config.tail, top_k=top_k, loss_impl=config.loss_impl, remat=config.remat)
     state = trainer.init_state(tfm.init_params(student_cfg, jax.random.PRNGKey(config.seed)))
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
-    start = 0
-    if ckpt.latest_step() is not None:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state, meta = ckpt.restore(target=target)
-        start = meta["step"]
+    state, meta = ckpt.resume(state)
+    start = meta["step"] if meta else 0
+    if meta:
         logging.info("Resumed distillation at step %d", start)
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
