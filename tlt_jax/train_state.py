@@ -81,3 +81,16 @@ def apply_gradients(optimizer, state: TrainState, grads, loss):
     state = TrainState(jax.tree.map(keep, state.params, params), jax.tree.map(keep, state.opt_state, opt_state),
                        state.step + finite.astype(jnp.int32))
     return state, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32)}
+
+
+def jit_train_step(loss_fn, optimizer, state_sharding: TrainState, batch_sharding, mesh):
+    """(state, batch) -> (state, {"loss", "grad_norm", "skipped"}): one guarded update of
+    loss_fn(params, batch), jitted with explicit shardings, the state donated."""
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        state, guard = apply_gradients(optimizer, state, grads, loss)
+        return state, dict(loss=loss, **guard)
+
+    return sharding.jit_sharded(step, in_shardings=(state_sharding, batch_sharding),
+                                out_shardings=(state_sharding, sharding.replicated(mesh)), donate_argnums=(0,))

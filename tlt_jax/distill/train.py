@@ -48,7 +48,7 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl import tasks
 from tlt_jax.rl.sft import pack_examples
 from tlt_jax.tokenizer import load_tokenizer
-from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
+from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
                                  state_shardings)
 
 MODES = ("offline", "online")
@@ -189,15 +189,8 @@ class DistillTrainer:
     def step(self, state: TrainState, batch: dict):
         """One guarded update; returns (state, {"loss", "grad_norm", "skipped"})."""
         if self._step is None:
-            def fn(state, batch):
-                loss, grads = jax.value_and_grad(self.loss)(state.params, batch)
-                state, guard = apply_gradients(self.optimizer, state, grads, loss)
-                return state, dict(loss=loss, **guard)
-
             st_sh = state_shardings(self.optimizer, state.params, self._param_shardings(state.params), self.mesh)
-            self._step = sharding.jit_sharded(fn, in_shardings=(st_sh, self._batch_shardings(batch)),
-                                              out_shardings=(st_sh, sharding.replicated(self.mesh)),
-                                              donate_argnums=(0,))
+            self._step = jit_train_step(self.loss, self.optimizer, st_sh, self._batch_shardings(batch), self.mesh)
         return self._step(state, batch)
 
     def eval_sums(self, params, batch) -> dict:

@@ -13,7 +13,7 @@ from tlt_jax import sharding
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import tasks
 from tlt_jax.rl.learner import token_logprobs
-from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
+from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
                                  state_shardings)
 
 
@@ -76,16 +76,10 @@ class SFTTrainer:
     def step(self, state: TrainState, batch: dict):
         """One update from a `pack_examples` batch; returns (state, metrics)."""
         if self._step is None:
-            def fn(state, batch):
-                loss, grads = jax.value_and_grad(self.loss)(state.params, batch)
-                state, guard = apply_gradients(self.optimizer, state, grads, loss)
-                return state, dict(loss=loss, **guard)
-
             st_sh = state_shardings(self.optimizer, state.params,
                                     sharding.param_shardings(self.model_config, state.params, self.mesh), self.mesh)
-            self._step = sharding.jit_sharded(
-                fn, in_shardings=(st_sh, {k: sharding.batch_sharding(self.mesh, 2) for k in batch}),
-                out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
+            self._step = jit_train_step(self.loss, self.optimizer, st_sh,
+                                        {k: sharding.batch_sharding(self.mesh, 2) for k in batch}, self.mesh)
         return self._step(state, batch)
 
 
