@@ -353,6 +353,22 @@ def _z_tile(load_h, load_w, n_depth, shape, inv_t, j, n_vocab, padded):
     return jnp.where(valid, z, -jnp.inf), valid
 
 
+def _block_z_tile(h_ref, w_ref, j, bv, bd, inv_t, n_vocab):
+    """Vocabulary tile j of z for the whole token block held in h_ref (the kernels
+    gridded over token blocks)."""
+    v0 = pl.multiple_of(j * bv, bv)
+    return _z_tile(
+        lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
+        lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
+        h_ref.shape[1] // bd,
+        (h_ref.shape[0], bv),
+        inv_t,
+        j,
+        n_vocab,
+        n_vocab != w_ref.shape[1],
+    )
+
+
 def _dense_cotangent(z, lse, alpha, beta, valid, inv_t, dtype):
     """q (alpha + beta z) / T for a z tile; padded columns (z = -inf) give exactly 0."""
     q = jnp.exp(z - lse[:, None])
@@ -367,22 +383,12 @@ def _dense_cotangent(z, lse, alpha, beta, valid, inv_t, dtype):
 
 def _stats_kernel(h_ref, w_ref, *out_refs, n_vocab, bv, bd, inv_t, with_ez):
     bn = h_ref.shape[0]
-    n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
+    n_vt = w_ref.shape[1] // bv
     padded = n_vocab != w_ref.shape[1]
 
     def vbody(j, carry):
         m, l, s = carry
-        v0 = pl.multiple_of(j * bv, bv)
-        z, valid = _z_tile(
-            lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
-            lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
-            n_depth,
-            (bn, bv),
-            inv_t,
-            j,
-            n_vocab,
-            padded,
-        )
+        z, valid = _block_z_tile(h_ref, w_ref, j, bv, bd, inv_t, n_vocab)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         corr = jnp.exp(m - m_new)
         e = jnp.exp(z - m_new[:, None])
@@ -402,7 +408,6 @@ def _dh_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, bv, bd, inv_t, 
     beta_ref, dh_ref = rest if with_beta else (None, rest[0])
     bn = h_ref.shape[0]
     n_vt, n_depth = w_ref.shape[1] // bv, h_ref.shape[1] // bd
-    padded = n_vocab != w_ref.shape[1]
     lse, alpha = lse_ref[...], alpha_ref[...]
     beta = beta_ref[...] if with_beta else None
 
@@ -413,16 +418,7 @@ def _dh_kernel(h_ref, w_ref, lse_ref, alpha_ref, *rest, n_vocab, bv, bd, inv_t, 
 
     def vbody(j, _):
         v0 = pl.multiple_of(j * bv, bv)
-        z, valid = _z_tile(
-            lambda c: h_ref[:, pl.ds(pl.multiple_of(c * bd, bd), bd)],
-            lambda c: w_ref[pl.ds(pl.multiple_of(c * bd, bd), bd), pl.ds(v0, bv)],
-            n_depth,
-            (bn, bv),
-            inv_t,
-            j,
-            n_vocab,
-            padded,
-        )
+        z, valid = _block_z_tile(h_ref, w_ref, j, bv, bd, inv_t, n_vocab)
         e = _dense_cotangent(z, lse, alpha, beta, valid, inv_t, w_ref.dtype)
 
         def dbody(c, _):
