@@ -268,7 +268,9 @@ class Checkpointer:
         dtypes and shardings); (like, None) when the directory holds no step yet."""
         if self.latest_step() is None:
             return like, None
-        return self.restore(target=like)
+        state, meta = self.restore(target=like)
+        logging.info("Resuming from %s, step %s", self.directory, meta.get("step"))
+        return state, meta
 
     def close(self) -> None:
         """Waits for the last save to commit, then releases orbax's threads."""

@@ -300,8 +300,6 @@ def train_distill(config, *, progress: bool = True) -> dict:
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     state, meta = ckpt.resume(state)
     start = meta["step"] if meta else 0
-    if meta:
-        logging.info("Resumed distillation at step %d", start)
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
     n_eval, eb = len(rows["eval"]["tokens"]), config.eval_batch_size

@@ -111,8 +111,6 @@ def train_sft(config, *, progress: bool = True) -> dict:
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     state, meta = ckpt.resume(state)
     start = meta["step"] if meta else 0
-    if meta:
-        logging.info("Resumed SFT at step %d", start)
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
     engine = RolloutEngine(model_cfg, state.params, mesh, RolloutConfig(
         num_slots=config.eval.num_slots, max_prompt_length=config.eval.max_prompt_length,
