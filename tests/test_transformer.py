@@ -77,7 +77,7 @@ def test_tree_mask_decode_equals_each_branch(params):
     _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([prompt_len]))
     positions = prompt_len + jnp.array([depth])
     logits, _, cache2 = tfm.decode(params, CFG, cache, tree_tokens, positions,
-                                   mask_BTT=jnp.asarray(mask)[None], return_logits=True)
+                                   mask_BTW=jnp.asarray(mask)[None], return_logits=True)
     assert int(cache2.lengths[0]) == prompt_len + 5
     for node in range(5):
         path, j = [], node
@@ -87,6 +87,31 @@ def test_tree_mask_decode_equals_each_branch(params):
         seq = jnp.concatenate([prompt[0], jnp.array(path[::-1])])[None]
         ref = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, seq))[0, -1]
         np.testing.assert_allclose(logits[0, node], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_grown_level_by_level_equals_one_shot(params):
+    """Scratch slots (W > T): the same tree decoded one level at a time, each level
+    seeing only its ancestors among earlier levels, gives the one-shot logits."""
+    prompt = _tokens(1, 4, seed=7)
+    tree_tokens = jnp.array([[21, 22, 23, 24, 25]])  # r, a, b | c (of a), d (of b)
+    parents = [-1, 0, 0, 1, 2]
+    ancestors = np.zeros((5, 5), bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            ancestors[i, j], j = True, parents[j]
+    depth = jnp.array([[0, 1, 1, 2, 2]]) + 4
+    cache = tfm.init_cache(CFG, 1, 16)
+    _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([4]))
+    one_shot, _, _ = tfm.decode(params, CFG, cache, tree_tokens, depth, mask_BTW=jnp.asarray(ancestors)[None],
+                                return_logits=True)
+    pieces = []
+    for lo, hi in [(0, 1), (1, 3), (3, 5)]:
+        logits, _, grown = tfm.decode(params, CFG, cache, tree_tokens[:, lo:hi], depth[:, lo:hi],
+                                      mask_BTW=jnp.asarray(ancestors[lo:hi, :hi])[None], return_logits=True)
+        cache = tfm.KVCache(grown.k, grown.v, cache.lengths)  # the levels stay scratch
+        pieces.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), one_shot, atol=1e-5, rtol=1e-5)
 
 
 def test_layer_outputs_and_segments(params):

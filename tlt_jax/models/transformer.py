@@ -184,12 +184,18 @@ def embed_tokens(params, config, tokens_BT):
     return params["embed"][tokens_BT].astype(config.jnp_dtype)
 
 
+def _inputs(params, config, tokens_BT, inputs_BTD):
+    if (tokens_BT is None) == (inputs_BTD is None):
+        raise ValueError("Pass exactly one of tokens_BT and inputs_BTD.")
+    return embed_tokens(params, config, tokens_BT) if inputs_BTD is None else inputs_BTD.astype(config.jnp_dtype)
+
+
 # ----------------------------------------------------------------------------- forward
 
 
-def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, *,
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
             positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
-            layer_ids: Sequence[int] = (), remat: bool = False):
+            layer_ids: Sequence[int] = (), remat: bool = False, inputs_BTD: jax.Array | None = None):
     """Full-sequence forward (training).
 
     Args:
@@ -198,12 +204,15 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, *,
       segment_ids_BT: packed sequences attend only within their segment.
       layer_ids: layers whose output residual stream is also returned (0-based).
       remat: rematerialise each layer in the backward pass.
+      inputs_BTD: input vectors in place of the token embeddings (tokens_BT None): the
+        drafter feeds its fused features through the same layers this way.
     Returns:
       h_BTD, the final-normed hidden states (what the LM head reads), and, when
       layer_ids is non-empty, a [len(layer_ids), B, T, D] stack of layer outputs.
     """
     c = config
-    b, t = tokens_BT.shape
+    x = _inputs(params, c, tokens_BT, inputs_BTD)
+    b, t = x.shape[:2]
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
@@ -223,7 +232,6 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, *,
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
-    x = embed_tokens(params, c, tokens_BT)
     collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
     (x, collected), _ = lax.scan(layer_fn, (x, collected),
                                  (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
@@ -258,35 +266,44 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32))
 
 
-def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array,
-           positions_BT: jax.Array, *, mask_BTT: jax.Array | None = None,
-           return_logits: bool = False, layer_ids: Sequence[int] = (), unroll_layers: bool = False):
+def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array | None,
+           positions_BT: jax.Array, *, mask_BTW: jax.Array | None = None,
+           return_logits: bool = False, layer_ids: Sequence[int] = (), unroll_layers: bool = False,
+           inputs_BTD: jax.Array | None = None):
     """Runs T >= 1 new tokens per sequence against the cache.
 
-    The new keys/values go to slots lengths[b] .. lengths[b]+T-1 (the caller keeps
-    lengths + T <= max_length) and lengths advance by T. A new token sees every
-    committed slot plus the new tokens its row of mask_BTT allows (default causal);
-    positions_BT are the RoPE positions (a tree's nodes share positions by depth).
-    The whole cache rides in the layer loop's carry and is updated in place (a
-    scatter of T slots per layer): nothing proportional to the cache is copied.
-    `unroll_layers` unrolls that loop, trading compile time for static weight slices.
+    Slots from lengths[b] on are scratch: mask_BTW [B, T, W] (W >= T, default the causal
+    [T, T]) says which of the W scratch slots lengths[b] .. lengths[b]+W-1 each new
+    token sees, besides every committed slot; the new keys/values are written to the
+    last T of them (the caller keeps lengths + W <= max_length), and lengths advance by
+    W. W = T verifies a draft tree; W > T lets a drafter grow a tree level by level,
+    each level seeing the earlier levels it descends from. positions_BT are the RoPE
+    positions (a tree's nodes share positions by depth). The whole cache rides in the
+    layer loop's carry and is updated in place (a scatter of T slots per layer):
+    nothing proportional to the cache is copied. `unroll_layers` unrolls that loop,
+    trading compile time for static weight slices. inputs_BTD replaces the token
+    embeddings (tokens_BT None).
 
     Returns (h_BTD, cache) — h final-normed — or (logits_BTV float32, h_BTD, cache)
     with return_logits; with layer_ids the layer stack [n, B, T, D] is appended.
     """
     c = config
-    b, t = tokens_BT.shape
+    x = _inputs(params, c, tokens_BT, inputs_BTD)
+    b, t = x.shape[:2]
     s = cache.max_length
-    if mask_BTT is None:
-        mask_BTT = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    if mask_BTW is None:
+        mask_BTW = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    w = mask_BTW.shape[2]
+    if mask_BTW.shape != (b, t, w) or w < t:
+        raise ValueError(f"mask_BTW has shape {mask_BTW.shape}; expected ({b}, {t}, W) with W >= {t}.")
     start_B = cache.lengths
     rel_BS = jnp.arange(s, dtype=jnp.int32)[None, :] - start_B[:, None]
     committed_BS = rel_BS < 0
-    is_new_BS = (rel_BS >= 0) & (rel_BS < t)
-    new_visible_BTS = jnp.take_along_axis(
-        mask_BTT, jnp.broadcast_to(jnp.clip(rel_BS, 0, t - 1)[:, None, :], (b, t, s)), axis=2)
-    mask_BTS = committed_BS[:, None, :] | (is_new_BS[:, None, :] & new_visible_BTS)
-    slots_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    is_scratch_BS = (rel_BS >= 0) & (rel_BS < w)
+    scratch_visible_BTS = jnp.take_along_axis(
+        mask_BTW, jnp.broadcast_to(jnp.clip(rel_BS, 0, w - 1)[:, None, :], (b, t, s)), axis=2)
+    mask_BTS = committed_BS[:, None, :] | (is_scratch_BS[:, None, :] & scratch_visible_BTS)
+    slots_BT = start_B[:, None] + (w - t) + jnp.arange(t, dtype=jnp.int32)[None, :]
     rows_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     inv_freq = rope_inv_freq(c)
     selected = jnp.asarray(layer_ids, jnp.int32)
@@ -303,13 +320,12 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
             collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
         return (x, k_all, v_all, collected), None
 
-    x = embed_tokens(params, c, tokens_BT)
     collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
     (x, k_all, v_all, collected), _ = lax.scan(
         layer_fn, (x, cache.k, cache.v, collected),
         (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)), unroll=unroll_layers)
     h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
-    cache = KVCache(k_all, v_all, start_B + t)
+    cache = KVCache(k_all, v_all, start_B + w)
     out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)
     return out + (collected,) if layer_ids else out
 
