@@ -17,7 +17,24 @@ class Chunk:
     end: float
     active_per_step: list[int]
     tokens_per_step: list[int]
-    kind: str = "decode"  # "decode" or "prefill"
+    kind: str = "decode"  # "decode", or "speculative": one draft-and-verify step
+
+
+@dataclasses.dataclass
+class SpecChunk(Chunk):
+    """One speculative step: its strategy, the tokens each active sequence committed
+    (accepted drafts plus the bonus token), and where the time went."""
+
+    kind: str = "speculative"
+    strategy: str = ""
+    committed_per_sequence: list[int] = dataclasses.field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per sequence in this verify step, bonus included."""
+        return sum(self.committed_per_sequence) / max(1, len(self.committed_per_sequence))
 
 
 @dataclasses.dataclass
@@ -33,7 +50,7 @@ class GroupTimeline:
         out = []
         for chunk in self.chunks:
             n = len(chunk.active_per_step)
-            if chunk.kind != "decode" or n == 0:
+            if n == 0:
                 continue
             dt = (chunk.end - chunk.start) / n
             for i, (active, tokens) in enumerate(zip(chunk.active_per_step, chunk.tokens_per_step)):
@@ -63,7 +80,8 @@ class RolloutTimeline:
         """
         if not self.groups:
             return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_fraction=0.0,
-                        slot_idle_fraction=0.0, decode_steps=0)
+                        slot_idle_fraction=0.0, decode_steps=0, speculative_steps=0, acceptance_length=0.0,
+                        draft_s=0.0, verify_s=0.0)
         start = min(g.start for g in self.groups)
         end = max(g.end for g in self.groups)
         wall = max(end - start, 1e-9)
@@ -72,9 +90,14 @@ class RolloutTimeline:
         slot_steps = sum(len(g.steps()) * g.num_slots for g in self.groups)
         busy = sum(a for _, a, _ in steps)
         tokens = sum(g.tokens for g in self.groups)
+        spec = [c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)]
+        committed = [n for c in spec for n in c.committed_per_sequence]
         return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_fraction=idle,
                     slot_idle_fraction=1 - busy / max(1, slot_steps),
-                    decode_steps=max((len(g.steps()) for g in self.groups), default=0))
+                    decode_steps=max((len(g.steps()) for g in self.groups), default=0),
+                    speculative_steps=len(spec),
+                    acceptance_length=sum(committed) / len(committed) if committed else 0.0,
+                    draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec))
 
     def plot(self, path: str) -> None:
         """Active sequences over time, one line per group."""

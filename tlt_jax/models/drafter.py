@@ -1,0 +1,137 @@
+"""EAGLE-style drafter: one small decoder stack that reads the target's features.
+
+For a sequence x_0 x_1 ... the target's feature f_t at position t (its final-normed
+hidden state, or with EAGLE-3 fusion a projection of three of its layer outputs) is
+what predicted x_{t+1}. The drafter's entry at position t reads (x_{t+1}, f_t):
+
+    u_t = [embed(x_{t+1}); f_t] @ fc            (2D -> D)
+    g_t = final_norm(layers(u)_t)               (its own causal attention and KV cache)
+    logits_t = g_t @ lm_head                    (predicts x_{t+2})
+
+and g_t is trained to regress the target's final hidden state h_{t+1} (smooth L1) and,
+through the LM head, to match the target's next-token distribution (top-K KL). When
+drafting past the committed text the drafter feeds its own g_t as the next feature.
+The embedding, final norm and LM head are the target's, shared and frozen: drafter
+parameters hold only `fc`, `layers` (the transformer's stacked layout) and, with
+fusion, `fuse` (3D -> D); checkpoints therefore never store the shared weights.
+The layers run through `transformer.forward` / `decode`, so the drafter has the same
+attention, RoPE and KV-cache layout as the target.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """num_layers: decoder layers (EAGLE uses one). feature_layers: target layers
+    (0-based) whose outputs are fused into the feature (EAGLE-3 uses a low, a middle
+    and a high layer); empty: the target's final hidden state is the feature."""
+
+    num_layers: int = 1
+    feature_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"DrafterConfig.num_layers must be >= 1, got {self.num_layers}.")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+
+    def layer_config(self, target: ModelConfig) -> ModelConfig:
+        """The transformer config of the drafter's own layers."""
+        for i in self.feature_layers:
+            if not 0 <= i < target.num_layers:
+                raise ValueError(f"feature_layers has {i}, outside the target's {target.num_layers} layers.")
+        return target.replace(num_layers=self.num_layers)
+
+
+def init_drafter(target_config: ModelConfig, config: DrafterConfig, key: jax.Array, init_std: float = 0.02):
+    """Random drafter parameters (the shared embedding and head are not among them)."""
+    d = target_config.hidden_size
+    k_layers, k_fc, k_fuse = jax.random.split(key, 3)
+    dtype = target_config.jnp_param_dtype
+    params = {
+        "fc": (jax.random.normal(k_fc, (2 * d, d), jnp.float32) / math.sqrt(2 * d)).astype(dtype),
+        "layers": tfm.init_params(config.layer_config(target_config), k_layers, init_std)["layers"],
+    }
+    if config.feature_layers:
+        n = len(config.feature_layers)
+        params["fuse"] = (jax.random.normal(k_fuse, (n * d, d), jnp.float32) / math.sqrt(n * d)).astype(dtype)
+    return params
+
+
+def drafter_logical_axes(target_config: ModelConfig, config: DrafterConfig):
+    """Logical axis names of the drafter parameters (same tree as `init_drafter`)."""
+    axes = {"fc": (None, "embed"),
+            "layers": tfm.param_logical_axes(config.layer_config(target_config))["layers"]}
+    if config.feature_layers:
+        axes["fuse"] = (None, "embed")
+    return axes
+
+
+def model_params(drafter_params, target_params):
+    """The transformer parameter tree the drafter's layers run as: its own layers under
+    the target's embedding, final norm and LM head."""
+    shared = {k: target_params[k] for k in ("embed", "final_norm", "lm_head") if k in target_params}
+    return {**shared, "layers": drafter_params["layers"]}
+
+
+def target_features(drafter_params, config: DrafterConfig, h_xD: jax.Array, layers_nxD: jax.Array | None = None):
+    """The feature the drafter reads for target positions: h (final-normed hidden state)
+    or, with fusion, the selected layer outputs ([n, ..., D], in feature_layers order)
+    concatenated and projected."""
+    if not config.feature_layers:
+        return h_xD
+    if layers_nxD is None or layers_nxD.shape[0] != len(config.feature_layers):
+        raise ValueError(f"This drafter fuses target layers {config.feature_layers}; pass their outputs "
+                         "(layer_ids=feature_layers in the target's forward/decode).")
+    stacked = jnp.concatenate(list(layers_nxD), axis=-1)
+    return stacked @ drafter_params["fuse"].astype(stacked.dtype)
+
+
+def _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD):
+    e = tfm.embed_tokens(target_params, target_config, tokens_BT)
+    u = jnp.concatenate([e, features_BTD.astype(e.dtype)], axis=-1)
+    return u @ drafter_params["fc"].astype(e.dtype)
+
+
+def forward(drafter_params, target_params, target_config: ModelConfig, config: DrafterConfig,
+            tokens_BT: jax.Array, features_BTD: jax.Array, *, positions_BT: jax.Array | None = None,
+            segment_ids_BT: jax.Array | None = None, remat: bool = False) -> jax.Array:
+    """Teacher-forced drafter over whole sequences (training): entry t reads
+    tokens_BT[t] = x_{t+1} and features_BTD[t] = f_t; returns g_BTD (final-normed)."""
+    u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD)
+    return tfm.forward(model_params(drafter_params, target_params), config.layer_config(target_config), None,
+                       positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, remat=remat, inputs_BTD=u)
+
+
+def init_cache(target_config: ModelConfig, config: DrafterConfig, batch_size: int, max_length: int,
+               dtype=None) -> tfm.KVCache:
+    return tfm.init_cache(config.layer_config(target_config), batch_size, max_length, dtype)
+
+
+def decode(drafter_params, target_params, target_config: ModelConfig, config: DrafterConfig, cache: tfm.KVCache,
+           tokens_BT: jax.Array, features_BTD: jax.Array, positions_BT: jax.Array, *,
+           mask_BTW: jax.Array | None = None, return_logits: bool = True):
+    """Drafter entries against its KV cache, with `transformer.decode`'s scratch-slot
+    semantics. Returns (logits_BTV float32, g_BTD, cache), or (g_BTD, cache)."""
+    u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD)
+    return tfm.decode(model_params(drafter_params, target_params), config.layer_config(target_config), cache, None,
+                      positions_BT, mask_BTW=mask_BTW, return_logits=return_logits, inputs_BTD=u)
+
+
+def check_drafter_params(drafter_params, target_config: ModelConfig, config: DrafterConfig) -> None:
+    """Raises if the drafter parameters do not fit this target and drafter config."""
+    expected = jax.eval_shape(lambda: init_drafter(target_config, config, jax.random.PRNGKey(0)))
+    got = jax.tree.map(lambda x: (tuple(x.shape)), drafter_params)
+    want = jax.tree.map(lambda x: (tuple(x.shape)), expected)
+    if got != want:
+        raise ValueError(f"Drafter parameters do not match the target (hidden {target_config.hidden_size}) "
+                         f"and {config}: got shapes {got}, expected {want}. Was the drafter trained for "
+                         "another target or with another DrafterConfig?")
+
