@@ -77,8 +77,8 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats):
 
     def filled():
         state = group.empty_state(sp)
-        return group.insert(state, prompts, np.full((batch,), prompt_len, np.int32), np.arange(batch, dtype=np.int32),
-                            np.arange(batch, dtype=np.int32), key, sp)
+        rows = np.arange(batch, dtype=np.int32)
+        return group.insert(state, prompts, np.full((batch,), prompt_len, np.int32), rows, rows, rows, key, sp)
 
     t0 = time.perf_counter()
     jax.block_until_ready(group.run_chunk(filled(), key, False, sp))

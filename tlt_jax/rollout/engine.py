@@ -13,6 +13,12 @@ timeline records. Randomness is per request: the key of a request's n-th sampled
 is fold_in(fold_in(key, request), n), so its output does not depend on which slot it
 ran in or on its neighbours. One decode step commits a per-slot number of tokens
 (`tokens_per_step`), so speculative steps plug into the same bookkeeping.
+
+Speculation (`generate(..., speculation=...)`): before each chunk the host asks the
+speculation policy for a strategy given the number of active sequences; with one, the
+chunk is a single speculative step (draft, then verify and commit: two device calls,
+timed apart) instead of plain decode steps. The slots then also carry their token
+context (for the n-gram drafter) and, with an EAGLE drafter, its state.
 """
 from __future__ import annotations
 
@@ -30,8 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax import sampling, sharding
 from tlt_jax.models import transformer as tfm
+from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline
+from tlt_jax.rollout import speculative as spec_lib
+from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
 FINISH_REASONS = ("", "eos", "stop", "max_tokens", "cache_full")
 
@@ -48,6 +56,7 @@ class RolloutConfig:
     steps_per_sync: int = 16
     eos_token_id: int | None = None
     unroll_layers: bool = False
+    max_draft_depth: int = 8  # deepest speculative strategy this engine runs
 
     def __post_init__(self):
         if self.max_prompt_length >= self.max_length:
@@ -88,6 +97,16 @@ class Rollouts:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SpecSlots:
+    """What speculative steps need besides the plain slot state (B slots, C context)."""
+
+    context: jax.Array  # [B, C] the prompt then every generated token, the last sampled included
+    group: jax.Array  # [B] prompt index: the samples of one prompt share n-gram matches
+    drafter: spec_lib.DrafterState | None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SlotState:
     """Device state of one group's slots (B slots, M = max new tokens)."""
 
@@ -100,6 +119,7 @@ class SlotState:
     finish: jax.Array  # [B] index into FINISH_REASONS
     out_tokens: jax.Array  # [B, M]
     out_logp: jax.Array  # [B, M]
+    spec: SpecSlots | None = None
 
 
 def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_id, max_length):
@@ -120,7 +140,7 @@ def _request_keys(base_key, request_B, position_B):
 
 
 class _Group:
-    """One data-parallel group: its sub-mesh, parameter copy and compiled steps."""
+    """One data-parallel group: its sub-mesh, parameter copies and compiled steps."""
 
     def __init__(self, index: int, mesh: Mesh, engine: "RolloutEngine"):
         self.index, self.mesh, self.engine = index, mesh, engine
@@ -130,13 +150,21 @@ class _Group:
         batch_axis = sharding.logical_to_spec(("batch",), (b,), mesh)[0]
         kv_axis = sharding.logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
         row = NamedSharding(mesh, PartitionSpec(batch_axis))
+        rows2, rows3 = (NamedSharding(mesh, PartitionSpec(batch_axis, *[None] * n)) for n in (1, 2))
+        cache = tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, None, kv_axis, None))] * 2, row)
         self.state_shardings = SlotState(
-            cache=tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, None, kv_axis, None))] * 2,
-                              row),
-            last_token=row, request=row, prompt_length=row, num_generated=row, active=row, finish=row,
-            out_tokens=NamedSharding(mesh, PartitionSpec(batch_axis, None)),
-            out_logp=NamedSharding(mesh, PartitionSpec(batch_axis, None)))
-        self.params = None
+            cache=cache, last_token=row, request=row, prompt_length=row, num_generated=row, active=row, finish=row,
+            out_tokens=rows2, out_logp=rows2)
+        drafter = None
+        if engine.drafter is not None:
+            drafter = spec_lib.DrafterState(cache, rows2, rows3, row)
+            self.drafter_shardings = sharding.tree_shardings(
+                drafter_lib.drafter_logical_axes(cfg, engine.drafter.config), engine._drafter_shapes, mesh)
+        else:
+            self.drafter_shardings = None
+        self.spec_state_shardings = dataclasses.replace(self.state_shardings,
+                                                        spec=SpecSlots(rows2, row, drafter))
+        self.params = self.drafter_params = None
         self._compiled: dict = {}
 
     def _jit(self, name, fn, in_shardings, out_shardings, static_argnums=(), donate_argnums=()):
@@ -147,28 +175,47 @@ class _Group:
                                                        donate_argnums=donate_argnums)
         return self._compiled[key]
 
-    def empty_state(self, sp: sampling.SamplingParams) -> SlotState:
-        rc, cfg = self.engine.rollout_config, self.engine.model_config
+    def _shardings(self, speculative: bool) -> SlotState:
+        return self.spec_state_shardings if speculative else self.state_shardings
+
+    def empty_state(self, sp: sampling.SamplingParams, speculative: bool = False) -> SlotState:
+        engine = self.engine
+        rc, cfg = engine.rollout_config, engine.model_config
         b, m = rc.num_slots, sp.max_tokens
 
         def make():
             zeros = jnp.zeros((b,), jnp.int32)
+            spec = None
+            if speculative:
+                drafter = None
+                if engine.drafter is not None:
+                    drafter = engine.drafter.init_state(b, rc.max_length, rc.max_draft_depth + 1)
+                spec = SpecSlots(jnp.zeros((b, _context_length(rc)), jnp.int32), zeros - 1, drafter)
             return SlotState(tfm.init_cache(cfg, b, rc.max_length), zeros, zeros - 1, zeros, zeros,
-                             jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32))
+                             jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32),
+                             spec)
 
-        return jax.jit(make, out_shardings=self.state_shardings)()
+        return jax.jit(make, out_shardings=self._shardings(speculative))()
+
+    def _target_layer_ids(self, state):
+        drafter = self.engine.drafter
+        return drafter.target_layer_ids if drafter is not None and state.spec is not None else ()
 
     # -- device steps ----------------------------------------------------------------------
 
-    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp):
+    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp):
         """Prefills R requests into the given slots (slot index B: a padding row, dropped)."""
         engine = self.engine
         cfg, rc = engine.model_config, engine.rollout_config
+        layer_ids = self._target_layer_ids(state)
 
-        def fn(params, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp):
+        def fn(params, drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp):
             r, p = prompts_RP.shape
             small = tfm.init_cache(cfg, r, p, state.cache.k.dtype)
-            logits_RV, _, small = tfm.prefill(params, cfg, small, prompts_RP, lengths_R, return_logits=True)
+            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
+            h_RPD, small, *layers = tfm.decode(params, cfg, small, prompts_RP, positions, layer_ids=layer_ids)
+            last = (lengths_R - 1)[:, None, None]
+            logits_RV = tfm.logits_from_hidden(params, cfg, jnp.take_along_axis(h_RPD, last, axis=1)[:, 0])
             keys = _request_keys(key, requests_R, jnp.zeros_like(requests_R))
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
             code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
@@ -176,43 +223,88 @@ class _Group:
             cache = tfm.KVCache(state.cache.k.at[:, slots_R, :p].set(small.k, mode="drop"),
                                 state.cache.v.at[:, slots_R, :p].set(small.v, mode="drop"),
                                 put(state.cache.lengths, lengths_R))
+            spec = state.spec
+            if spec is not None:
+                # The context: the prompt, then the sampled token right after it.
+                rows = jnp.arange(r)
+                context_RP = jnp.pad(prompts_RP, ((0, 0), (0, 1))).at[rows, lengths_R].set(token_R)
+                context = spec.context.at[slots_R, :p + 1].set(context_RP, mode="drop")
+                drafter_state = spec.drafter
+                if drafter_state is not None:
+                    features = engine.drafter.features(drafter_params, h_RPD, layers[0] if layers else None)
+                    drafter_state = engine.drafter.prefill_rows(drafter_params, params, drafter_state, slots_R,
+                                                                context_RP[:, 1:], features, lengths_R)
+                spec = SpecSlots(context, put(spec.group, groups_R), drafter_state)
             return SlotState(cache, put(state.last_token, token_R), put(state.request, requests_R),
                              put(state.prompt_length, lengths_R), put(state.num_generated, jnp.ones_like(token_R)),
                              put(state.active, code_R == 0), put(state.finish, code_R),
                              state.out_tokens.at[slots_R, 0].set(token_R, mode="drop"),
-                             state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"))
+                             state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"), spec)
 
         rep = sharding.replicated(self.mesh)
-        step = self._jit("insert", fn, (self.param_shardings, self.state_shardings, rep, rep, rep, rep, rep),
-                         self.state_shardings, static_argnums=(7,), donate_argnums=(1,))
-        return step(self.params, state, prompts_RP, lengths_R, slots_R, requests_R, key, sp)
+        shardings = self._shardings(state.spec is not None)
+        step = self._jit("insert", fn, (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6,
+                         shardings, static_argnums=(9,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R,
+                    key, sp)
+
+    def _advance(self, params, drafter_params, state, tokens_BE, logp_BE, count_B, features_BED, sp):
+        """Commits up to E tokens per slot (count_B of them; 0 for inactive slots) to the
+        outputs, stopping at the first that finishes its sequence; the context and the
+        drafter's pending entries follow. Returns (state, tokens kept per slot); the
+        cache is the caller's."""
+        rc = self.engine.rollout_config
+        b, e = tokens_BE.shape
+        j = jnp.arange(e, dtype=jnp.int32)[None]
+        codes = _finish_code(tokens_BE, state.num_generated[:, None] + j + 1, state.prompt_length[:, None], sp,
+                             rc.eos_token_id, rc.max_length)
+        stops = (codes != 0) & (j < count_B[:, None])
+        first_stop = jnp.argmax(stops, axis=1)
+        finished = jnp.any(stops, axis=1)
+        kept = jnp.where(finished, first_stop + 1, count_B)
+        rows = jnp.arange(b)[:, None]
+        keep = j < kept[:, None]
+        at = jnp.where(keep, state.num_generated[:, None] + j, sp.max_tokens)  # out of range: dropped
+        last = jnp.take_along_axis(tokens_BE, jnp.maximum(kept - 1, 0)[:, None], 1)[:, 0]
+        code = jnp.where(finished, jnp.take_along_axis(codes, first_stop[:, None], 1)[:, 0], state.finish)
+        spec = state.spec
+        if spec is not None:
+            where = jnp.where(keep, state.prompt_length[:, None] + state.num_generated[:, None] + j,
+                              spec.context.shape[1])
+            drafter_state = spec.drafter
+            if drafter_state is not None:
+                drafter_state = self.engine.drafter.append(drafter_params, params, drafter_state, tokens_BE,
+                                                           features_BED, kept)
+            spec = SpecSlots(spec.context.at[rows, where].set(tokens_BE, mode="drop"), spec.group, drafter_state)
+        new = SlotState(state.cache, jnp.where(kept > 0, last, state.last_token), state.request,
+                        state.prompt_length, state.num_generated + kept, state.active & ~finished, code,
+                        state.out_tokens.at[rows, at].set(tokens_BE, mode="drop"),
+                        state.out_logp.at[rows, at].set(logp_BE, mode="drop"), spec)
+        return new, kept
 
     def run_chunk(self, state, key, refill_wanted, sp):
         """Up to steps_per_sync plain decode steps; returns the state and per-step logs."""
         engine = self.engine
         cfg, rc = engine.model_config, engine.rollout_config
         n_steps = rc.steps_per_sync
+        layer_ids = self._target_layer_ids(state)
 
-        def decode_step(params, state, key, sp):
-            logits, _, cache = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
-                                          state.cache.lengths[:, None], return_logits=True,
-                                          unroll_layers=rc.unroll_layers)
+        def decode_step(params, drafter_params, state, key, sp):
+            logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
+                                                   state.cache.lengths[:, None], return_logits=True,
+                                                   unroll_layers=rc.unroll_layers, layer_ids=layer_ids)
             keys = _request_keys(key, state.request, state.num_generated)
             token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
+            features = None
+            if engine.drafter is not None and state.spec is not None:
+                features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
             was_active = state.active
-            rows = jnp.arange(token.shape[0])
-            at = jnp.where(was_active, state.num_generated, sp.max_tokens)  # out of range: dropped
-            num_generated = state.num_generated + was_active
-            code = jnp.where(was_active, _finish_code(token, num_generated, state.prompt_length, sp,
-                                                      rc.eos_token_id, rc.max_length), state.finish)
+            new, _ = self._advance(params, drafter_params, state, token[:, None], logp[:, None],
+                                   was_active.astype(jnp.int32), features, sp)
             cache = tfm.KVCache(cache.k, cache.v, jnp.where(was_active, cache.lengths, state.cache.lengths))
-            new = SlotState(cache, jnp.where(was_active, token, state.last_token), state.request,
-                            state.prompt_length, num_generated, was_active & (code == 0), code,
-                            state.out_tokens.at[rows, at].set(token, mode="drop"),
-                            state.out_logp.at[rows, at].set(logp, mode="drop"))
-            return new, jnp.sum(was_active, dtype=jnp.int32)
+            return dataclasses.replace(new, cache=cache), jnp.sum(was_active, dtype=jnp.int32)
 
-        def fn(params, state, key, refill_wanted, sp):
+        def fn(params, drafter_params, state, key, refill_wanted, sp):
             started_active = state.active
 
             def cond(carry):
@@ -222,26 +314,91 @@ class _Group:
 
             def body(carry):
                 i, state, committed = carry
-                state, n = decode_step(params, state, key, sp)
+                state, n = decode_step(params, drafter_params, state, key, sp)
                 return i + 1, state, committed.at[i].set(n)
 
             i, state, committed = lax.while_loop(cond, body, (0, state, jnp.zeros((n_steps,), jnp.int32)))
             return state, i, committed
 
         rep = sharding.replicated(self.mesh)
-        step = self._jit("chunk", fn, (self.param_shardings, self.state_shardings, rep, rep),
-                         (self.state_shardings, rep, rep), static_argnums=(4,), donate_argnums=(1,))
-        return step(self.params, state, key, refill_wanted, sp)
+        shardings = self._shardings(state.spec is not None)
+        step = self._jit("chunk", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+                         (shardings, rep, rep), static_argnums=(5,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, key, refill_wanted, sp)
+
+    def spec_draft(self, state, key, strategy: spec_lib.Strategy, sp):
+        """Drafts a tree for every slot; returns (state, DraftTree)."""
+        engine = self.engine
+        rc = engine.rollout_config
+
+        def fn(params, drafter_params, state, key, strategy, sp):
+            if strategy.drafter == "ngram":
+                spec = state.spec
+                length = state.prompt_length + state.num_generated
+                tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.active, spec.group, -1), strategy)
+            else:
+                keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(
+                    _request_keys(key, state.request, state.num_generated))
+                drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter,
+                                                           state.last_token, strategy, sp, keys)
+                state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
+            return state, spec_lib.bound_tree(tree, state.cache.lengths, rc.max_length)
+
+        rep = sharding.replicated(self.mesh)
+        shardings = self._shardings(True)
+        step = self._jit("draft", fn, (self.param_shardings, self.drafter_shardings, shardings, rep),
+                         (shardings, rep), static_argnums=(4, 5), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, key, strategy, sp)
+
+    def spec_verify(self, state, tree, key, sp):
+        """One target forward over every tree, lossless acceptance, commit. Returns
+        (state, tokens committed per slot)."""
+        engine = self.engine
+        cfg, rc = engine.model_config, engine.rollout_config
+        layer_ids = self._target_layer_ids(state)
+
+        def fn(params, drafter_params, state, tree, key, sp):
+            start = state.cache.lengths
+            depth = jnp.sum(spec_lib.ancestors(tree.parents), axis=2) - 1
+            logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
+                                                   mask_BTW=spec_lib.ancestors(tree.parents), return_logits=True,
+                                                   unroll_layers=rc.unroll_layers, layer_ids=layer_ids)
+            target_logp = sampling.processed_logprobs(logits, sp)
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request,
+                                                                              state.num_generated))
+            path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
+            tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
+            # At most depth + 1 <= max_draft_depth + 1 tokens are emitted.
+            e = min(tokens.shape[1], rc.max_draft_depth + 1)
+            tokens, logp, nodes = tokens[:, :e], logp[:, :e], nodes[:, :e]
+            features = None
+            if engine.drafter is not None:
+                features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
+                features = jnp.take_along_axis(features, nodes[..., None], 1)
+            was_active = state.active
+            new, kept = self._advance(params, drafter_params, state, tokens, logp,
+                                      jnp.where(was_active, num_accepted + 1, 0), features, sp)
+            committed = spec_lib.commit_path(cache, start, path, jnp.maximum(kept - 1, 0))
+            cache = tfm.KVCache(committed.k, committed.v, jnp.where(was_active, committed.lengths, start))
+            return dataclasses.replace(new, cache=cache), kept
+
+        rep = sharding.replicated(self.mesh)
+        shardings = self._shardings(True)
+        step = self._jit("verify", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+                         (shardings, rep), static_argnums=(5,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, tree, key, sp)
 
     # -- host loop ---------------------------------------------------------------------------
 
-    def run(self, requests, key, sp, timeline: GroupTimeline, results: dict):
+    def run(self, requests, key, sp, timeline: GroupTimeline, results: dict, num_samples: int = 1,
+            speculation=None):
         """Generates every (request id, prompt) in `requests`; fills results[id]."""
         rc = self.engine.rollout_config
         b, p = rc.num_slots, rc.max_prompt_length
-        state = self.empty_state(sp)
+        state = self.empty_state(sp, speculation is not None)
         pending = collections.deque(requests)
         slot_request = [-1] * b
+        num_active = 0
         timeline.start = time.perf_counter()
         while True:
             free = [s for s in range(b) if slot_request[s] < 0]
@@ -255,14 +412,30 @@ class _Group:
                 for i, (rid, prompt) in enumerate(take):
                     prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], rid
                     slot_request[free[i]] = rid
-                state = self.insert(state, prompts, lengths, slots, ids, key, sp)
+                state = self.insert(state, prompts, lengths, slots, ids, ids // num_samples, key, sp)
+                num_active += len(take)
             if all(s < 0 for s in slot_request):
                 break
+            strategy = speculation.strategy_for(num_active) if speculation is not None else None
             t0 = time.perf_counter()
-            state, n, committed = self.run_chunk(state, key, bool(pending), sp)
-            active, n, committed = jax.device_get((state.active, n, committed))
-            committed = committed[:n].tolist()
-            timeline.chunks.append(Chunk(t0, time.perf_counter(), committed, committed))
+            if strategy is None:
+                state, n, committed = self.run_chunk(state, key, bool(pending), sp)
+                active, n, committed = jax.device_get((state.active, n, committed))
+                committed = committed[:n].tolist()
+                timeline.chunks.append(Chunk(t0, time.perf_counter(), committed, committed))
+            else:
+                state, tree = self.spec_draft(state, key, strategy, sp)
+                jax.block_until_ready(tree)
+                t1 = time.perf_counter()
+                state, kept = self.spec_verify(state, tree, key, sp)
+                active, kept = jax.device_get((state.active, kept))
+                t2 = time.perf_counter()
+                per_sequence = [int(k) for k in kept if k > 0]
+                timeline.chunks.append(SpecChunk(t0, t2, [num_active], [sum(per_sequence)], strategy=strategy.name,
+                                                 committed_per_sequence=per_sequence, draft_s=t1 - t0,
+                                                 verify_s=t2 - t1))
+                speculation.observe(strategy, num_active, sum(per_sequence), t2 - t0)
+            num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:
                 self._harvest(state, done, slot_request, results)
@@ -279,6 +452,12 @@ class _Group:
             slot_request[s] = -1
 
 
+def _context_length(rc: RolloutConfig) -> int:
+    """Context buffer per slot: everything the cache holds, the pending last token, and
+    room for a speculative step's overshoot (dropped writes past it are harmless)."""
+    return rc.max_length + 1
+
+
 @jax.jit
 def _gather_rows(arrays, index):
     return jax.tree.map(lambda a: a[index], arrays)
@@ -293,15 +472,26 @@ class RolloutEngine:
     """Generates G samples per prompt with continuous batching on each rollout group.
 
     The mesh's `data` axis indexes the groups; each group is a (1, fsdp, tensor) sub-mesh
-    holding its own copy of the weights.
+    holding its own copy of the weights. With a drafter (its config and parameters) the
+    engine can decode speculatively with EAGLE strategies; n-gram strategies need none.
     """
 
-    def __init__(self, model_config: ModelConfig, params, mesh: Mesh, rollout_config: RolloutConfig):
+    def __init__(self, model_config: ModelConfig, params, mesh: Mesh, rollout_config: RolloutConfig,
+                 drafter_config: drafter_lib.DrafterConfig | None = None, drafter_params=None):
         self.model_config, self.rollout_config = model_config, rollout_config
         self._param_shapes = jax.eval_shape(lambda p: p, params)
+        if (drafter_config is None) != (drafter_params is None):
+            raise ValueError("Pass both drafter_config and drafter_params, or neither.")
+        self.drafter = None
+        if drafter_config is not None:
+            drafter_lib.check_drafter_params(drafter_params, model_config, drafter_config)
+            self.drafter = spec_lib.Drafter(model_config, drafter_config)
+            self._drafter_shapes = jax.eval_shape(lambda p: p, drafter_params)
         self.groups = [_Group(g, Mesh(mesh.devices[g:g + 1], mesh.axis_names), self)
                        for g in range(mesh.devices.shape[0])]
         self.update_params(params)
+        if drafter_params is not None:
+            self.update_drafter(drafter_params)
 
     @property
     def num_groups(self) -> int:
@@ -311,6 +501,14 @@ class RolloutEngine:
         """Takes new weights (any layout: they are resharded onto each group's mesh)."""
         for group in self.groups:
             group.params = jax.device_put(params, group.param_shardings)
+
+    def update_drafter(self, drafter_params) -> None:
+        """Takes new drafter weights (between rollouts, as the spot trainer improves them)."""
+        if self.drafter is None:
+            raise ValueError("This engine was built without a drafter; pass drafter_config and drafter_params.")
+        drafter_lib.check_drafter_params(drafter_params, self.model_config, self.drafter.config)
+        for group in self.groups:
+            group.drafter_params = jax.device_put(drafter_params, group.drafter_shardings)
 
     def _check(self, prompts, num_samples):
         if num_samples < 1:
@@ -328,14 +526,28 @@ class RolloutEngine:
             if bad:
                 raise ValueError(f"Prompt {i} has token ids {bad[:5]} outside [0, {self.model_config.vocab_size}).")
 
+    def _check_speculation(self, speculation) -> None:
+        for strategy in speculation.strategies:
+            if strategy.depth > self.rollout_config.max_draft_depth:
+                raise ValueError(f"Strategy {strategy.name} drafts {strategy.depth} deep but the engine was built "
+                                 f"with max_draft_depth={self.rollout_config.max_draft_depth}; raise it.")
+            if strategy.drafter == "eagle" and self.drafter is None:
+                raise ValueError(f"Strategy {strategy.name} needs an EAGLE drafter; build the engine with "
+                                 "drafter_config and drafter_params, or use an n-gram strategy.")
+
     def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, sampling_params: sampling.SamplingParams,
-                 key: jax.Array, on_group_done: Callable[[int], None] | None = None) -> Rollouts:
+                 key: jax.Array, on_group_done: Callable[[int], None] | None = None,
+                 speculation: spec_lib.Speculation | None = None) -> Rollouts:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
         `on_group_done(g)` fires as each group finishes, while others may still decode.
+        `speculation` picks a strategy (or none) before each chunk from the number of
+        active sequences; the samples' distribution is the same either way.
         """
         self._check(prompts, num_samples)
+        if speculation is not None:
+            self._check_speculation(speculation)
         timeline = RolloutTimeline([GroupTimeline(g.index, self.rollout_config.num_slots) for g in self.groups])
         requests = [(p * num_samples + s, list(prompt)) for p, prompt in enumerate(prompts)
                     for s in range(num_samples)]
@@ -345,7 +557,7 @@ class RolloutEngine:
         def run(group, share):
             share = set(share.tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
-            group.run(mine, key, sampling_params, timeline.groups[group.index], results)
+            group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, speculation)
             if on_group_done is not None:
                 on_group_done(group.index)
 
