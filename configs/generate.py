@@ -9,6 +9,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = models.model_config(preset)
     c.hf_dir = ""  # a Hugging Face checkpoint directory replaces the preset (and its tokenizer is used)
+    c.drafter_dir = ""  # a drafter trained for that target (experiments.train_drafter) enables speculation
+    c.strategy = ""  # e.g. eagle-d4, eagle-d5-k3-t12, ngram-d4-b2; empty: eagle-d4 when there is a drafter
     c.prompt = "1+2="  # text when a tokenizer exists; otherwise prompt_ids are used
     c.prompt_ids = (1, 2, 3, 4)
     c.batch_size = 4

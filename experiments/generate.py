@@ -1,22 +1,38 @@
-r"""Generate from a model preset or a Hugging Face checkpoint and report tokens/s.
+r"""Generate from a model preset or a Hugging Face checkpoint and report tokens/s, with and
+without speculation (the drafter trained during RL is a free by-product for inference).
 
   python -m experiments.generate --config=configs/generate.py:tiny
-  python -m experiments.generate --config=configs/generate.py --config.hf_dir=/path/to/ckpt
+  python -m experiments.generate --target=assets/sft_tiny --drafter=runs/drafter_tiny/drafter \
+      --prompt="add 123+456"
+  python -m experiments.generate --target=/path/to/ckpt --strategy=ngram-d4-b2   # no drafter needed
 """
 import json
 import os
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
+from absl import flags
 from ml_collections import config_flags
 
 from tlt_jax import launch, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py:tiny", "Generation config.")
+_TARGET = flags.DEFINE_string("target", None, "Shorthand for --config.hf_dir.")
+_DRAFTER = flags.DEFINE_string("drafter", None, "Shorthand for --config.drafter_dir.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Shorthand for --config.prompt.")
+_STRATEGY = flags.DEFINE_string("strategy", None, "Shorthand for --config.strategy.")
+
+
+def parse_strategy(name: str) -> Strategy:
+    """'eagle-d4', 'eagle-d5-k3-t12' or 'ngram-d4-b2' (Strategy.name's format)."""
+    kind, *parts = name.split("-")
+    fields = {p[0]: int(p[1:]) for p in parts if p[:1] in "dktb" and p[1:].isdigit()}
+    if kind not in ("eagle", "ngram") or "d" not in fields or len(fields) != len(parts):
+        raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12 or ngram-d4-b2.")
+    return Strategy(kind, depth=fields["d"], topk=fields.get("k", fields.get("b", 1)), num_nodes=fields.get("t", 0))
 
 
 def _load(cfg):
@@ -36,45 +52,38 @@ def main(argv):
     del argv
     launch.maybe_initialize_distributed()
     cfg = _CONFIG.value
+    for flag, field in ((_TARGET, "hf_dir"), (_DRAFTER, "drafter_dir"), (_PROMPT, "prompt"), (_STRATEGY, "strategy")):
+        if flag.value is not None:
+            cfg[field] = flag.value
     model_cfg, params, tokenizer = _load(cfg)
+    drafter_cfg = drafter_params = None
+    if cfg.drafter_dir:
+        from tlt_jax.drafter_training.io import load_drafter
+        drafter_cfg, drafter_params = load_drafter(cfg.drafter_dir, model_cfg)
+    strategy = parse_strategy(cfg.strategy) if cfg.strategy else None
+    if strategy is None and drafter_cfg is not None:
+        strategy = Strategy("eagle", depth=4)
     mesh = sharding.make_mesh(cfg.mesh)
-    params = sharding.shard_params(model_cfg, params, mesh)
     prompt = tokenizer.encode(cfg.prompt) if tokenizer else list(cfg.prompt_ids)
-    b, p = cfg.batch_size, len(prompt)
-    max_len = p + cfg.max_new_tokens
+    engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
+        num_slots=cfg.batch_size, max_prompt_length=len(prompt), max_length=len(prompt) + cfg.max_new_tokens + 1,
+        eos_token_id=model_cfg.eos_token_id, max_draft_depth=max(8, strategy.depth if strategy else 0)),
+        drafter_cfg, drafter_params)
     sp = sampling.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                  max_tokens=cfg.max_new_tokens)
-
-    @jax.jit
-    def start(params, tokens_BT, key):
-        cache = tfm.init_cache(model_cfg, b, max_len)
-        logits, _, cache = tfm.prefill(params, model_cfg, cache, tokens_BT, jnp.full((b,), p),
-                                       return_logits=True)
-        return sampling.sample(key, logits, sp)[0], cache
-
-    @jax.jit
-    def step(params, cache, token_B, key):
-        logits, _, cache = tfm.decode(params, model_cfg, cache, token_B[:, None], cache.lengths[:, None],
-                                      return_logits=True)
-        return sampling.sample(key, logits[:, 0], sp)[0], cache
-
-    keys = jax.random.split(jax.random.PRNGKey(cfg.seed), cfg.max_new_tokens)
-    tokens_BT = jnp.asarray([prompt] * b, jnp.int32)
-    token, cache = start(params, tokens_BT, keys[0])
-    jax.block_until_ready(step(params, cache, token, keys[1]))  # compile outside the timing
-    out = [token]
-    t0 = time.perf_counter()
-    for i in range(1, cfg.max_new_tokens):
-        token, cache = step(params, cache, token, keys[i])
-        out.append(token)
-    jax.block_until_ready(token)
-    elapsed = time.perf_counter() - t0
-    generated = np.stack([np.asarray(t) for t in out], axis=1)
-    for row in generated[: min(b, 4)]:
-        print(tokenizer.decode(row.tolist()) if tokenizer else row.tolist())
-    print(json.dumps(dict(batch_size=b, prompt_tokens=p, new_tokens=cfg.max_new_tokens,
-                          decode_tokens_per_s=round(b * (cfg.max_new_tokens - 1) / elapsed, 1),
-                          devices=jax.device_count(), backend=jax.default_backend())))
+    key = jax.random.PRNGKey(cfg.seed)
+    modes = [("plain", None)] + ([(strategy.name, FixedSpeculation(strategy, cfg.batch_size))] if strategy else [])
+    for name, speculation in modes:
+        engine.generate([prompt], cfg.batch_size, sp, key, speculation=speculation)  # compile outside the timing
+        out = engine.generate([prompt], cfg.batch_size, sp, key, speculation=speculation)
+        summary = out.timeline.summary()
+        print(f"--- {name}")
+        for tokens in out.tokens[: min(cfg.batch_size, 4)]:
+            print(tokenizer.decode(tokens.tolist()) if tokenizer else tokens.tolist())
+        print(json.dumps(dict(mode=name, batch_size=cfg.batch_size, prompt_tokens=len(prompt),
+                              new_tokens=int(out.lengths.sum()), tokens_per_s=round(summary["tokens_per_s"], 1),
+                              acceptance_length=round(summary["acceptance_length"], 2),
+                              devices=jax.device_count(), backend=jax.default_backend())))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ def test_every_preset_builds_a_model_config():
 
 def test_generate_with_override_and_sweep_dry_run():
     out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--config.model.num_layers=1",
-               "--config.max_new_tokens=4", "--config.batch_size=2")
+               "--config.max_new_tokens=4", "--config.batch_size=2", "--strategy=ngram-d2-b1")
     assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["batch_size"] == 2 and summary["decode_tokens_per_s"] > 0
+    summaries = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    assert [s["mode"] for s in summaries] == ["plain", "ngram-d2-b1"]
+    assert all(s["batch_size"] == 2 and s["new_tokens"] == 8 and s["tokens_per_s"] > 0 for s in summaries)
 
     out = _run("experiments.sweep", "--launcher=experiments.generate", "--config=configs/generate.py:tiny",
                "--sweep_dir=/tmp/sweep_test", "--dry_run")
