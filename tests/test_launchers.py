@@ -1,4 +1,4 @@
-"""Launchers: overrides, clear flag errors, the sweep runner, multi-host flags."""
+"""Launchers: overrides, clear flag errors, the sweep runner, multi-host flags, the drafter export."""
 import json
 import subprocess
 import sys
@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from configs import generate, models
+from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.config import from_config_dict
 
 
@@ -52,3 +53,14 @@ def test_partial_multihost_flags_are_refused():
     out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--num_processes=2")
     assert out.returncode != 0
     assert "--coordinator_address, --num_processes and --process_id" in out.stderr
+
+
+def test_train_drafter_writes_a_loadable_drafter(tmp_path):
+    out = _run("experiments.train_drafter", "--config=configs/drafter.py:tiny", f"--config.run_dir={tmp_path}",
+               "--config.steps=2", "--config.data.num_train=64", "--config.data.num_eval=8", "--config.batch_size=8",
+               "--config.eval_every=2", "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and 0 <= summary["eval_top1_agree"] <= 1
+    assert load_drafter(tmp_path / "drafter")[0].num_layers == 1
+    assert (tmp_path / "drafter_curves.png").exists()

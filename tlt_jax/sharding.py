@@ -105,6 +105,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def to_host(x) -> np.ndarray:
+    """A host copy of a whole array, gathered from every process when it spans hosts."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def jit_sharded(fn: Callable, *, in_shardings, out_shardings, static_argnums=(), donate_argnums=()):
     """`jax.jit` with explicit shardings on every input and output (today's pjit)."""
     return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,

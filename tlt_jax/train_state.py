@@ -25,18 +25,24 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """The learning rate of each optimizer update (what `make_optimizer` applies)."""
     warmup = max(cfg.warmup_steps, 1)
     if cfg.schedule == "constant":
-        lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, warmup),
-                                   optax.constant_schedule(cfg.learning_rate)], [warmup])
-    elif cfg.schedule == "cosine":
-        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.decay_steps, warmup + 1),
-                                                cfg.learning_rate * 0.1)
-    else:
-        raise ValueError(f"Unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'.")
+        if cfg.warmup_steps == 0:
+            return optax.constant_schedule(cfg.learning_rate)
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, warmup),
+                                     optax.constant_schedule(cfg.learning_rate)], [warmup])
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.decay_steps, warmup + 1),
+                                                  cfg.learning_rate * 0.1)
+    raise ValueError(f"Unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'.")
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    lr = learning_rate_schedule(cfg)
     if cfg.warmup_steps == 0 and cfg.schedule == "constant":
-        lr = cfg.learning_rate
+        lr = cfg.learning_rate  # a float keeps a schedule's step counter out of the optimizer state
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
@@ -83,14 +89,17 @@ def apply_gradients(optimizer, state: TrainState, grads, loss):
     return state, {"grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32)}
 
 
-def jit_train_step(loss_fn, optimizer, state_sharding: TrainState, batch_sharding, mesh):
+def jit_train_step(loss_fn, optimizer, state_sharding: TrainState, batch_sharding, mesh, has_aux: bool = False):
     """(state, batch) -> (state, {"loss", "grad_norm", "skipped"}): one guarded update of
-    loss_fn(params, batch), jitted with explicit shardings, the state donated."""
+    loss_fn(params, batch), jitted with explicit shardings, the state donated. With
+    `has_aux`, loss_fn returns (loss, dict of scalar metrics) and those join the output."""
+
+    with_aux = loss_fn if has_aux else lambda params, batch: (loss_fn(params, batch), {})
 
     def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        (loss, aux), grads = jax.value_and_grad(with_aux, has_aux=True)(state.params, batch)
         state, guard = apply_gradients(optimizer, state, grads, loss)
-        return state, dict(loss=loss, **guard)
+        return state, dict(aux, loss=loss, **guard)
 
     return sharding.jit_sharded(step, in_shardings=(state_sharding, batch_sharding),
                                 out_shardings=(state_sharding, sharding.replicated(mesh)), donate_argnums=(0,))

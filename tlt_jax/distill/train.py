@@ -46,7 +46,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
 from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl import tasks
-from tlt_jax.rl.sft import pack_examples
+from tlt_jax.rl.sft import batch_indices, pack_examples, padded_batches
 from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
                                  state_shardings)
@@ -302,36 +302,24 @@ def train_distill(config, *, progress: bool = True) -> dict:
     start = meta["step"] if meta else 0
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
-    n_eval, eb = len(rows["eval"]["tokens"]), config.eval_batch_size
-
     def run_eval() -> dict:
         totals = None
-        for begin in range(0, n_eval, eb):
-            idx = np.arange(begin, begin + eb)
-            real = idx < n_eval
-            idx = np.where(real, idx, n_eval - 1)  # pad the last batch; padded rows are masked out
-            batch = {k: v[idx] for k, v in rows["eval"].items()}
-            batch["mask"] = batch["mask"] & real[:, None]
+        for idx, batch in padded_batches(rows["eval"], config.eval_batch_size):
             sums = jax.device_get(trainer.eval_sums(state.params, {**batch, **targets("eval", idx)}))
             totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
         count = max(float(totals.pop("count")), 1.0)
         return {f"eval_{k}": float(v) / count for k, v in totals.items()}
 
     n, b = len(rows["train"]["tokens"]), config.batch_size
-
-    def batch_indices(step):
-        order = np.random.default_rng([config.seed, step * b // n]).permutation(n)  # one shuffle per epoch
-        return order[np.arange(step * b, (step + 1) * b) % n]
-
     bar = metrics.ProgressBar(config.steps, ["loss", "eval_kl", "eval_top1_agree"], initial=start, desc="distill",
                               disable=not progress)
     record, t_train = {}, time.time()
-    next_targets = targets("train", batch_indices(start)) if start < config.steps else None
+    next_targets = targets("train", batch_indices(start, b, n, config.seed)) if start < config.steps else None
     for step in range(start, config.steps):
-        idx = batch_indices(step)
+        idx = batch_indices(step, b, n, config.seed)
         state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **next_targets})
         if step + 1 < config.steps:  # read (or compute) the next targets while the device steps
-            next_targets = targets("train", batch_indices(step + 1))
+            next_targets = targets("train", batch_indices(step + 1, b, n, config.seed))
         record = {k: float(v) for k, v in jax.device_get(out).items()}
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             record.update(run_eval())

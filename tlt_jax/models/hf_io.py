@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from tlt_jax import sharding
 from tlt_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
@@ -391,7 +392,7 @@ def save_hf(path: str | os.PathLike, config: ModelConfig, params: Mapping,
     _check_param_shapes(config, params, tensors)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it.")
-    host = jax.tree.map(_to_host, dict(params))
+    host = jax.tree.map(sharding.to_host, dict(params))
     if jax.process_index() == 0:
         _write_checkpoint(path, hf_config, config, host, tensors, np_dtype, max_shard_bytes, tokenizer)
     if jax.process_count() > 1:
@@ -420,13 +421,6 @@ def _flatten(tree, prefix=()):
             yield from _flatten(value, prefix + (key,))
         else:
             yield prefix + (key,), value
-
-
-def _to_host(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def _write_checkpoint(path, hf_config, config, host, tensors, np_dtype, max_shard_bytes, tokenizer):

@@ -55,6 +55,26 @@ def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) ->
     return out
 
 
+def batch_indices(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:
+    """Rows of training step `step`: one shuffle per epoch, a function of the step alone
+    (a resumed run draws the batches it would have drawn)."""
+    order = np.random.default_rng([seed, step * batch_size // num_rows]).permutation(num_rows)
+    return order[np.arange(step * batch_size, (step + 1) * batch_size) % num_rows]
+
+
+def padded_batches(rows: dict, batch_size: int):
+    """Yields (indices, batch) over all `pack_examples` rows in order, in batches of one
+    shape: the last is filled with copies of the last row, their mask cleared."""
+    n = len(rows["tokens"])
+    for begin in range(0, n, batch_size):
+        idx = np.arange(begin, begin + batch_size)
+        real = idx < n
+        idx = np.where(real, idx, n - 1)
+        batch = {k: v[idx] for k, v in rows.items()}
+        batch["mask"] = batch["mask"] & real[:, None]
+        yield idx, batch
+
+
 class SFTTrainer:
     def __init__(self, model_config: ModelConfig, optimizer_config: OptimizerConfig, mesh, *, remat=False,
                  logprob_impl="auto"):
@@ -126,8 +146,7 @@ def train_sft(config, *, progress: bool = True) -> dict:
     bar = metrics.ProgressBar(config.steps, ["loss", "eval_accuracy"], initial=start, desc="sft", disable=not progress)
     record = {}
     for step in range(start, config.steps):
-        order = np.random.default_rng([config.seed, step * b // n]).permutation(n)  # one shuffle per epoch
-        idx = order[np.arange(step * b, (step + 1) * b) % n]
+        idx = batch_indices(step, b, n, config.seed)
         state, out = trainer.step(state, {k: v[idx] for k, v in train.items()})
         record = {k: float(v) for k, v in jax.device_get(out).items()}
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:

@@ -1,0 +1,58 @@
+r"""Offline drafter training (the warm start of the drafter): `--config=configs/drafter.py:tiny`.
+
+The target is a Hugging Face checkpoint with its tokenizer (`target_dir`; by default the
+shipped SFT model `assets/sft_tiny`); the drafter, an EAGLE layer on the target's frozen
+embedding and LM head, learns the target's top-K distribution (and, unfused, its next
+hidden state) on the traces of the RL tasks. The export lands in <run_dir>/drafter
+(`tlt_jax.drafter_training.io.load_drafter`).
+
+Presets:
+  tiny   one layer reading the target's final hidden state (EAGLE); K = 8 of the 37-token
+         vocabulary. A few minutes on two CPU cores, then acceptance through the rollout
+         engine with a 4-deep chain at temperature 1.
+  fused  the same with EAGLE-3 fusion of a low, a middle and the last target layer; the
+         regression target is then the fused feature of the next position.
+"""
+import ml_collections
+
+from configs.sft import tasks_tiny
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+    if preset not in ("tiny", "fused"):
+        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused.")
+    c = ml_collections.ConfigDict()
+    c.target_dir = "assets/sft_tiny"
+    c.tokenizer_dir = ""  # "": the target's directory
+    c.drafter = ml_collections.ConfigDict(dict(num_layers=1, feature_layers=()))
+    c.data = ml_collections.ConfigDict(dict(tasks=tasks_tiny(), num_train=20000, num_eval=256, seq_len=128, seed=0))
+    c.top_k = 8  # target ids kept per position; <= the vocabulary size
+    c.temperature = 1.0  # of the target's distribution and the drafter's alike
+    c.kl_weight = 1.0
+    # Smooth L1 of the drafter's output to the next feature it reads (what it is fed back in
+    # drafting); 0 leaves drafts past the first token to chance.
+    c.feature_weight = 1.0
+    # Width of the uniform noise on the features the drafter reads in training (EAGLE: 0.2
+    # wide); the final-normed features of the tiny target have RMS about 1.
+    c.feature_noise = 0.2
+    c.topk_block = 0  # positions per top-K block (bounds the [B, block, V] logits); 0: all at once
+    c.loss_impl = "auto"
+    c.remat = False
+    c.optimizer = ml_collections.ConfigDict(dict(learning_rate=6e-3, warmup_steps=20, schedule="cosine",
+                                                 decay_steps=600, weight_decay=0.01, b1=0.9, b2=0.98,
+                                                 max_grad_norm=1.0))
+    c.steps = 600
+    c.batch_size = 16
+    c.eval_every = 150
+    c.eval_batch_size = 32
+    c.checkpoint_every = 300
+    c.seed = 0
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # Speculative rollouts of held-out prompts with the trained drafter; num_prompts 0 skips it.
+    c.acceptance = ml_collections.ConfigDict(dict(num_prompts=32, num_samples=2, depth=4, temperature=1.0,
+                                                  max_tokens=96, num_slots=32, max_prompt_length=24))
+    c.run_dir = "runs/drafter_tiny"
+    if preset == "fused":
+        c.drafter.feature_layers = (0, 2, 3)
+        c.run_dir = "runs/drafter_fused"
+    return c

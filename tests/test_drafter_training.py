@@ -1,0 +1,152 @@
+"""Drafter training: the loss's t -> t+1 -> t+2 alignment against a dense reference, masking,
+fused gradients, learning, and the export's round trip and target check."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tlt_jax import sharding
+from tlt_jax.drafter_training import io
+from tlt_jax.drafter_training import trainer as dt
+from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.train_state import OptimizerConfig
+
+CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=8)
+PLAIN = drafter_lib.DrafterConfig(num_layers=1)
+FUSED = drafter_lib.DrafterConfig(num_layers=1, feature_layers=(0, 2))
+B, T, K = 8, 16, 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """Two packed segments per row (lengths 9 and 5, then padding), targets after a
+    three-token prompt, as `sft.pack_examples` lays them out."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(4, CFG.vocab_size, (B, T)).astype(np.int32)
+    positions = np.zeros((B, T), np.int32)
+    segment_ids = np.zeros((B, T), np.int32)
+    target = np.zeros((B, T), bool)  # token t is to be predicted
+    for start, length, segment in ((0, 9, 1), (9, 5, 2)):
+        positions[:, start:start + length] = np.arange(length)
+        segment_ids[:, start:start + length] = segment
+        target[:, start + 3:start + length] = True
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids, "mask": target[:, 1:]}
+
+
+def _loss(dcfg, **kwargs):
+    kwargs = {"feature_weight": 0.3, "kl_weight": 0.7, **kwargs}
+    return jax.jit(lambda dparams, tparams, batch: dt.drafter_loss(dparams, tparams, CFG, dcfg, batch, **kwargs))
+
+
+def _batch(target, rows, dcfg, topk_block=0):
+    fn = functools.partial(dt.target_outputs, target_config=CFG, drafter_config=dcfg, top_k=K, topk_block=topk_block)
+    return {**rows, **jax.jit(lambda p, r: fn(p, rows=r))(target, rows)}
+
+
+def test_loss_matches_a_dense_reference_on_the_shifted_positions(target, rows):
+    """Entry t reads (x_{t+1}, h_t) and is scored against the target's distribution at t+1
+    (over x_{t+2}) and its hidden state h_{t+1}, only where x_{t+2} is a target token of
+    the same segment. The top-K comes blockwise (5 positions at a time, T = 16)."""
+    dparams = drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(1), init_std=0.3)
+    batch = _batch(target, rows, PLAIN, topk_block=5)
+    loss, aux = _loss(PLAIN)(dparams, target, batch)
+
+    h = tfm.forward(target, CFG, rows["tokens"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
+    target_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, h))  # [B, T, V], position t over x_{t+1}
+    g = drafter_lib.forward(dparams, target, CFG, PLAIN, rows["tokens"][:, 1:-1], h[:, :-2],
+                            positions_BT=rows["positions"][:, :-2], segment_ids_BT=rows["segment_ids"][:, :-2])
+    drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, g))
+    p_next = target_logp[:, 1:-1]
+    top_ids = jnp.argsort(-p_next, axis=-1)[..., :K]
+    top_p = jnp.take_along_axis(p_next, top_ids, -1)
+    kl_BT = jnp.sum(jnp.exp(top_p) * (top_p - jnp.take_along_axis(drafter_logp, top_ids, -1)), -1)
+    huber_BT = jnp.mean(optax.losses.huber_loss(g, h[:, 1:-1]), -1)
+    agree_BT = jnp.argmax(drafter_logp, -1) == top_ids[..., 0]
+    # x_{t+2} is a target of segment 1 for t = 1..6, of segment 2 for t = 10..11.
+    mask = np.zeros((B, T - 2), bool)
+    mask[:, 1:7] = mask[:, 10:12] = True
+    np.testing.assert_array_equal(dt.entry_mask(batch), mask)
+    ref = {"kl": kl_BT, "feature_loss": huber_BT, "top1_agree": agree_BT}
+    ref = {k: float(jnp.sum(jnp.where(mask, v, 0.0)) / mask.sum()) for k, v in ref.items()}
+    assert int(aux["count"]) == mask.sum()
+    for name, want in ref.items():
+        np.testing.assert_allclose(float(aux[name]), want, rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(float(loss), 0.3 * ref["feature_loss"] + 0.7 * ref["kl"], rtol=1e-4)
+
+
+def test_masked_entries_contribute_nothing(target, rows):
+    """Changing what masked entries are scored against, or a whole row with no targets,
+    changes neither the loss nor its gradient."""
+    dparams = drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(2), init_std=0.3)
+    batch = _batch(target, rows, PLAIN)
+    batch["mask"] = rows["mask"].copy()
+    batch["mask"][0] = False
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: _loss(PLAIN)(p, target, b)[0]))
+    loss, grads = grad_fn(dparams, batch)
+
+    other = dict(batch)
+    scored = np.zeros((B, T), bool)
+    scored[:, 1:-1] = dt.entry_mask(batch)  # entry t is scored against position t+1
+    masked = ~scored
+    other["ids"] = jnp.where(masked[..., None], (batch["ids"] + 7) % CFG.vocab_size, batch["ids"])
+    other["logp"] = jnp.where(masked[..., None], batch["logp"] - 1.0, batch["logp"])
+    other["tokens"] = batch["tokens"].copy()
+    other["tokens"][0] = 5
+    other["hidden"] = batch["hidden"].at[0].multiply(-2.0)
+    loss2, grads2 = grad_fn(dparams, other)
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads2, grads)
+
+
+def test_fused_gradients_reach_fuse(target, rows):
+    """Through the features the drafter reads (the KL alone: the regression target is fixed)."""
+    dparams = drafter_lib.init_drafter(CFG, FUSED, jax.random.PRNGKey(3), init_std=0.3)
+    batch = _batch(target, rows, FUSED)
+    assert batch["layers"].shape == (B, T, 2, CFG.hidden_size)
+    grads = jax.grad(lambda p: _loss(FUSED, feature_weight=0.0)(p, target, batch)[0])(dparams)
+    assert float(jnp.abs(grads["fuse"]).max()) > 0
+
+
+def test_trainer_learns_a_batch(target, rows):
+    mesh = sharding.make_mesh({"data": -1})
+    trainer = dt.DrafterTrainer(CFG, PLAIN, OptimizerConfig(learning_rate=1e-2), mesh, top_k=K, feature_weight=1.0,
+                                kl_weight=1.0, feature_noise=0.1)
+    placed = trainer.place_target(target)
+    state = trainer.init_state(drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(4)))
+    batch = trainer.batch(placed, rows)
+    before = trainer.evaluate(state.params, placed, batch)
+    for step in range(8):
+        state, out = trainer.step(state, placed, batch, jax.random.PRNGKey(step))
+        assert float(out["skipped"]) == 0 and set(out) >= {"kl", "feature_loss", "top1_agree", "grad_norm"}
+    after = trainer.evaluate(state.params, placed, batch)
+    assert float(after["loss"]) < 0.7 * float(before["loss"])
+    assert int(state.step) == 8
+
+
+def test_export_round_trip_and_target_check(tmp_path, target):
+    dparams = jax.device_get(drafter_lib.init_drafter(CFG, FUSED, jax.random.PRNGKey(5)))
+    path = tmp_path / "drafter"
+    io.save_drafter(path, dparams, FUSED, CFG, "sha256:abc", step=3)
+    config, loaded = io.load_drafter(path, CFG)
+    assert config == FUSED
+    jax.tree.map(np.testing.assert_array_equal, loaded, dparams)
+    assert io.load_drafter(path)[0] == FUSED  # the target's config is on record
+    with pytest.raises(ValueError, match=r"trained for another target model \(hidden_size: trained for 32, "
+                                         r"given 64.*train a drafter for this target"):
+        io.load_drafter(path, CFG.replace(hidden_size=64))
+    io.load_drafter(path, CFG.replace(param_dtype="bfloat16"))  # precision may differ
+    with pytest.raises(ValueError, match="do not match the target"):
+        io.save_drafter(tmp_path / "other", dparams, PLAIN, CFG, "sha256:abc")
+    with pytest.raises(FileNotFoundError, match="experiments.train_drafter"):
+        io.load_drafter(tmp_path / "missing")

@@ -1,0 +1,339 @@
+"""Drafter training: the EAGLE drafter distilled from the target's by-products.
+
+The target runs once over a token batch (`target_outputs`): its final hidden states h, the
+layer outputs a fused drafter reads, and its top-K ids and log-probs per position. The
+drafter's entry t reads (x_{t+1}, f_t) and its output g_t learns (`drafter_loss`)
+
+  * the target's distribution over x_{t+2}, i.e. its top-K at position t+1, through the
+    fused top-K KL on the target's LM head (`losses.linear_topk_kl`: no [tokens, vocab]
+    logits), weight `kl_weight`;
+  * the feature it reads next, f_{t+1} (smooth L1, beta 1), weight `feature_weight`:
+    drafting past the committed text feeds g_t back in its place. Unfused f is the
+    target's final hidden state h (EAGLE's regression, which weighs it 1 against 0.1 for
+    the distribution); fused, it is the fusion of the target's layers at t+1, held
+    fixed (stop-gradient) as the regression target. EAGLE-3 has no regression and
+    instead trains on its own fed-back features; without either, a fused drafter's
+    drafts beyond the first token are poor.
+
+Entries whose x_{t+2} is not a target token of the same sequence are masked. Batches are
+`sft.pack_examples` rows (packed examples kept apart by segment ids) or right-padded rows
+(segment 0 is padding), with the target mask [B, T-1] of that module (position t predicts a
+target token t+1). The acceptance proxy is top-1 agreement: drafter argmax == target argmax.
+
+Optional EAGLE-style noise: the features the drafter reads in training get uniform noise of
+width `feature_noise`, so that it tolerates the error of its own features when it drafts
+beyond the first token.
+
+`train_drafter` is the offline job of `configs/drafter.py` (the warm start of the drafter
+that the spot trainer keeps aligned during RL): SFT traces through the frozen target, AdamW
+on the drafter alone, held-out evaluation, orbax checkpoints with resume, metrics and plots,
+the export (`io.save_drafter`) to <run_dir>/drafter and, optionally, the acceptance length
+the export reaches in the rollout engine.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tlt_jax import checkpoint, losses, metrics, sampling, sharding
+from tlt_jax.distill import teacher_cache as tc
+from tlt_jax.drafter_training import io
+from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.hf_io import load_hf
+from tlt_jax.rl import evaluation, tasks
+from tlt_jax.rl.sft import batch_indices, pack_examples, padded_batches
+from tlt_jax.rollout import speculative
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step,
+                                 learning_rate_schedule, make_optimizer, state_shardings)
+
+ROW_FIELDS = ("tokens", "positions", "segment_ids", "mask")
+
+
+# ----------------------------------------------------------------------------- target side
+
+
+def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temperature: float = 1.0,
+                   block: int = 0):
+    """(ids_BTK int32, logp_BTK float32): top-k of the logits of hidden states, `block`
+    positions at a time (0: all at once) so that only [B, block, V] logits ever exist."""
+    def topk(h_xD):
+        return tc.topk_from_logits(tfm.logits_from_hidden(params, config, h_xD), k, temperature)
+
+    if not block or block >= h_BTD.shape[1]:
+        return topk(h_BTD)
+    ids_TBK, logp_TBK = jax.lax.map(topk, jnp.moveaxis(h_BTD, 1, 0), batch_size=block)
+    return jnp.moveaxis(ids_TBK, 0, 1), jnp.moveaxis(logp_TBK, 0, 1)
+
+
+def target_outputs(target_params, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
+                   rows: dict, *, top_k: int, temperature: float = 1.0, topk_block: int = 0) -> dict:
+    """The target's by-products over `rows` (tokens / positions / segment_ids [B, T]) that
+    drafter training reads: "hidden" h_BTD, "ids" / "logp" [B, T, K] (position t's top-K of
+    x_{t+1}) and, for a fused drafter, "layers" [B, T, n, D] (its feature_layers' outputs)."""
+    out = tfm.forward(target_params, target_config, rows["tokens"], positions_BT=rows["positions"],
+                      segment_ids_BT=rows["segment_ids"], layer_ids=drafter_config.feature_layers)
+    h_BTD, layers_nBTD = out if drafter_config.feature_layers else (out, None)
+    ids_BTK, logp_BTK = topk_of_hidden(target_params, target_config, h_BTD, top_k, temperature, topk_block)
+    outputs = {"hidden": h_BTD, "ids": ids_BTK, "logp": logp_BTK}
+    if layers_nBTD is not None:
+        outputs["layers"] = jnp.moveaxis(layers_nBTD, 0, 2)  # batch-major, like every batch field
+    return outputs
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def entry_mask(batch) -> jax.Array:
+    """[B, T-2] bool: entry t (reading x_{t+1}, f_t) is trained, i.e. x_{t+2} is a target
+    token and t, t+1 lie in the same non-padding segment."""
+    seg_BT = batch["segment_ids"]
+    return batch["mask"][:, 1:] & (seg_BT[:, :-2] == seg_BT[:, 1:-1]) & (seg_BT[:, :-2] > 0)
+
+
+def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
+                 drafter_config: drafter_lib.DrafterConfig, batch: dict, *, feature_weight: float,
+                 kl_weight: float, temperature: float = 1.0, feature_noise: float = 0.0,
+                 noise_key: jax.Array | None = None, loss_impl: str = "auto", topk_block: int = 0,
+                 remat: bool = False):
+    """Teacher-forced drafter loss over a batch of rows with the target's outputs.
+
+    batch: ROW_FIELDS of the rows and `target_outputs` of them. Entries t = 0 .. T-3.
+    Returns (loss, {"kl", "feature_loss", "top1_agree", "count"}): means over the trained
+    entries (nats per token; smooth L1 per hidden unit; fraction) and their number.
+    """
+    cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
+    # Features of positions 0 .. T-2, fused here so that the gradient reaches `fuse`. Entry t
+    # reads f_t and regresses f_{t+1}, the feature it is fed in place of when drafting.
+    layers_nBTD = jnp.moveaxis(batch["layers"][:, :-1], 2, 0) if "layers" in batch else None
+    f_all_BTD = drafter_lib.target_features(drafter_params, drafter_config, batch["hidden"][:, :-1], layers_nBTD)
+    f_BTD, f_next_BTD = f_all_BTD[:, :-1], jax.lax.stop_gradient(f_all_BTD[:, 1:])
+    if feature_noise and noise_key is not None:
+        f_BTD = f_BTD + jax.random.uniform(noise_key, f_BTD.shape, f_BTD.dtype, -feature_noise / 2, feature_noise / 2)
+    g_BTD = drafter_lib.forward(drafter_params, target_params, target_config, drafter_config, nxt(batch["tokens"]),
+                                f_BTD, positions_BT=cut(batch["positions"]),
+                                segment_ids_BT=cut(batch["segment_ids"]), remat=remat)
+    mask_BT = entry_mask(batch)
+    count = jnp.sum(mask_BT)
+    per_entry = lambda x_BT: jnp.sum(jnp.where(mask_BT, x_BT, 0.0)) / jnp.maximum(count, 1)
+
+    b, t, d = g_BTD.shape
+    ids_BTK, logp_BTK = nxt(batch["ids"]), nxt(batch["logp"])
+    k = ids_BTK.shape[-1]
+    w_DV = tfm.lm_head_weight(target_params, target_config).astype(g_BTD.dtype)
+    kl = losses.linear_topk_kl(g_BTD.reshape(b * t, d), w_DV, ids_BTK.reshape(b * t, k),
+                               logp_BTK.reshape(b * t, k), mask_N=mask_BT.reshape(b * t), temperature=temperature,
+                               reduction="mean", impl=loss_impl)
+    feature_loss = per_entry(jnp.mean(optax.losses.huber_loss(g_BTD.astype(jnp.float32),
+                                                              f_next_BTD.astype(jnp.float32), delta=1.0), axis=-1))
+    top1_BT = topk_of_hidden(target_params, target_config, jax.lax.stop_gradient(g_BTD), 1, block=topk_block)[0]
+    agree = per_entry((top1_BT[..., 0] == ids_BTK[..., 0]).astype(jnp.float32))
+    loss = feature_weight * feature_loss + kl_weight * kl
+    return loss, {"kl": kl, "feature_loss": feature_loss, "top1_agree": agree, "count": count}
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class DrafterTrainer:
+    """Compiled drafter steps against a frozen target on `mesh`: the target's outputs for a
+    batch of rows, a guarded AdamW update of the drafter, and evaluation. Only the drafter
+    is trained, and only its parameters are in the train state."""
+
+    def __init__(self, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
+                 optimizer_config: OptimizerConfig, mesh, *, top_k: int, feature_weight: float, kl_weight: float,
+                 temperature: float = 1.0, feature_noise: float = 0.0, loss_impl: str = "auto",
+                 topk_block: int = 0, remat: bool = False):
+        self.target_config, self.drafter_config, self.mesh = target_config, drafter_config, mesh
+        self.optimizer = make_optimizer(optimizer_config)
+        self.learning_rate = learning_rate_schedule(optimizer_config)
+        self.top_k, self.temperature, self.topk_block = top_k, temperature, topk_block
+        self._loss_kwargs = dict(feature_weight=feature_weight, kl_weight=kl_weight, temperature=temperature,
+                                 loss_impl=loss_impl, topk_block=topk_block, remat=remat)
+        self.feature_noise = feature_noise
+        self._target_fn = self._step = self._eval = None
+
+    # -- shardings
+
+    def drafter_shardings(self, drafter_params):
+        axes = drafter_lib.drafter_logical_axes(self.target_config, self.drafter_config)
+        return sharding.tree_shardings(axes, drafter_params, self.mesh)
+
+    def target_shardings(self, target_params):
+        return sharding.param_shardings(self.target_config, target_params, self.mesh)
+
+    def _batch_shardings(self, batch):
+        return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
+
+    def place_target(self, target_params):
+        return jax.device_put(target_params, self.target_shardings(target_params))
+
+    def init_state(self, drafter_params) -> TrainState:
+        return init_train_state(self.optimizer, drafter_params, self.drafter_shardings(drafter_params), self.mesh)
+
+    # -- steps
+
+    def batch(self, target_params, rows: dict) -> dict:
+        """`rows` (ROW_FIELDS) with the target's outputs over them added."""
+        rows = {k: rows[k] for k in ROW_FIELDS}
+        if self._target_fn is None:
+            fn = lambda params, rows: target_outputs(params, self.target_config, self.drafter_config, rows,
+                                                     top_k=self.top_k, temperature=self.temperature,
+                                                     topk_block=self.topk_block)
+            out_shapes = jax.eval_shape(fn, target_params, rows)
+            self._target_fn = sharding.jit_sharded(
+                fn, in_shardings=(self.target_shardings(target_params), self._batch_shardings(rows)),
+                out_shardings=self._batch_shardings(out_shapes))
+        return {**rows, **self._target_fn(target_params, rows)}
+
+    def _loss(self, drafter_params, inputs, noise: bool):
+        return drafter_loss(drafter_params, inputs["target"], self.target_config, self.drafter_config,
+                            inputs["batch"], feature_noise=self.feature_noise if noise else 0.0,
+                            noise_key=inputs.get("key"), **self._loss_kwargs)
+
+    def _input_shardings(self, target_params, batch, with_key: bool):
+        out = {"target": self.target_shardings(target_params), "batch": self._batch_shardings(batch)}
+        if with_key:
+            out["key"] = sharding.replicated(self.mesh)
+        return out
+
+    def step(self, state: TrainState, target_params, batch: dict, noise_key: jax.Array):
+        """One guarded update on `self.batch` output; returns (state, {"loss", "kl",
+        "feature_loss", "top1_agree", "count", "grad_norm", "skipped"})."""
+        if self._step is None:
+            st_sh = state_shardings(self.optimizer, state.params, self.drafter_shardings(state.params), self.mesh)
+            self._step = jit_train_step(lambda p, inputs: self._loss(p, inputs, noise=True), self.optimizer, st_sh,
+                                        self._input_shardings(target_params, batch, True), self.mesh, has_aux=True)
+        return self._step(state, {"target": target_params, "batch": batch, "key": noise_key})
+
+    def evaluate(self, drafter_params, target_params, batch: dict) -> dict:
+        """drafter_loss's (loss and) metrics on a batch, without noise."""
+        if self._eval is None:
+            def fn(params, inputs):
+                loss, aux = self._loss(params, inputs, noise=False)
+                return dict(aux, loss=loss)
+
+            self._eval = sharding.jit_sharded(
+                fn, in_shardings=(self.drafter_shardings(drafter_params),
+                                  self._input_shardings(target_params, batch, False)),
+                out_shardings=sharding.replicated(self.mesh))
+        return self._eval(drafter_params, {"target": target_params, "batch": batch})
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config, drafter_params, mesh,
+                       prompts, *, num_samples: int, depth: int, temperature: float, max_tokens: int,
+                       num_slots: int, max_prompt_length: int, seed: int = 0) -> dict:
+    """Speculative rollouts of `prompts` with an EAGLE chain of `depth` drafts at every step:
+    the timeline's summary (acceptance_length: tokens committed per sequence and verify step,
+    the bonus token included) and the samples' mean length."""
+    engine = RolloutEngine(target_config, target_params, mesh, RolloutConfig(
+        num_slots=num_slots, max_prompt_length=max_prompt_length, max_length=max_prompt_length + max_tokens,
+        eos_token_id=target_config.eos_token_id, max_draft_depth=depth), drafter_config, drafter_params)
+    out = engine.generate(prompts, num_samples, sampling.SamplingParams(temperature=temperature, max_tokens=max_tokens),
+                          jax.random.PRNGKey(seed), speculation=speculative.FixedSpeculation(
+                              speculative.Strategy("eagle", depth=depth), max_active=num_slots))
+    return {**out.timeline.summary(), "length_mean": float(out.lengths.mean())}
+
+
+# ----------------------------------------------------------------------------- job
+
+
+def train_drafter(config, *, progress: bool = True) -> dict:
+    """Runs (or resumes) the drafter job of `configs/drafter.py`; returns the last step's
+    metrics with the final evaluation, timings and, when configured, rollout acceptance."""
+    t_start = time.time()
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    mesh = sharding.make_mesh(config.mesh)
+    target_cfg, host_target = load_hf(config.target_dir)
+    tokenizer = load_tokenizer(config.tokenizer_dir or config.target_dir)
+    dcfg = drafter_lib.DrafterConfig(num_layers=config.drafter.num_layers,
+                                     feature_layers=tuple(config.drafter.feature_layers))
+    if not 1 <= config.top_k <= target_cfg.vocab_size:
+        raise ValueError(f"top_k={config.top_k} must lie in [1, {target_cfg.vocab_size}] (the target's vocabulary).")
+
+    task = tasks.from_spec(config.data.tasks.to_dict())
+    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.data.seed, unique=True)
+    rows = {"train": pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train,
+                                                               config.data.seed), config.data.seq_len),
+            "eval": pack_examples(tokenizer, eval_examples, config.data.seq_len)}
+
+    trainer = DrafterTrainer(target_cfg, dcfg, OptimizerConfig(**config.optimizer), mesh, top_k=config.top_k,
+                             feature_weight=config.feature_weight, kl_weight=config.kl_weight,
+                             temperature=config.temperature, feature_noise=config.feature_noise,
+                             loss_impl=config.loss_impl, topk_block=config.topk_block, remat=config.remat)
+    target = trainer.place_target(host_target)
+    state = trainer.init_state(drafter_lib.init_drafter(target_cfg, dcfg, jax.random.PRNGKey(config.seed)))
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
+    state, meta = ckpt.resume(state)
+    start = meta["step"] if meta else 0
+    writer = metrics.MetricsWriter(run_dir, resume_step=start)
+
+    def run_eval() -> dict:
+        totals, count = {}, 0.0
+        for _, rows_batch in padded_batches(rows["eval"], config.eval_batch_size):
+            out = jax.device_get(trainer.evaluate(state.params, target, trainer.batch(target, rows_batch)))
+            n = float(out.pop("count"))
+            totals = {k: totals.get(k, 0.0) + float(v) * n for k, v in out.items()}
+            count += n
+        return {f"eval_{k}": v / max(count, 1.0) for k, v in totals.items()}
+
+    n, b = len(rows["train"]["tokens"]), config.batch_size
+    noise_key = jax.random.PRNGKey(config.seed + 1)
+    bar = metrics.ProgressBar(config.steps, ["loss", "top1_agree", "eval_top1_agree"], initial=start, desc="drafter",
+                              disable=not progress)
+    record, t_train = {}, time.time()
+    for step in range(start, config.steps):
+        idx = batch_indices(step, b, n, config.seed)
+        batch = trainer.batch(target, {k: v[idx] for k, v in rows["train"].items()})
+        state, out = trainer.step(state, target, batch, jax.random.fold_in(noise_key, step))
+        record = {k: float(v) for k, v in jax.device_get(out).items()}
+        record["lr"] = float(trainer.learning_rate(step))
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            record.update(run_eval())
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            ckpt.save(step + 1, state, {"step": step + 1})
+        writer.write(step + 1, record)
+        bar.update(record)
+    bar.close()
+    t_train = time.time() - t_train
+    if start >= config.steps:
+        record = run_eval()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+
+    drafter_dir = os.path.join(run_dir, "drafter")
+    with checkpoint.Checkpointer(drafter_dir) as exports:
+        exported = config.steps in exports.all_steps()  # by an earlier run of a finished job
+    if not exported:
+        io.save_drafter(drafter_dir, state.params, dcfg, target_cfg, tc.fingerprint_arrays(host_target),
+                        step=config.steps)
+    records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
+    metrics.plot_curves(records, ["loss", "kl", "feature_loss", "top1_agree", "eval_top1_agree", "grad_norm", "lr"],
+                        os.path.join(run_dir, "drafter_curves.png"),
+                        title=f"drafter {dcfg.num_layers} layer(s), features {dcfg.feature_layers or 'final'}")
+    summary = {**record, "steps": config.steps, "resumed_from": start, "train_seconds": t_train,
+               "drafter_dir": drafter_dir}
+    a = config.acceptance
+    if a.num_prompts:
+        prompts = evaluation.encode_prompts(tokenizer, eval_examples[:a.num_prompts])
+        t_accept = time.time()
+        summary["acceptance"] = rollout_acceptance(
+            target_cfg, host_target, dcfg, jax.device_get(state.params), mesh, prompts,
+            num_samples=a.num_samples, depth=a.depth, temperature=a.temperature, max_tokens=a.max_tokens,
+            num_slots=a.num_slots, max_prompt_length=a.max_prompt_length, seed=config.seed)
+        summary["acceptance_seconds"] = time.time() - t_accept
+    summary["total_seconds"] = time.time() - t_start
+    return summary
