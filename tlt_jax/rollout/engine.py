@@ -16,8 +16,9 @@ ran in or on its neighbours. One decode step commits a per-slot number of tokens
 
 Speculation (`generate(..., speculation=...)`): before each chunk the host asks the
 speculation policy for a strategy given the number of active sequences; with one, the
-chunk is a single speculative step (draft, then verify and commit: two device calls,
-timed apart) instead of plain decode steps. The slots then also carry their token
+chunk runs speculative steps (draft, then verify and commit) in place of plain decode
+steps: up to steps_per_sync of them in one device loop, or, with `time_spec_phases`,
+one step as two device calls timed apart. The slots then also carry their token
 context (for the n-gram drafter) and, with an EAGLE drafter, its state.
 """
 from __future__ import annotations
@@ -57,6 +58,9 @@ class RolloutConfig:
     eos_token_id: int | None = None
     unroll_layers: bool = False
     max_draft_depth: int = 8  # deepest speculative strategy this engine runs
+    # One speculative step per host sync, its draft and verify phases timed apart;
+    # otherwise up to steps_per_sync speculative steps run in one device loop.
+    time_spec_phases: bool = False
 
     def __post_init__(self):
         if self.max_prompt_length >= self.max_length:
@@ -168,6 +172,8 @@ class _Group:
         self._compiled: dict = {}
 
     def _jit(self, name, fn, in_shardings, out_shardings, static_argnums=(), donate_argnums=()):
+        """The jitted step called `name` (its trace depends on nothing else: a step whose
+        body differs with the state's layout carries that layout in its name)."""
         key = (name, static_argnums)
         if key not in self._compiled:
             self._compiled[key] = sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
@@ -195,7 +201,10 @@ class _Group:
                              jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32),
                              spec)
 
-        return jax.jit(make, out_shardings=self._shardings(speculative))()
+        key = ("empty", m, speculative)
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative))
+        return self._compiled[key]()
 
     def _target_layer_ids(self, state):
         drafter = self.engine.drafter
@@ -243,7 +252,7 @@ class _Group:
 
         rep = sharding.replicated(self.mesh)
         shardings = self._shardings(state.spec is not None)
-        step = self._jit("insert", fn, (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6,
+        step = self._jit(("insert", state.spec is not None), fn, (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6,
                          shardings, static_argnums=(9,), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R,
                     key, sp)
@@ -322,71 +331,101 @@ class _Group:
 
         rep = sharding.replicated(self.mesh)
         shardings = self._shardings(state.spec is not None)
-        step = self._jit("chunk", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+        step = self._jit(("chunk", state.spec is not None), fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
                          (shardings, rep, rep), static_argnums=(5,), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, key, refill_wanted, sp)
 
-    def spec_draft(self, state, key, strategy: spec_lib.Strategy, sp):
-        """Drafts a tree for every slot; returns (state, DraftTree)."""
+    def _draft(self, params, drafter_params, state, key, strategy, sp):
+        """Drafts a tree for every slot (traced): (state, DraftTree)."""
         engine = self.engine
-        rc = engine.rollout_config
+        if strategy.drafter == "ngram":
+            spec = state.spec
+            length = state.prompt_length + state.num_generated
+            tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.active, spec.group, -1), strategy)
+        else:
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
+                                                                              state.num_generated))
+            drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter, state.last_token,
+                                                       strategy, sp, keys)
+            state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
+        return state, spec_lib.bound_tree(tree, state.cache.lengths, engine.rollout_config.max_length)
 
-        def fn(params, drafter_params, state, key, strategy, sp):
-            if strategy.drafter == "ngram":
-                spec = state.spec
-                length = state.prompt_length + state.num_generated
-                tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.active, spec.group, -1), strategy)
-            else:
-                keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(
-                    _request_keys(key, state.request, state.num_generated))
-                drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter,
-                                                           state.last_token, strategy, sp, keys)
-                state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
-            return state, spec_lib.bound_tree(tree, state.cache.lengths, rc.max_length)
+    def _verify(self, params, drafter_params, state, tree, key, sp):
+        """One target forward over every tree, lossless acceptance, commit (traced):
+        (state, tokens committed per slot)."""
+        engine = self.engine
+        cfg, rc = engine.model_config, engine.rollout_config
+        start = state.cache.lengths
+        visible = spec_lib.ancestors(tree.parents)
+        depth = jnp.sum(visible, axis=2) - 1
+        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
+                                               mask_BTW=visible, return_logits=True, unroll_layers=rc.unroll_layers,
+                                               layer_ids=self._target_layer_ids(state))
+        target_logp = sampling.processed_logprobs(logits, sp)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, state.num_generated))
+        path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
+        tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
+        # At most depth + 1 <= max_draft_depth + 1 tokens are emitted.
+        e = min(tokens.shape[1], rc.max_draft_depth + 1)
+        tokens, logp, nodes = tokens[:, :e], logp[:, :e], nodes[:, :e]
+        features = None
+        if engine.drafter is not None:
+            features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
+            features = jnp.take_along_axis(features, nodes[..., None], 1)
+        was_active = state.active
+        new, kept = self._advance(params, drafter_params, state, tokens, logp,
+                                  jnp.where(was_active, num_accepted + 1, 0), features, sp)
+        committed = spec_lib.commit_path(cache, start, path, jnp.maximum(kept - 1, 0))
+        cache = tfm.KVCache(committed.k, committed.v, jnp.where(was_active, committed.lengths, start))
+        return dataclasses.replace(new, cache=cache), kept
 
+    def spec_draft(self, state, key, strategy: spec_lib.Strategy, sp):
+        """The draft phase alone (timed apart from verification): (state, DraftTree)."""
         rep = sharding.replicated(self.mesh)
         shardings = self._shardings(True)
-        step = self._jit("draft", fn, (self.param_shardings, self.drafter_shardings, shardings, rep),
+        step = self._jit("draft", self._draft, (self.param_shardings, self.drafter_shardings, shardings, rep),
                          (shardings, rep), static_argnums=(4, 5), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, key, strategy, sp)
 
     def spec_verify(self, state, tree, key, sp):
-        """One target forward over every tree, lossless acceptance, commit. Returns
-        (state, tokens committed per slot)."""
-        engine = self.engine
-        cfg, rc = engine.model_config, engine.rollout_config
-        layer_ids = self._target_layer_ids(state)
+        """The verify-and-commit phase alone: (state, tokens committed per slot)."""
+        rep = sharding.replicated(self.mesh)
+        shardings = self._shardings(True)
+        step = self._jit("verify", self._verify, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+                         (shardings, rep), static_argnums=(5,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, tree, key, sp)
 
-        def fn(params, drafter_params, state, tree, key, sp):
-            start = state.cache.lengths
-            depth = jnp.sum(spec_lib.ancestors(tree.parents), axis=2) - 1
-            logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
-                                                   mask_BTW=spec_lib.ancestors(tree.parents), return_logits=True,
-                                                   unroll_layers=rc.unroll_layers, layer_ids=layer_ids)
-            target_logp = sampling.processed_logprobs(logits, sp)
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request,
-                                                                              state.num_generated))
-            path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
-            tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
-            # At most depth + 1 <= max_draft_depth + 1 tokens are emitted.
-            e = min(tokens.shape[1], rc.max_draft_depth + 1)
-            tokens, logp, nodes = tokens[:, :e], logp[:, :e], nodes[:, :e]
-            features = None
-            if engine.drafter is not None:
-                features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
-                features = jnp.take_along_axis(features, nodes[..., None], 1)
-            was_active = state.active
-            new, kept = self._advance(params, drafter_params, state, tokens, logp,
-                                      jnp.where(was_active, num_accepted + 1, 0), features, sp)
-            committed = spec_lib.commit_path(cache, start, path, jnp.maximum(kept - 1, 0))
-            cache = tfm.KVCache(committed.k, committed.v, jnp.where(was_active, committed.lengths, start))
-            return dataclasses.replace(new, cache=cache), kept
+    def spec_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy, sp):
+        """Up to steps_per_sync speculative steps in one device loop (stopping like
+        `run_chunk`); returns (state, steps run, active slots per step, tokens committed
+        per slot and step [steps_per_sync, B])."""
+        rc = self.engine.rollout_config
+        n_steps, b = rc.steps_per_sync, rc.num_slots
+
+        def fn(params, drafter_params, state, key, refill_wanted, strategy, sp):
+            started_active = state.active
+
+            def cond(carry):
+                i, state, _, _ = carry
+                freed = jnp.any(started_active & ~state.active)
+                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed)
+
+            def body(carry):
+                i, state, active, kept = carry
+                n = jnp.sum(state.active, dtype=jnp.int32)
+                state, tree = self._draft(params, drafter_params, state, key, strategy, sp)
+                state, kept_B = self._verify(params, drafter_params, state, tree, key, sp)
+                return i + 1, state, active.at[i].set(n), kept.at[i].set(kept_B)
+
+            init = (0, state, jnp.zeros((n_steps,), jnp.int32), jnp.zeros((n_steps, b), jnp.int32))
+            i, state, active, kept = lax.while_loop(cond, body, init)
+            return state, i, active, kept
 
         rep = sharding.replicated(self.mesh)
         shardings = self._shardings(True)
-        step = self._jit("verify", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
-                         (shardings, rep), static_argnums=(5,), donate_argnums=(2,))
-        return step(self.params, self.drafter_params, state, tree, key, sp)
+        step = self._jit("spec_chunk", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+                         (shardings, rep, rep, rep), static_argnums=(5, 6), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, key, refill_wanted, strategy, sp)
 
     # -- host loop ---------------------------------------------------------------------------
 
@@ -423,7 +462,7 @@ class _Group:
                 active, n, committed = jax.device_get((state.active, n, committed))
                 committed = committed[:n].tolist()
                 timeline.chunks.append(Chunk(t0, time.perf_counter(), committed, committed))
-            else:
+            elif rc.time_spec_phases:
                 state, tree = self.spec_draft(state, key, strategy, sp)
                 jax.block_until_ready(tree)
                 t1 = time.perf_counter()
@@ -435,6 +474,15 @@ class _Group:
                                                  committed_per_sequence=per_sequence, draft_s=t1 - t0,
                                                  verify_s=t2 - t1))
                 speculation.observe(strategy, num_active, sum(per_sequence), t2 - t0)
+            else:
+                state, n, active_steps, kept = self.spec_chunk(state, key, bool(pending), strategy, sp)
+                active, n, active_steps, kept = jax.device_get((state.active, n, active_steps, kept))
+                t1 = time.perf_counter()
+                kept = kept[:n]
+                timeline.chunks.append(SpecChunk(t0, t1, active_steps[:n].tolist(), kept.sum(1).tolist(),
+                                                 strategy=strategy.name,
+                                                 committed_per_sequence=kept[kept > 0].tolist()))
+                speculation.observe(strategy, num_active, int(kept.sum()), t1 - t0)
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:

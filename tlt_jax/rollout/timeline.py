@@ -22,8 +22,10 @@ class Chunk:
 
 @dataclasses.dataclass
 class SpecChunk(Chunk):
-    """One speculative step: its strategy, the tokens each active sequence committed
-    (accepted drafts plus the bonus token), and where the time went."""
+    """Speculative steps of one strategy: the tokens each active sequence committed per
+    step (accepted drafts plus the bonus token, flattened over steps) and, for a chunk
+    of one step timed phase by phase (`RolloutConfig.time_spec_phases`), where the time
+    went (zero otherwise)."""
 
     kind: str = "speculative"
     strategy: str = ""
