@@ -24,10 +24,10 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32):
+def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=4,
-                       eos_token_id=0, max_draft_depth=4)
+                       eos_token_id=0, max_draft_depth=4, time_spec_phases=time_spec_phases)
     return RolloutEngine(CFG, params, mesh, rc, dcfg, dparams)
 
 
@@ -65,7 +65,8 @@ def test_greedy_speculation_equals_plain_greedy(params, dcfg):
     sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
     plain = _engine(params).generate(PROMPTS, 2, sp, jax.random.PRNGKey(3))
     dparams = drafter_lib.init_drafter(CFG, dcfg, jax.random.PRNGKey(4), init_std=0.3)
-    engine = _engine(params, dcfg, dparams)
+    # The fused drafter runs each step as two timed device calls, the other in device loops.
+    engine = _engine(params, dcfg, dparams, time_spec_phases=dcfg is FUSED)
     for strategy in STRATEGIES:
         spec = engine.generate(PROMPTS, 2, sp, jax.random.PRNGKey(3),
                                speculation=spec_lib.FixedSpeculation(strategy, max_active=8))
@@ -74,6 +75,7 @@ def test_greedy_speculation_equals_plain_greedy(params, dcfg):
         assert plain.finish_reason == spec.finish_reason
         summary = spec.timeline.summary()
         assert summary["speculative_steps"] > 0 and summary["acceptance_length"] > 1, strategy.name
+        assert (summary["draft_s"] > 0) == (dcfg is FUSED)
 
 
 SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,

@@ -97,7 +97,7 @@ class RolloutTimeline:
         return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_fraction=idle,
                     slot_idle_fraction=1 - busy / max(1, slot_steps),
                     decode_steps=max((len(g.steps()) for g in self.groups), default=0),
-                    speculative_steps=len(spec),
+                    speculative_steps=sum(len(c.active_per_step) for c in spec),
                     acceptance_length=sum(committed) / len(committed) if committed else 0.0,
                     draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec))
 
