@@ -8,8 +8,9 @@ what predicted x_{t+1}. The drafter's entry at position t reads (x_{t+1}, f_t):
     g_t = final_norm(layers(u)_t)               (its own causal attention and KV cache)
     logits_t = g_t @ lm_head                    (predicts x_{t+2})
 
-and g_t is trained to regress the target's final hidden state h_{t+1} (smooth L1) and,
-through the LM head, to match the target's next-token distribution (top-K KL). When
+and g_t is trained to regress the feature the drafter reads next, f_{t+1} (smooth L1;
+with fusion, the fused feature of t+1 held fixed) and, through the LM head, to match
+the target's next-token distribution (top-K KL). When
 drafting past the committed text the drafter feeds its own g_t as the next feature.
 The embedding, final norm and LM head are the target's, shared and frozen: drafter
 parameters hold only `fc`, `layers` (the transformer's stacked layout) and, with

@@ -341,7 +341,8 @@ class _Group:
         if strategy.drafter == "ngram":
             spec = state.spec
             length = state.prompt_length + state.num_generated
-            tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.active, spec.group, -1), strategy)
+            # Finished samples lend their text until their slot is refilled; their own drafts go unused.
+            tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.request >= 0, spec.group, -1), strategy)
         else:
             keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
                                                                               state.num_generated))
@@ -452,7 +453,7 @@ class _Group:
                     prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], rid
                     slot_request[free[i]] = rid
                 state = self.insert(state, prompts, lengths, slots, ids, ids // num_samples, key, sp)
-                num_active += len(take)
+                num_active = int(jnp.sum(state.active))  # some finish at their first token
             if all(s < 0 for s in slot_request):
                 break
             strategy = speculation.strategy_for(num_active) if speculation is not None else None

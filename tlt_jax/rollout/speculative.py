@@ -57,6 +57,9 @@ class Strategy:
             raise ValueError(f"Strategy.drafter must be one of {DRAFTERS}, got {self.drafter!r}.")
         if self.depth < 1 or self.topk < 1:
             raise ValueError(f"Strategy depth and topk must be >= 1, got {self.depth}, {self.topk}.")
+        if not self.is_eagle_tree and self.num_nodes:
+            raise ValueError(f"num_nodes applies to EAGLE trees (topk > 1) only; got {self.num_nodes} for a "
+                             f"{self.drafter} strategy with topk {self.topk}.")
         if self.is_eagle_tree:
             most = 1 + self.topk + (self.depth - 1) * self.topk * self.topk
             if not 2 <= self.num_nodes <= most:
@@ -168,13 +171,15 @@ class Drafter:
         b, p = state.pending_tokens.shape
         start = state.cache.lengths
         positions = start[:, None] + jnp.arange(p, dtype=jnp.int32)[None]
-        logits, g, cache = self._decode(drafter_params, target_params, state.cache, state.pending_tokens,
-                                        state.pending_features, positions)
-        last = jnp.maximum(state.pending_count - 1, 0)[:, None]
-        take = lambda a: jnp.take_along_axis(a, last.reshape((b, 1) + (1,) * (a.ndim - 2)), axis=1)[:, 0]
+        g, cache = self._decode(drafter_params, target_params, state.cache, state.pending_tokens,
+                                state.pending_features, positions, return_logits=False)
+        last = jnp.maximum(state.pending_count - 1, 0)[:, None, None]
+        g_last = jnp.take_along_axis(g, last, axis=1)[:, 0]
+        logits = tfm.logits_from_hidden(drafter_lib.model_params(drafter_params, target_params), self.target_config,
+                                        g_last)
         cache = tfm.KVCache(cache.k, cache.v, start + state.pending_count)
         emptied = DrafterState(cache, state.pending_tokens, state.pending_features, jnp.zeros_like(start))
-        return emptied, take(logits), take(g)
+        return emptied, logits, g_last
 
     def append(self, drafter_params, target_params, state: DrafterState, tokens_BE, features_BED, count_B):
         """Adds up to E entries per row as pending; runs the pending ones first when they
@@ -245,7 +250,8 @@ class Drafter:
                 logits_BV, g_BD = logits[:, 0], g[:, 0]
         qs.append(qs[-1])  # the leaf has no children: its row is never read
         parents = jnp.broadcast_to(jnp.arange(-1, d, dtype=jnp.int32), (b, d + 1))
-        return DraftTree(jnp.stack(tokens, 1), parents, jnp.stack(qs, 1))
+        # Greedy drafts are deterministic: verifying them as such skips the [B, T, V] rows.
+        return DraftTree(jnp.stack(tokens, 1), parents, None if sp.temperature == 0 else jnp.stack(qs, 1))
 
     def _tree(self, drafter_params, target_params, cache, root_B, logits_BV, g_BD, strategy):
         """EAGLE-2: candidates in level order (parents before children); scores are
