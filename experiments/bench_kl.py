@@ -497,6 +497,8 @@ def _write(args, results, start, final):
         return
     import jax  # provenance only; the driver never touches a device
 
+    from tlt_jax import metrics
+
     preset = PRESETS[args.preset]
     meta = dict(
         preset=args.preset,
@@ -507,9 +509,7 @@ def _write(args, results, start, final):
         wall_s=time.perf_counter() - start,
         results=results,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(meta, f, indent=1)
+    metrics.write_json(args.out, meta, indent=1)
     if final:
         print(f"wrote {args.out}")
 

@@ -24,7 +24,7 @@ import numpy as np
 from absl import flags
 
 from configs import models
-from tlt_jax import launch, sampling, sharding
+from tlt_jax import launch, metrics, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
@@ -172,9 +172,7 @@ def main(argv):
 def _write(result):
     """Rewritten after every row, so a run cut short keeps what it measured."""
     if _OUT.value:
-        os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-        with open(_OUT.value, "w") as f:
-            json.dump(result, f, indent=2)
+        metrics.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

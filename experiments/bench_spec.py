@@ -22,7 +22,7 @@ import jax
 from absl import flags
 
 from configs import sft as sft_configs
-from tlt_jax import launch, sampling, sharding
+from tlt_jax import launch, metrics, sampling, sharding
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rl import evaluation, tasks
@@ -119,9 +119,7 @@ def main(argv):
 def _write(result):
     """Rewritten after every row, so a run cut short keeps what it measured."""
     if _OUT.value:
-        os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-        with open(_OUT.value, "w") as f:
-            json.dump(result, f, indent=2)
+        metrics.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,17 @@ TENSORBOARD_SUBDIR = "tensorboard"
 _RESERVED_KEYS = ("step", "wall_time")
 
 
+def write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
+    """Writes obj as JSON through a temporary file and a rename, so neither a reader nor
+    a run cut short mid-write ever sees half a file (benchmarks rewrite theirs often)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(tmp, path)
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a metrics.jsonl, in file order.
 
