@@ -71,13 +71,6 @@ class Strategy:
         return self.drafter == "eagle" and self.topk > 1
 
     @property
-    def tree_size(self) -> int:
-        """T: nodes per tree, root included."""
-        if self.is_eagle_tree:
-            return self.num_nodes
-        return 1 + self.depth * (self.topk if self.drafter == "ngram" else 1)
-
-    @property
     def name(self) -> str:
         if self.drafter == "ngram":
             return f"ngram-d{self.depth}-b{self.topk}"
