@@ -35,6 +35,9 @@ _MODELS = flags.DEFINE_list("models", None, "Override the preset's model list.")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
 _HF = flags.DEFINE_bool("hf", True, "Also time transformers' generate.")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", None, "Batch sizes at which transformers runs (default: all).")
+_LAYER_WEIGHTS = flags.DEFINE_list(
+    "layer_weights", ["per_layer", "stacked"], "Weight layouts to time: stacked (scanned layer loop) and/or per_layer "
+    "(RolloutConfig.per_layer_weights: unrolled loop, no per-step weight slices).")
 
 PRESETS = {
     "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
@@ -65,10 +68,10 @@ def kv_bytes_per_token(cfg) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.dtype.itemsize
 
 
-def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats):
+def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layer_weights):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len, max_length=prompt_len + new_tokens + 1,
-                       steps_per_sync=new_tokens)
+                       steps_per_sync=new_tokens, per_layer_weights=layer_weights == "per_layer")
     engine = RolloutEngine(cfg, params, mesh, rc)
     group = engine.groups[0]
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=new_tokens + 1)
@@ -140,16 +143,17 @@ def main(argv):
             from tlt_jax.models.hf_io import save_hf
             hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
             save_hf(hf_dir, cfg, jax.device_get(params))
-        for b in batches:
-            seconds, compile_s = bench_ours(cfg, params, b, p, n, repeats)
+        for b, layout in [(b, layout) for b in batches for layout in _LAYER_WEIGHTS.value]:
+            seconds, compile_s = bench_ours(cfg, params, b, p, n, repeats, layout)
             step_s = seconds / n
             # Mean KV entries read per step: the prompt plus, on average, half the answer.
             kv = b * (p + (n - 1) / 2) * kv_bytes_per_token(cfg)
             roofline_s = (param_bytes(params) + kv) / (bandwidth * 1e9)
-            row = dict(model=name, batch=b, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
+            row = dict(model=name, batch=b, layer_weights=layout, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
                        tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
-            if hf_dir and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
+            first_layout = layout == _LAYER_WEIGHTS.value[0]
+            if hf_dir and first_layout and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
                 for static in (False, True):
                     hf = bench_hf(hf_dir, b, p, n, repeats, static)
                     label = "hf_static" if static else "hf"
@@ -161,10 +165,10 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(result)
-    header = f"{'model':14} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
+    header = f"{'model':14} {'batch':>5} {'weights':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
     for r in rows:
-        print(f"{r['model']:14} {r['batch']:5d} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
+        print(f"{r['model']:14} {r['batch']:5d} {r['layer_weights']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
               f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
               f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
 

@@ -22,10 +22,10 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, num_slots, data=1, steps=8, max_length=40):
+def _engine(params, num_slots, data=1, steps=8, max_length=40, per_layer_weights=True):
     mesh = sharding.make_mesh({"data": data}, jax.devices()[:data])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=steps,
-                       eos_token_id=0)
+                       eos_token_id=0, per_layer_weights=per_layer_weights)
     return RolloutEngine(CFG, params, mesh, rc)
 
 
@@ -54,7 +54,7 @@ def test_every_request_once_and_logprobs_match_forward(params, reference):
 
 
 def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference):
-    for engine in (_engine(params, 1, steps=3), _engine(params, 8, steps=5), _engine(params, 4)):
+    for engine in (_engine(params, 1, steps=3), _engine(params, 8, steps=5, per_layer_weights=False), _engine(params, 4)):
         other = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)

@@ -114,6 +114,21 @@ def test_tree_grown_level_by_level_equals_one_shot(params):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), one_shot, atol=1e-5, rtol=1e-5)
 
 
+def test_per_layer_weights_decode_equals_scanned(params):
+    """decode's unrolled path (unstack_layers) gives the scanned path's logits, cache and
+    layer outputs, tree mask included."""
+    prompt = _tokens(2, 5, seed=3)
+    cache = tfm.init_cache(CFG, 2, 12)
+    _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([5, 3]))
+    tokens, mask = _tokens(2, 3, seed=4), jnp.asarray(np.tril(np.ones((3, 3), bool)) & [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+    positions = cache.lengths[:, None] + jnp.array([[0, 1, 1]])
+    per_layer = tfm.unstack_layers(params)
+    assert len(per_layer["layers"]) == CFG.num_layers and tfm.unstack_layers(per_layer) is per_layer
+    outs = [jax.jit(lambda p: tfm.decode(p, CFG, cache, tokens, positions, mask_BTW=jnp.broadcast_to(mask, (2, 3, 3)),
+                                         return_logits=True, layer_ids=(0,)))(p) for p in (params, per_layer)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), outs[0], outs[1])
+
+
 def test_layer_outputs_and_segments(params):
     tokens = _tokens(1, 8, seed=5)
     h, layers = tfm.forward(params, CFG, tokens, layer_ids=(0, 1))

@@ -83,12 +83,17 @@ def tree_shardings(logical_tree: Any, shape_tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a tree of arrays (or ShapeDtypeStructs) given its logical axes."""
     return jax.tree.map(
         lambda axes, x: NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh)),
-        logical_tree, shape_tree, is_leaf=lambda t: isinstance(t, tuple))
+        logical_tree, shape_tree, is_leaf=_is_axis_names)
+
+
+def _is_axis_names(node) -> bool:
+    return isinstance(node, tuple) and all(name is None or isinstance(name, str) for name in node)
 
 
 def param_shardings(model_config, params_or_shapes, mesh: Mesh):
-    from tlt_jax.models.transformer import param_logical_axes
-    return tree_shardings(param_logical_axes(model_config), params_or_shapes, mesh)
+    from tlt_jax.models.transformer import has_per_layer_weights, param_logical_axes
+    axes = param_logical_axes(model_config, per_layer=has_per_layer_weights(params_or_shapes))
+    return tree_shardings(axes, params_or_shapes, mesh)
 
 
 def shard_params(model_config, params, mesh: Mesh):

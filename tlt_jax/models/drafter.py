@@ -122,7 +122,10 @@ def decode(drafter_params, target_params, target_config: ModelConfig, config: Dr
     """Drafter entries against its KV cache, with `transformer.decode`'s scratch-slot
     semantics. Returns (logits_BTV float32, g_BTD, cache), or (g_BTD, cache)."""
     u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD)
-    return tfm.decode(model_params(drafter_params, target_params), config.layer_config(target_config), cache, None,
+    # Per-layer form: an unrolled loop over static slices (a bitcast for one layer) in
+    # place of a scan whose dynamic weight slices are copies on the GPU.
+    params = tfm.unstack_layers(model_params(drafter_params, target_params))
+    return tfm.decode(params, config.layer_config(target_config), cache, None,
                       positions_BT, mask_BTW=mask_BTW, return_logits=return_logits, inputs_BTD=u)
 
 

@@ -1,7 +1,8 @@
 """Llama-3 / Qwen2 decoder: pure functions over a parameter pytree.
 
 Parameters are a nested dict whose layer weights are stacked on a leading layer axis
-(`lax.scan` over layers: one compiled layer body whatever the depth):
+(`lax.scan` over layers: one compiled layer body whatever the depth; `decode` also
+takes the per-layer form that `unstack_layers` makes, for the GPU's decode loop):
 
     embed       [V, D]
     layers/attn_norm [L, D]      layers/wq [L, D, H, Dh]   layers/wk, wv [L, D, K, Dh]
@@ -73,8 +74,9 @@ def init_params(config: ModelConfig, key: jax.Array, init_std: float = 0.02) -> 
     return params
 
 
-def param_logical_axes(config: ModelConfig) -> Params:
-    """Logical axis names of every parameter, same tree as `init_params`."""
+def param_logical_axes(config: ModelConfig, per_layer: bool = False) -> Params:
+    """Logical axis names of every parameter, same tree as `init_params` (or, with
+    per_layer, as `unstack_layers` of it)."""
     layers = {
         "attn_norm": ("layers", "embed"),
         "wq": ("layers", "embed", "heads", "head_dim"),
@@ -92,7 +94,26 @@ def param_logical_axes(config: ModelConfig) -> Params:
     axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
     if not config.tie_embeddings:
         axes["lm_head"] = ("embed", "vocab")
+    if per_layer:
+        axes["layers"] = tuple({name: names[1:] for name, names in layers.items()} for _ in range(config.num_layers))
     return axes
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same parameters with `layers` as a tuple of per-layer trees (decode's form).
+
+    A scanned layer loop reads each layer's weights with a dynamic slice of the stack,
+    which XLA:GPU materialises as a copy before the matmuls: every decode step would
+    move the weights three times. Per-layer arrays, in an unrolled loop, are read once.
+    """
+    if has_per_layer_weights(params):
+        return params
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda x: x[i], params["layers"]) for i in range(num_layers))}
+
+
+def has_per_layer_weights(params: Params) -> bool:
+    return isinstance(params["layers"], (tuple, list))
 
 
 def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
@@ -268,8 +289,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array | None,
            positions_BT: jax.Array, *, mask_BTW: jax.Array | None = None,
-           return_logits: bool = False, layer_ids: Sequence[int] = (), unroll_layers: bool = False,
-           inputs_BTD: jax.Array | None = None):
+           return_logits: bool = False, layer_ids: Sequence[int] = (), inputs_BTD: jax.Array | None = None):
     """Runs T >= 1 new tokens per sequence against the cache.
 
     Slots from lengths[b] on are scratch: mask_BTW [B, T, W] (W >= T, default the causal
@@ -280,9 +300,10 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
     each level seeing the earlier levels it descends from. positions_BT are the RoPE
     positions (a tree's nodes share positions by depth). The whole cache rides in the
     layer loop's carry and is updated in place (a scatter of T slots per layer):
-    nothing proportional to the cache is copied. `unroll_layers` unrolls that loop,
-    trading compile time for static weight slices. inputs_BTD replaces the token
-    embeddings (tokens_BT None).
+    nothing proportional to the cache is copied. With per-layer weights
+    (`unstack_layers`) the layer loop is unrolled instead of scanned: longer compiles,
+    no per-step weight copies on the GPU. inputs_BTD replaces the token embeddings
+    (tokens_BT None).
 
     Returns (h_BTD, cache) — h final-normed — or (logits_BTV float32, h_BTD, cache)
     with return_logits; with layer_ids the layer stack [n, B, T, D] is appended.
@@ -320,10 +341,13 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
             collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
         return (x, k_all, v_all, collected), None
 
-    collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
-    (x, k_all, v_all, collected), _ = lax.scan(
-        layer_fn, (x, cache.k, cache.v, collected),
-        (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)), unroll=unroll_layers)
+    carry = (x, cache.k, cache.v, jnp.zeros((len(layer_ids),) + x.shape, x.dtype))
+    if has_per_layer_weights(params):
+        for index, layer in enumerate(params["layers"]):
+            carry, _ = layer_fn(carry, (layer, index))
+    else:
+        carry, _ = lax.scan(layer_fn, carry, (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
+    x, k_all, v_all, collected = carry
     h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     cache = KVCache(k_all, v_all, start_B + w)
     out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)

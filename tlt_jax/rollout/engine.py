@@ -56,7 +56,10 @@ class RolloutConfig:
     max_length: int = 512
     steps_per_sync: int = 16
     eos_token_id: int | None = None
-    unroll_layers: bool = False
+    # Hold the weights per layer and unroll decode's layer loop (see
+    # transformer.unstack_layers): longer compiles, no per-step weight copies on the GPU,
+    # and 1.2-1.8x faster decode steps on CPU (bench_rollout --layer_weights).
+    per_layer_weights: bool = True
     max_draft_depth: int = 8  # deepest speculative strategy this engine runs
     # One speculative step per host sync, its draft and verify phases timed apart;
     # otherwise up to steps_per_sync speculative steps run in one device loop.
@@ -301,7 +304,7 @@ class _Group:
         def decode_step(params, drafter_params, state, key, sp):
             logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
                                                    state.cache.lengths[:, None], return_logits=True,
-                                                   unroll_layers=rc.unroll_layers, layer_ids=layer_ids)
+                                                   layer_ids=layer_ids)
             keys = _request_keys(key, state.request, state.num_generated)
             token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
             features = None
@@ -360,7 +363,7 @@ class _Group:
         visible = spec_lib.ancestors(tree.parents)
         depth = jnp.sum(visible, axis=2) - 1
         logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
-                                               mask_BTW=visible, return_logits=True, unroll_layers=rc.unroll_layers,
+                                               mask_BTW=visible, return_logits=True,
                                                layer_ids=self._target_layer_ids(state))
         target_logp = sampling.processed_logprobs(logits, sp)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, state.num_generated))
@@ -528,7 +531,7 @@ class RolloutEngine:
     def __init__(self, model_config: ModelConfig, params, mesh: Mesh, rollout_config: RolloutConfig,
                  drafter_config: drafter_lib.DrafterConfig | None = None, drafter_params=None):
         self.model_config, self.rollout_config = model_config, rollout_config
-        self._param_shapes = jax.eval_shape(lambda p: p, params)
+        self._param_shapes = jax.eval_shape(self._engine_layout, params)
         if (drafter_config is None) != (drafter_params is None):
             raise ValueError("Pass both drafter_config and drafter_params, or neither.")
         self.drafter = None
@@ -546,8 +549,12 @@ class RolloutEngine:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def _engine_layout(self, params):
+        return tfm.unstack_layers(params) if self.rollout_config.per_layer_weights else params
+
     def update_params(self, params) -> None:
-        """Takes new weights (any layout: they are resharded onto each group's mesh)."""
+        """Takes new weights (any sharding: they are resharded onto each group's mesh)."""
+        params = self._engine_layout(params)
         for group in self.groups:
             group.params = jax.device_put(params, group.param_shardings)
 
