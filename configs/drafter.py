@@ -12,6 +12,7 @@ Presets:
          engine with a 4-deep chain at temperature 1.
   fused  the same with EAGLE-3 fusion of a low, a middle and the last target layer; the
          regression target is then the fused feature of the next position.
+  gpu    tiny's recipe for the 180M target of `configs/sft.py:gpu` (runs/sft_gpu/hf).
 """
 import ml_collections
 
@@ -19,8 +20,8 @@ from configs.sft import tasks_tiny
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset not in ("tiny", "fused"):
-        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused.")
+    if preset not in ("tiny", "fused", "gpu"):
+        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu.")
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
@@ -55,4 +56,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset == "fused":
         c.drafter.feature_layers = (0, 2, 3)
         c.run_dir = "runs/drafter_fused"
+    if preset == "gpu":  # for the target of configs/sft.py:gpu
+        c.target_dir = "runs/sft_gpu/hf"
+        c.optimizer.learning_rate = 2e-3
+        c.batch_size = 32
+        c.run_dir = "runs/drafter_gpu"
     return c

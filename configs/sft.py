@@ -1,4 +1,7 @@
-"""Supervised warm start on the synthetic tasks' traces: `--config=configs/sft.py:tiny`."""
+"""Supervised warm start on the synthetic tasks' traces: `--config=configs/sft.py:tiny`.
+
+Presets: tiny (0.8M parameters, the RL job's policy, minutes on a CPU) and gpu (180M
+parameters, the speculative-decoding target of experiments/device_check.sh)."""
 import ml_collections
 
 from configs import models
@@ -26,6 +29,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/sft_tiny"
-    if preset != "tiny":
-        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny.")
+    if preset == "gpu":
+        # The speculative-decoding target on the GPU: 180M parameters (16 layers of 1024),
+        # large enough that a decode step moves more bytes than the 1-layer drafter's.
+        c.model.update(hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16, num_kv_heads=4,
+                       head_dim=64)
+        c.optimizer.update(learning_rate=6e-4, warmup_steps=50, decay_steps=500)
+        c.steps, c.eval_every, c.checkpoint_every = 500, 500, 500
+        c.run_dir = "runs/sft_gpu"
+    elif preset != "tiny":
+        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu.")
     return c

@@ -35,6 +35,8 @@ _TARGET = flags.DEFINE_string("target", "assets/sft_tiny", "Target: a Hugging Fa
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_tiny/drafter", "Drafter trained for the target.")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
+_TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 0.0, "Start no new batch size after this many seconds (0: none); "
+                                    "the JSON lists the batch sizes skipped.")
 
 STRATEGIES = [Strategy("eagle", depth=4), Strategy("eagle", depth=6), Strategy("eagle", depth=5, topk=3, num_nodes=12),
               Strategy("ngram", depth=4, topk=2)]
@@ -77,7 +79,12 @@ def main(argv):
     rows = []
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(), rows=rows)
-    for b in batches:
+    t_start = time.perf_counter()
+    for i, b in enumerate(batches):
+        if _TIME_BUDGET_S.value and time.perf_counter() - t_start > _TIME_BUDGET_S.value:
+            result["skipped_batches"] = batches[i:]
+            print(f"time budget spent: batches {batches[i:]} skipped", flush=True)
+            break
         samples = min(g, b)
         prompts = all_prompts[:preset["waves"] * b // samples]
         rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks for the device machine, run from anywhere:  OUT=/some/dir bash experiments/device_check.sh
 # Each block writes its results under $OUT and must not stop the blocks after it
-# (no `set -e`); each block states its own time budget.
-# BLOCKS picks blocks (default: all), e.g. BLOCKS="spec" bash experiments/device_check.sh.
+# (no `set -e`); each block's commands carry their own timeouts, which sum to under
+# 8 minutes for the default BLOCKS. Blocks run in the order of what is least measured.
+# BLOCKS picks blocks, e.g. BLOCKS="losses" bash experiments/device_check.sh.
 set -u
 OUT=${OUT:-/tmp/device_check}
-BLOCKS=${BLOCKS:-"losses rollout spec"}
+BLOCKS=${BLOCKS:-"spec rollout losses"}
 want() { [[ " $BLOCKS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
@@ -13,47 +14,50 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())" \
   > "$OUT/versions.txt" 2>&1
 
-# ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
-# Budget: under 4 minutes. A cross-implementation agreement check (dense vs
-# chunked_xla vs pallas on the GPU, N=2048), then fwd+bwd time and peak memory per
-# implementation at N in {8k, 32k, 64k, 256k}, D=3072, V=128256, K=100, one fresh
-# process per case; cases still queued after 190 s are recorded as skipped, and
-# bench_kl.json is rewritten after every case, so an outer kill keeps what finished.
-if want losses; then
-echo "== bench_kl --preset=gpu"
-timeout 215 python -m experiments.bench_kl --preset=gpu --time_budget_s=170 \
-  --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
-echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
-tail -n 45 "$OUT/bench_kl.log"
+# ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
+# Budget: 4.5 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
+# addition traces, then its one-layer drafter, then plain vs each strategy at batch
+# 1, 4, 8, then 16, 32, 64 while the budget lasts, temperature 0 and 1.
+if want spec; then
+echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
+timeout 95 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
+  > "$OUT/sft.log" 2>&1
+echo "sft exit $?" >> "$OUT/sft.log"
+timeout 75 python -m experiments.train_drafter --config=configs/drafter.py:gpu \
+  --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
+echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
+timeout 100 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
+  --drafter="$OUT/drafter_gpu/drafter" --time_budget_s=60 --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
+echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
+tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
+tail -n 30 "$OUT/bench_spec.log"
+rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints" "$OUT/sft_gpu/hf" "$OUT/drafter_gpu/drafter"
 fi
-# ===== END losses ====================================================================
+# ===== END spec ===================================================================================
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
-# Budget: under 3 minutes. Qwen2.5-0.5B and 1.5B shapes (random bf16 weights), batch
-# 1..256, 64-token prompts, 128 decode steps in one device loop; transformers' generate
-# (dynamic and static cache) on the same checkpoint at batch 16 and 64.
+# Budget: under 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 1, 4, 16,
+# per-layer against stacked (scanned) weights; transformers' generate at batch 16.
 if want rollout; then
 echo "== bench_rollout --preset=gpu"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 170 python -m experiments.bench_rollout --preset=gpu --hf_batches=16,64 \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 110 python -m experiments.bench_rollout --preset=gpu \
+  --models=qwen2.5-1.5b --batches=1,4,16 --layer_weights=per_layer,stacked --hf_batches=16 \
   --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
 echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
-tail -n 16 "$OUT/bench_rollout.log"
+tail -n 10 "$OUT/bench_rollout.log"
 fi
 # ===== END rollout ==============================================================================
 
-# ===== BEGIN spec: speculative vs plain rollouts (train_drafter.py, bench_spec.py) ======
-# Budget: under 4 minutes, run alone (BLOCKS=spec) when the others leave no room. Trains
-# the tiny target's drafter on the GPU (its config's step count), then plain vs each
-# strategy at batch 1..64, temperature 0 and 1, on held-out task prompts.
-if want spec; then
-echo "== train_drafter tiny + bench_spec --preset=gpu"
-timeout 90 python -m experiments.train_drafter --config=configs/drafter.py:tiny \
-  --config.run_dir="$OUT/drafter_tiny" > "$OUT/train_drafter.log" 2>&1
-echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
-timeout 150 python -m experiments.bench_spec --preset=gpu --drafter="$OUT/drafter_tiny/drafter" \
-  --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
-echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
-tail -n 45 "$OUT/bench_spec.log"
-rm -rf "$OUT/drafter_tiny/checkpoints"
+# ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
+# Budget: under 2 minutes: the cases session 1 did not reach (bf16 dW accumulation at
+# 32k and 256k tokens, the Pallas kernels at 8k), then the rest of the preset's list
+# while the budget lasts (one fresh process per case; bench_kl.json is rewritten after
+# every case, so an outer kill keeps what finished).
+if want losses; then
+echo "== bench_kl --preset=gpu --first=..."
+timeout 110 python -m experiments.bench_kl --preset=gpu --time_budget_s=80 \
+  --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
+echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
+tail -n 25 "$OUT/bench_kl.log"
 fi
-# ===== END spec ===========================================================================
+# ===== END losses ====================================================================
