@@ -35,11 +35,12 @@ _TARGET = flags.DEFINE_string("target", "assets/sft_tiny", "Target: a Hugging Fa
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_tiny/drafter", "Drafter trained for the target.")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
+_STRATEGIES = flags.DEFINE_list("strategies", ["eagle-d4", "eagle-d6", "eagle-d5-k3-t12", "ngram-d4-b2"],
+                                "Strategies by name (Strategy.from_name).")
+_TEMPERATURES = flags.DEFINE_list("temperatures", None, "Override the preset's temperatures.")
 _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 0.0, "Start no new batch size after this many seconds (0: none); "
                                     "the JSON lists the batch sizes skipped.")
 
-STRATEGIES = [Strategy("eagle", depth=4), Strategy("eagle", depth=6), Strategy("eagle", depth=5, topk=3, num_nodes=12),
-              Strategy("ngram", depth=4, topk=2)]
 PRESETS = {
     "cpu": dict(batches=[1, 4, 8, 16, 32, 64], temperatures=[0.0, 1.0], max_tokens=96, samples_per_prompt=4, waves=4),
     "gpu": dict(batches=[1, 4, 8, 16, 32, 64], temperatures=[0.0, 1.0], max_tokens=256, samples_per_prompt=4,
@@ -64,6 +65,8 @@ def main(argv):
     launch.maybe_initialize_distributed()
     preset = PRESETS[_PRESET.value]
     batches = [int(b) for b in (_BATCHES.value or preset["batches"])]
+    strategies = [Strategy.from_name(name) for name in _STRATEGIES.value]
+    temperatures = [float(t) for t in (_TEMPERATURES.value or preset["temperatures"])]
     model_cfg, params = load_hf(_TARGET.value)
     tokenizer = load_tokenizer(_TARGET.value)
     if not os.path.exists(_DRAFTER.value):
@@ -90,12 +93,12 @@ def main(argv):
         rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),
                            max_length=max(map(len, prompts)) + preset["max_tokens"] + 1, steps_per_sync=16,
                            eos_token_id=model_cfg.eos_token_id,
-                           max_draft_depth=max(s.depth for s in STRATEGIES))
+                           max_draft_depth=max(s.depth for s in strategies))
         engine = RolloutEngine(model_cfg, params, mesh, rc, drafter_cfg, drafter_params)
-        for temperature in preset["temperatures"]:
+        for temperature in temperatures:
             sp = sampling.SamplingParams(temperature=temperature, max_tokens=preset["max_tokens"])
             plain = run_once(engine, prompts, samples, sp, None, key)
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 spec = run_once(engine, prompts, samples, sp, FixedSpeculation(strategy, max_active=b), key)
                 row = dict(batch=b, temperature=temperature, strategy=strategy.name, requests=len(prompts) * samples,
                            plain_tokens_per_s=plain["tokens_per_s"], spec_tokens_per_s=spec["tokens_per_s"],
@@ -111,7 +114,7 @@ def main(argv):
     result["breakeven_batch"] = {
         f"{s.name}@T{t}": max([r["batch"] for r in rows if r["strategy"] == s.name and r["temperature"] == t
                                and r["speedup"] > 1.0], default=0)
-        for s in STRATEGIES for t in preset["temperatures"]}
+        for s in strategies for t in temperatures}
     _write(result)
     print(f"\nbackend {result['backend']} ({result['device']}), target {model_cfg.num_params() / 1e6:.1f}M params")
     print(f"{'batch':>5} {'T':>3} {'strategy':20} {'plain tok/s':>11} {'spec tok/s':>10} {'x':>5} "

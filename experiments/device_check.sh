@@ -16,8 +16,8 @@ python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.d
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 4.5 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
-# addition traces, then its one-layer drafter, then plain vs each strategy at batch
-# 1, 4, 8, then 16, 32, 64 while the budget lasts, temperature 0 and 1.
+# addition traces, then its one-layer drafter, then plain vs 6- and 4-deep EAGLE chains
+# at batch 1, 4, 8, then 16, 32, 64 while the budget lasts, temperature 1 and 0.
 if want spec; then
 echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
 timeout 95 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
@@ -27,7 +27,8 @@ timeout 75 python -m experiments.train_drafter --config=configs/drafter.py:gpu \
   --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
 echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
 timeout 100 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --time_budget_s=60 --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
+  --drafter="$OUT/drafter_gpu/drafter" --strategies=eagle-d6,eagle-d4 --temperatures=1,0 --time_budget_s=60 \
+  --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
 echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
 tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
 tail -n 30 "$OUT/bench_spec.log"

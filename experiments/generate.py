@@ -26,15 +26,6 @@ _PROMPT = flags.DEFINE_string("prompt", None, "Shorthand for --config.prompt.")
 _STRATEGY = flags.DEFINE_string("strategy", None, "Shorthand for --config.strategy.")
 
 
-def parse_strategy(name: str) -> Strategy:
-    """'eagle-d4', 'eagle-d5-k3-t12' or 'ngram-d4-b2' (Strategy.name's format)."""
-    kind, *parts = name.split("-")
-    fields = {p[0]: int(p[1:]) for p in parts if p[:1] in "dktb" and p[1:].isdigit()}
-    if kind not in ("eagle", "ngram") or "d" not in fields or len(fields) != len(parts):
-        raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12 or ngram-d4-b2.")
-    return Strategy(kind, depth=fields["d"], topk=fields.get("k", fields.get("b", 1)), num_nodes=fields.get("t", 0))
-
-
 def _load(cfg):
     if cfg.hf_dir:
         from tlt_jax.models.hf_io import load_hf
@@ -60,7 +51,7 @@ def main(argv):
     if cfg.drafter_dir:
         from tlt_jax.drafter_training.io import load_drafter
         drafter_cfg, drafter_params = load_drafter(cfg.drafter_dir, model_cfg)
-    strategy = parse_strategy(cfg.strategy) if cfg.strategy else None
+    strategy = Strategy.from_name(cfg.strategy) if cfg.strategy else None
     if strategy is None and drafter_cfg is not None:
         strategy = Strategy("eagle", depth=4)
     mesh = sharding.make_mesh(cfg.mesh)

@@ -116,3 +116,11 @@ def test_sampled_sequences_follow_the_target_distribution(strategy):
     expected = np.append(expected[~rare], expected[rare].sum())
     p_value = stats.chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
     assert p_value > 1e-3, p_value
+
+
+def test_strategy_names_round_trip():
+    for strategy in STRATEGIES + [spec_lib.Strategy("eagle", depth=6)]:
+        assert spec_lib.Strategy.from_name(strategy.name) == strategy
+    for bad in ("eagle", "eagle-x4", "beam-d4", "eagle-d4-q2"):
+        with pytest.raises(ValueError, match="Cannot read strategy"):
+            spec_lib.Strategy.from_name(bad)

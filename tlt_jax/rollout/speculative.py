@@ -76,6 +76,15 @@ class Strategy:
             return f"ngram-d{self.depth}-b{self.topk}"
         return f"eagle-d{self.depth}" + (f"-k{self.topk}-t{self.num_nodes}" if self.is_eagle_tree else "")
 
+    @classmethod
+    def from_name(cls, name: str) -> "Strategy":
+        """The inverse of `name`: 'eagle-d4', 'eagle-d5-k3-t12' or 'ngram-d4-b2'."""
+        kind, *parts = name.split("-")
+        fields = {p[0]: int(p[1:]) for p in parts if p[:1] in "dktb" and p[1:].isdigit()}
+        if kind not in ("eagle", "ngram") or "d" not in fields or len(fields) != len(parts):
+            raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12 or ngram-d4-b2.")
+        return cls(kind, depth=fields["d"], topk=fields.get("k", fields.get("b", 1)), num_nodes=fields.get("t", 0))
+
 
 class Speculation(Protocol):
     """Picks the strategy of each rollout chunk (None: plain decode) and hears back how
