@@ -1,9 +1,11 @@
 """What every trainer shares: AdamW with clipping and a schedule, the train state, its
 shardings, and the guarded update that skips a step whose loss or gradient is not finite.
-Used by SFT, the GRPO learner, drafter training and distillation alike."""
+Used by SFT, the GRPO learner, drafter training and distillation alike; the offline
+trainers also share their step loop (`run_steps`)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -103,3 +105,33 @@ def jit_train_step(loss_fn, optimizer, state_sharding: TrainState, batch_shardin
 
     return sharding.jit_sharded(step, in_shardings=(state_sharding, batch_sharding),
                                 out_shardings=(state_sharding, sharding.replicated(mesh)), donate_argnums=(0,))
+
+
+def run_steps(state, *, start: int, steps: int, step_fn, eval_fn, eval_every: int, checkpoint_every: int,
+              ckpt, writer, bar):
+    """The step loop of the offline trainers (SFT, distillation, drafter training).
+
+    step_fn(state, step) -> (state, record) runs update `step` (0-based); eval_fn(state,
+    step) -> record runs at every eval_every-th and at the last step (or once, when a
+    resumed run is already done); the state is checkpointed at every checkpoint_every-th
+    and at the last step; each record goes to the metrics writer and the progress bar.
+    Waits for pending checkpoints and closes ckpt, writer and bar. Returns (state, the
+    last record, seconds spent in the loop).
+    """
+    record, t0 = {}, time.time()
+    for step in range(start, steps):
+        state, record = step_fn(state, step)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            record.update(eval_fn(state, step + 1))
+        if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+            ckpt.save(step + 1, state, {"step": step + 1})
+        writer.write(step + 1, record)
+        bar.update(record)
+    bar.close()
+    seconds = time.time() - t0
+    if start >= steps:
+        record = eval_fn(state, steps)
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+    return state, record, seconds

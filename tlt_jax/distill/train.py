@@ -49,7 +49,7 @@ from tlt_jax.rl import tasks
 from tlt_jax.rl.sft import batch_indices, pack_examples, padded_batches
 from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
-                                 state_shardings)
+                                 run_steps, state_shardings)
 
 MODES = ("offline", "online")
 # Files that define a Hugging Face tokenizer; a checkpoint directory's weights are not hashed.
@@ -302,7 +302,7 @@ def train_distill(config, *, progress: bool = True) -> dict:
     start = meta["step"] if meta else 0
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
-    def run_eval() -> dict:
+    def run_eval(state, step) -> dict:
         totals = None
         for idx, batch in padded_batches(rows["eval"], config.eval_batch_size):
             sums = jax.device_get(trainer.eval_sums(state.params, {**batch, **targets("eval", idx)}))
@@ -311,29 +311,21 @@ def train_distill(config, *, progress: bool = True) -> dict:
         return {f"eval_{k}": float(v) / count for k, v in totals.items()}
 
     n, b = len(rows["train"]["tokens"]), config.batch_size
+    prefetched = {}
+
+    def step_fn(state, step):
+        train_targets = prefetched.pop(step, None) or targets("train", batch_indices(step, b, n, config.seed))
+        idx = batch_indices(step, b, n, config.seed)
+        state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **train_targets})
+        if step + 1 < config.steps:  # read (or compute) the next targets while the device steps
+            prefetched[step + 1] = targets("train", batch_indices(step + 1, b, n, config.seed))
+        return state, {k: float(v) for k, v in jax.device_get(out).items()}
+
     bar = metrics.ProgressBar(config.steps, ["loss", "eval_kl", "eval_top1_agree"], initial=start, desc="distill",
                               disable=not progress)
-    record, t_train = {}, time.time()
-    next_targets = targets("train", batch_indices(start, b, n, config.seed)) if start < config.steps else None
-    for step in range(start, config.steps):
-        idx = batch_indices(step, b, n, config.seed)
-        state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **next_targets})
-        if step + 1 < config.steps:  # read (or compute) the next targets while the device steps
-            next_targets = targets("train", batch_indices(step + 1, b, n, config.seed))
-        record = {k: float(v) for k, v in jax.device_get(out).items()}
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record.update(run_eval())
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            ckpt.save(step + 1, state, {"step": step + 1})
-        writer.write(step + 1, record)
-        bar.update(record)
-    bar.close()
-    t_train = time.time() - t_train
-    if start >= config.steps:
-        record = run_eval()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+    state, record, t_train = run_steps(state, start=start, steps=config.steps, step_fn=step_fn, eval_fn=run_eval,
+                                       eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+                                       ckpt=ckpt, writer=writer, bar=bar)
     save_hf(os.path.join(run_dir, "hf"), student_cfg, jax.device_get(state.params), tokenizer=tokenizer,
             overwrite=True)
     records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))

@@ -53,7 +53,7 @@ from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step,
-                                 learning_rate_schedule, make_optimizer, state_shardings)
+                                 learning_rate_schedule, make_optimizer, run_steps, state_shardings)
 
 ROW_FIELDS = ("tokens", "positions", "segment_ids", "mask")
 
@@ -280,7 +280,7 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     start = meta["step"] if meta else 0
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
-    def run_eval() -> dict:
+    def run_eval(state, step) -> dict:
         totals, count = {}, 0.0
         for _, rows_batch in padded_batches(rows["eval"], config.eval_batch_size):
             out = jax.device_get(trainer.evaluate(state.params, target, trainer.batch(target, rows_batch)))
@@ -289,30 +289,20 @@ def train_drafter(config, *, progress: bool = True) -> dict:
             count += n
         return {f"eval_{k}": v / max(count, 1.0) for k, v in totals.items()}
 
-    n, b = len(rows["train"]["tokens"]), config.batch_size
     noise_key = jax.random.PRNGKey(config.seed + 1)
-    bar = metrics.ProgressBar(config.steps, ["loss", "top1_agree", "eval_top1_agree"], initial=start, desc="drafter",
-                              disable=not progress)
-    record, t_train = {}, time.time()
-    for step in range(start, config.steps):
-        idx = batch_indices(step, b, n, config.seed)
+
+    def step_fn(state, step):
+        idx = batch_indices(step, config.batch_size, len(rows["train"]["tokens"]), config.seed)
         batch = trainer.batch(target, {k: v[idx] for k, v in rows["train"].items()})
         state, out = trainer.step(state, target, batch, jax.random.fold_in(noise_key, step))
-        record = {k: float(v) for k, v in jax.device_get(out).items()}
-        record["lr"] = float(trainer.learning_rate(step))
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record.update(run_eval())
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            ckpt.save(step + 1, state, {"step": step + 1})
-        writer.write(step + 1, record)
-        bar.update(record)
-    bar.close()
-    t_train = time.time() - t_train
-    if start >= config.steps:
-        record = run_eval()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+        return state, {**{k: float(v) for k, v in jax.device_get(out).items()},
+                       "lr": float(trainer.learning_rate(step))}
+
+    bar = metrics.ProgressBar(config.steps, ["loss", "top1_agree", "eval_top1_agree"], initial=start, desc="drafter",
+                              disable=not progress)
+    state, record, t_train = run_steps(state, start=start, steps=config.steps, step_fn=step_fn, eval_fn=run_eval,
+                                       eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+                                       ckpt=ckpt, writer=writer, bar=bar)
 
     drafter_dir = os.path.join(run_dir, "drafter")
     with checkpoint.Checkpointer(drafter_dir) as exports:

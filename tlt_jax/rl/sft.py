@@ -14,7 +14,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import tasks
 from tlt_jax.rl.learner import token_logprobs
 from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
-                                 state_shardings)
+                                 run_steps, state_shardings)
 
 
 def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) -> dict:
@@ -137,30 +137,20 @@ def train_sft(config, *, progress: bool = True) -> dict:
         max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=model_cfg.eos_token_id))
     greedy = sampling.SamplingParams(temperature=0.0, max_tokens=config.data.seq_len)
 
-    def run_eval(step):
+    def run_eval(state, step):
         engine.update_params(state.params)
         result = evaluation.evaluate(engine, tokenizer, eval_examples, greedy, jax.random.PRNGKey(step))
         return {f"eval_{k}": v for k, v in result.items()}
 
-    n, b = len(train["tokens"]), config.batch_size
-    bar = metrics.ProgressBar(config.steps, ["loss", "eval_accuracy"], initial=start, desc="sft", disable=not progress)
-    record = {}
-    for step in range(start, config.steps):
-        idx = batch_indices(step, b, n, config.seed)
+    def step_fn(state, step):
+        idx = batch_indices(step, config.batch_size, len(train["tokens"]), config.seed)
         state, out = trainer.step(state, {k: v[idx] for k, v in train.items()})
-        record = {k: float(v) for k, v in jax.device_get(out).items()}
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record.update(run_eval(step + 1))
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            ckpt.save(step + 1, state, {"step": step + 1})
-        writer.write(step + 1, record)
-        bar.update(record)
-    bar.close()
-    if start >= config.steps:
-        record = run_eval(config.steps)
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+        return state, {k: float(v) for k, v in jax.device_get(out).items()}
+
+    bar = metrics.ProgressBar(config.steps, ["loss", "eval_accuracy"], initial=start, desc="sft", disable=not progress)
+    state, record, _ = run_steps(state, start=start, steps=config.steps, step_fn=step_fn, eval_fn=run_eval,
+                                 eval_every=config.eval_every, checkpoint_every=config.checkpoint_every, ckpt=ckpt,
+                                 writer=writer, bar=bar)
     save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer, overwrite=True)
     records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     metrics.plot_curves(records, ["loss", "eval_accuracy"], os.path.join(run_dir, "sft_curves.png"))
