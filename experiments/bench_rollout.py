@@ -35,9 +35,13 @@ _MODELS = flags.DEFINE_list("models", None, "Override the preset's model list.")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
 _HF = flags.DEFINE_bool("hf", True, "Also time transformers' generate.")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", None, "Batch sizes at which transformers runs (default: all).")
-_LAYER_WEIGHTS = flags.DEFINE_list(
-    "layer_weights", ["per_layer", "stacked"], "Weight layouts to time: stacked (scanned layer loop) and/or per_layer "
-    "(RolloutConfig.per_layer_weights: unrolled loop, no per-step weight slices).")
+# Decode weight layouts (RolloutConfig fields): "fused" is the default, per-layer weights
+# with fused q/k/v and gate/up projections; "per_layer" without the fusion; "stacked"
+# the training layout in a scanned layer loop.
+LAYOUTS = {"fused": dict(per_layer_weights=True, fused_projections=True),
+           "per_layer": dict(per_layer_weights=True, fused_projections=False),
+           "stacked": dict(per_layer_weights=False, fused_projections=False)}
+_LAYOUTS = flags.DEFINE_list("layouts", ["fused", "per_layer", "stacked"], f"Decode weight layouts to time: {list(LAYOUTS)}.")
 
 PRESETS = {
     "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
@@ -68,10 +72,10 @@ def kv_bytes_per_token(cfg) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.dtype.itemsize
 
 
-def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layer_weights):
+def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len, max_length=prompt_len + new_tokens + 1,
-                       steps_per_sync=new_tokens, per_layer_weights=layer_weights == "per_layer")
+                       steps_per_sync=new_tokens, **LAYOUTS[layout])
     engine = RolloutEngine(cfg, params, mesh, rc)
     group = engine.groups[0]
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=new_tokens + 1)
@@ -143,16 +147,16 @@ def main(argv):
             from tlt_jax.models.hf_io import save_hf
             hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
             save_hf(hf_dir, cfg, jax.device_get(params))
-        for b, layout in [(b, layout) for b in batches for layout in _LAYER_WEIGHTS.value]:
+        for b, layout in [(b, layout) for b in batches for layout in _LAYOUTS.value]:
             seconds, compile_s = bench_ours(cfg, params, b, p, n, repeats, layout)
             step_s = seconds / n
             # Mean KV entries read per step: the prompt plus, on average, half the answer.
             kv = b * (p + (n - 1) / 2) * kv_bytes_per_token(cfg)
             roofline_s = (param_bytes(params) + kv) / (bandwidth * 1e9)
-            row = dict(model=name, batch=b, layer_weights=layout, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
+            row = dict(model=name, batch=b, layout=layout, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
                        tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
-            first_layout = layout == _LAYER_WEIGHTS.value[0]
+            first_layout = layout == _LAYOUTS.value[0]
             if hf_dir and first_layout and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
                 for static in (False, True):
                     hf = bench_hf(hf_dir, b, p, n, repeats, static)
@@ -165,10 +169,10 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(result)
-    header = f"{'model':14} {'batch':>5} {'weights':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
+    header = f"{'model':14} {'batch':>5} {'layout':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
     for r in rows:
-        print(f"{r['model']:14} {r['batch']:5d} {r['layer_weights']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
+        print(f"{r['model']:14} {r['batch']:5d} {r['layout']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
               f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
               f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
 

@@ -15,19 +15,19 @@ python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.d
   > "$OUT/versions.txt" 2>&1
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
-# Budget: 4.5 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
+# Budget: 4.3 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
 # addition traces, then its one-layer drafter, then plain vs 6- and 4-deep EAGLE chains
 # at batch 1, 4, 8, then 16, 32, 64 while the budget lasts, temperature 1 and 0.
 if want spec; then
 echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
-timeout 95 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
+timeout 90 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
   > "$OUT/sft.log" 2>&1
 echo "sft exit $?" >> "$OUT/sft.log"
-timeout 75 python -m experiments.train_drafter --config=configs/drafter.py:gpu \
+timeout 70 python -m experiments.train_drafter --config=configs/drafter.py:gpu \
   --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
 echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
-timeout 100 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --strategies=eagle-d6,eagle-d4 --temperatures=1,0 --time_budget_s=60 \
+timeout 95 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
+  --drafter="$OUT/drafter_gpu/drafter" --strategies=eagle-d6,eagle-d4 --temperatures=1,0 --time_budget_s=55 \
   --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
 echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
 tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
@@ -37,12 +37,13 @@ fi
 # ===== END spec ===================================================================================
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
-# Budget: under 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 1, 4, 16,
-# per-layer against stacked (scanned) weights; transformers' generate at batch 16.
+# Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16, 1, 4,
+# fused per-layer, stacked (scanned) and per-layer weights; transformers' generate at
+# batch 16.
 if want rollout; then
 echo "== bench_rollout --preset=gpu"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 110 python -m experiments.bench_rollout --preset=gpu \
-  --models=qwen2.5-1.5b --batches=1,4,16 --layer_weights=per_layer,stacked --hf_batches=16 \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 125 python -m experiments.bench_rollout --preset=gpu \
+  --models=qwen2.5-1.5b --batches=16,1,4 --layouts=fused,stacked,per_layer --hf_batches=16 \
   --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
 echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
 tail -n 10 "$OUT/bench_rollout.log"
@@ -56,7 +57,7 @@ fi
 # every case, so an outer kill keeps what finished).
 if want losses; then
 echo "== bench_kl --preset=gpu --first=..."
-timeout 110 python -m experiments.bench_kl --preset=gpu --time_budget_s=80 \
+timeout 95 python -m experiments.bench_kl --preset=gpu --time_budget_s=65 \
   --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
 echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
 tail -n 25 "$OUT/bench_kl.log"

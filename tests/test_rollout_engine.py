@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from tlt_jax import sampling, sharding
 from tlt_jax.models import transformer as tfm
@@ -22,10 +23,10 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, num_slots, data=1, steps=8, max_length=40, per_layer_weights=True):
-    mesh = sharding.make_mesh({"data": data}, jax.devices()[:data])
+def _engine(params, num_slots, data=1, steps=8, max_length=40, tensor=1, **layout):
+    mesh = sharding.make_mesh({"data": data, "tensor": tensor}, jax.devices()[:data * tensor])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=steps,
-                       eos_token_id=0, per_layer_weights=per_layer_weights)
+                       eos_token_id=0, **layout)
     return RolloutEngine(CFG, params, mesh, rc)
 
 
@@ -54,7 +55,8 @@ def test_every_request_once_and_logprobs_match_forward(params, reference):
 
 
 def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference):
-    for engine in (_engine(params, 1, steps=3), _engine(params, 8, steps=5, per_layer_weights=False), _engine(params, 4)):
+    stacked = dict(per_layer_weights=False, fused_projections=False)
+    for engine in (_engine(params, 1, steps=3), _engine(params, 8, steps=5, **stacked), _engine(params, 4)):
         other = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)
@@ -68,8 +70,9 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
 
 
 def test_data_parallel_groups_signal_done(params, reference):
-    engine = _engine(params, 2, data=2)
+    engine = _engine(params, 2, data=2, tensor=2)  # fused q/k/v split by kv head across the tensor axis
     assert engine.num_groups == 2
+    assert engine.groups[0].params["layers"][0]["wqkv"].sharding.spec == P(None, "tensor", None, None)
     done, lock = [], threading.Lock()
 
     def on_done(g):

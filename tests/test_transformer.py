@@ -114,9 +114,9 @@ def test_tree_grown_level_by_level_equals_one_shot(params):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), one_shot, atol=1e-5, rtol=1e-5)
 
 
-def test_per_layer_weights_decode_equals_scanned(params):
-    """decode's unrolled path (unstack_layers) gives the scanned path's logits, cache and
-    layer outputs, tree mask included."""
+def test_decode_layouts_equal_the_stacked_one(params):
+    """decode's layouts (per-layer weights in an unrolled loop, fused projections, both)
+    give the stacked, scanned path's logits, cache and layer outputs, tree mask included."""
     prompt = _tokens(2, 5, seed=3)
     cache = tfm.init_cache(CFG, 2, 12)
     _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([5, 3]))
@@ -124,9 +124,14 @@ def test_per_layer_weights_decode_equals_scanned(params):
     positions = cache.lengths[:, None] + jnp.array([[0, 1, 1]])
     per_layer = tfm.unstack_layers(params)
     assert len(per_layer["layers"]) == CFG.num_layers and tfm.unstack_layers(per_layer) is per_layer
-    outs = [jax.jit(lambda p: tfm.decode(p, CFG, cache, tokens, positions, mask_BTW=jnp.broadcast_to(mask, (2, 3, 3)),
-                                         return_logits=True, layer_ids=(0,)))(p) for p in (params, per_layer)]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6), outs[0], outs[1])
+    layouts = [params, per_layer, tfm.fuse_projections(params, CFG), tfm.fuse_projections(per_layer, CFG)]
+    assert tfm.fuse_projections(layouts[3], CFG) is layouts[3]
+    assert layouts[3]["layers"][1]["wqkv"].shape == (32, 2, 4, 8) and "wq" not in layouts[2]["layers"]
+    run = jax.jit(lambda p: tfm.decode(p, CFG, cache, tokens, positions, mask_BTW=jnp.broadcast_to(mask, (2, 3, 3)),
+                                       return_logits=True, layer_ids=(0,)))
+    expected = run(params)
+    for layout in layouts[1:]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), run(layout), expected)
 
 
 def test_layer_outputs_and_segments(params):

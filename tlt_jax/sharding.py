@@ -91,8 +91,9 @@ def _is_axis_names(node) -> bool:
 
 
 def param_shardings(model_config, params_or_shapes, mesh: Mesh):
-    from tlt_jax.models.transformer import has_per_layer_weights, param_logical_axes
-    axes = param_logical_axes(model_config, per_layer=has_per_layer_weights(params_or_shapes))
+    from tlt_jax.models import transformer as tfm
+    axes = tfm.param_logical_axes(model_config, per_layer=tfm.has_per_layer_weights(params_or_shapes),
+                                  fused=tfm.has_fused_projections(params_or_shapes))
     return tree_shardings(axes, params_or_shapes, mesh)
 
 

@@ -74,9 +74,9 @@ def init_params(config: ModelConfig, key: jax.Array, init_std: float = 0.02) -> 
     return params
 
 
-def param_logical_axes(config: ModelConfig, per_layer: bool = False) -> Params:
-    """Logical axis names of every parameter, same tree as `init_params` (or, with
-    per_layer, as `unstack_layers` of it)."""
+def param_logical_axes(config: ModelConfig, per_layer: bool = False, fused: bool = False) -> Params:
+    """Logical axis names of every parameter, same tree as `init_params` (or as its
+    decode layouts: `unstack_layers` with per_layer, `fuse_projections` with fused)."""
     layers = {
         "attn_norm": ("layers", "embed"),
         "wq": ("layers", "embed", "heads", "head_dim"),
@@ -94,6 +94,12 @@ def param_logical_axes(config: ModelConfig, per_layer: bool = False) -> Params:
     axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
     if not config.tie_embeddings:
         axes["lm_head"] = ("embed", "vocab")
+    if fused:
+        for name in ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv"):
+            layers.pop(name, None)
+        layers.update(wqkv=("layers", "embed", "kv_heads", None, "head_dim"), w_gate_up=("layers", "embed", None, "mlp"))
+        if config.qkv_bias:
+            layers["bqkv"] = ("layers", "kv_heads", None, "head_dim")
     if per_layer:
         axes["layers"] = tuple({name: names[1:] for name, names in layers.items()} for _ in range(config.num_layers))
     return axes
@@ -110,6 +116,40 @@ def unstack_layers(params: Params) -> Params:
         return params
     num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
     return {**params, "layers": tuple(jax.tree.map(lambda x: x[i], params["layers"]) for i in range(num_layers))}
+
+
+def fuse_projections(params: Params, config: ModelConfig) -> Params:
+    """The same parameters with each layer's q, k, v projections as one weight and its
+    gate and up projections as another (decode's layout: 4 matmuls a layer, not 7).
+
+    wqkv [.., D, K, H/K + 2, Dh]: for each kv head, its H/K query heads, then its key,
+    then its value (the grouping `attention` uses), so that sharding the kv-head axis
+    keeps each group on one device. w_gate_up [.., D, 2, F]. Stacked or per-layer alike.
+    """
+    if has_fused_projections(params):
+        return params
+    kv, group = config.num_kv_heads, config.num_heads // config.num_kv_heads
+
+    def fuse(layer):
+        layer = dict(layer)
+        wq = layer.pop("wq")
+        wq = wq.reshape(wq.shape[:-2] + (kv, group, wq.shape[-1]))
+        layer["wqkv"] = jnp.concatenate([wq, layer.pop("wk")[..., None, :], layer.pop("wv")[..., None, :]], axis=-2)
+        layer["w_gate_up"] = jnp.stack([layer.pop("w_gate"), layer.pop("w_up")], axis=-2)
+        if "bq" in layer:
+            bq = layer.pop("bq")
+            bq = bq.reshape(bq.shape[:-2] + (kv, group, bq.shape[-1]))
+            layer["bqkv"] = jnp.concatenate([bq, layer.pop("bk")[..., None, :], layer.pop("bv")[..., None, :]],
+                                            axis=-2)
+        return layer
+
+    layers = params["layers"]
+    return {**params, "layers": tuple(map(fuse, layers)) if has_per_layer_weights(params) else fuse(layers)}
+
+
+def has_fused_projections(params: Params) -> bool:
+    layers = params["layers"]
+    return "wqkv" in (layers[0] if has_per_layer_weights(params) else layers)
 
 
 def has_per_layer_weights(params: Params) -> bool:
@@ -183,11 +223,18 @@ def _qkv(layer, x_BTD, positions_BT, config, inv_freq):
     c = config
     dt = c.jnp_dtype
     h = rms_norm(x_BTD, layer["attn_norm"], c.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, layer["wq"].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", h, layer["wk"].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", h, layer["wv"].astype(dt))
-    if c.qkv_bias:
-        q, k, v = q + layer["bq"].astype(dt), k + layer["bk"].astype(dt), v + layer["bv"].astype(dt)
+    if "wqkv" in layer:  # fuse_projections' layout
+        qkv = jnp.einsum("btd,dkgh->btkgh", h, layer["wqkv"].astype(dt))
+        if c.qkv_bias:
+            qkv = qkv + layer["bqkv"].astype(dt)
+        b, t = h.shape[:2]
+        q, k, v = qkv[..., :-2, :].reshape(b, t, c.num_heads, c.head_dim), qkv[..., -2, :], qkv[..., -1, :]
+    else:
+        q = jnp.einsum("btd,dhk->bthk", h, layer["wq"].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", h, layer["wk"].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", h, layer["wv"].astype(dt))
+        if c.qkv_bias:
+            q, k, v = q + layer["bq"].astype(dt), k + layer["bk"].astype(dt), v + layer["bv"].astype(dt)
     return apply_rope(q, positions_BT, inv_freq), apply_rope(k, positions_BT, inv_freq), v
 
 
@@ -196,8 +243,12 @@ def _attn_out_and_mlp(layer, x_BTD, attn_BTHD, config):
     dt = c.jnp_dtype
     x = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHD, layer["wo"].astype(dt))
     h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, layer["w_gate"].astype(dt))
-    up = jnp.einsum("btd,df->btf", h, layer["w_up"].astype(dt))
+    if "w_gate_up" in layer:
+        gate_up = jnp.einsum("btd,dxf->btxf", h, layer["w_gate_up"].astype(dt))
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+    else:
+        gate = jnp.einsum("btd,df->btf", h, layer["w_gate"].astype(dt))
+        up = jnp.einsum("btd,df->btf", h, layer["w_up"].astype(dt))
     return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["w_down"].astype(dt))
 
 

@@ -56,10 +56,11 @@ class RolloutConfig:
     max_length: int = 512
     steps_per_sync: int = 16
     eos_token_id: int | None = None
-    # Hold the weights per layer and unroll decode's layer loop (see
-    # transformer.unstack_layers): longer compiles, no per-step weight copies on the GPU,
-    # and 1.2-1.8x faster decode steps on CPU (bench_rollout --layer_weights).
+    # Decode's weight layout (see RolloutEngine._engine_layout): per layer, the layer loop unrolled
+    # (transformer.unstack_layers: longer compiles, no per-step weight copies on the
+    # GPU), and q/k/v and gate/up fused into one matmul each (fuse_projections).
     per_layer_weights: bool = True
+    fused_projections: bool = True
     max_draft_depth: int = 8  # deepest speculative strategy this engine runs
     # One speculative step per host sync, its draft and verify phases timed apart;
     # otherwise up to steps_per_sync speculative steps run in one device loop.
@@ -550,7 +551,14 @@ class RolloutEngine:
         return len(self.groups)
 
     def _engine_layout(self, params):
-        return tfm.unstack_layers(params) if self.rollout_config.per_layer_weights else params
+        """The weights as decode reads them: in the compute dtype (every use casts to it,
+        so this changes no result and halves the bytes per step of float32 masters), per
+        layer and with fused projections as the rollout config asks."""
+        cfg, rc = self.model_config, self.rollout_config
+        params = jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), params)
+        if rc.per_layer_weights:
+            params = tfm.unstack_layers(params)
+        return tfm.fuse_projections(params, cfg) if rc.fused_projections else params
 
     def update_params(self, params) -> None:
         """Takes new weights (any sharding: they are resharded onto each group's mesh)."""
