@@ -159,7 +159,7 @@ class _Group:
         kv_axis = sharding.logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
         row = NamedSharding(mesh, PartitionSpec(batch_axis))
         rows2, rows3 = (NamedSharding(mesh, PartitionSpec(batch_axis, *[None] * n)) for n in (1, 2))
-        cache = tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, None, kv_axis, None))] * 2, row)
+        cache = tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, kv_axis, None, None))] * 2, row)
         self.state_shardings = SlotState(
             cache=cache, last_token=row, request=row, prompt_length=row, num_generated=row, active=row, finish=row,
             out_tokens=rows2, out_logp=rows2)
@@ -233,8 +233,8 @@ class _Group:
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
             code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
             put = lambda a, v: a.at[slots_R].set(v, mode="drop")
-            cache = tfm.KVCache(state.cache.k.at[:, slots_R, :p].set(small.k, mode="drop"),
-                                state.cache.v.at[:, slots_R, :p].set(small.v, mode="drop"),
+            cache = tfm.KVCache(state.cache.k.at[:, slots_R, :, :p].set(small.k, mode="drop"),
+                                state.cache.v.at[:, slots_R, :, :p].set(small.v, mode="drop"),
                                 put(state.cache.lengths, lengths_R))
             spec = state.spec
             if spec is not None:

@@ -215,8 +215,8 @@ class Drafter:
         last = (lengths_R - 1)[:, None]
         last_token = jnp.take_along_axis(tokens_RP, last, 1)
         last_feature = jnp.take_along_axis(features_RPD, last[..., None], 1)
-        cache = tfm.KVCache(state.cache.k.at[:, rows_R, :p].set(small.k, mode="drop"),
-                            state.cache.v.at[:, rows_R, :p].set(small.v, mode="drop"),
+        cache = tfm.KVCache(state.cache.k.at[:, rows_R, :, :p].set(small.k, mode="drop"),
+                            state.cache.v.at[:, rows_R, :, :p].set(small.v, mode="drop"),
                             put(state.cache.lengths, lengths_R - 1))
         return DrafterState(cache, state.pending_tokens.at[rows_R, :1].set(last_token, mode="drop"),
                             state.pending_features.at[rows_R, :1].set(
@@ -366,7 +366,7 @@ def commit_path(cache: tfm.KVCache, start_B, path_BT, keep_B) -> tfm.KVCache:
     dst = jnp.where(j < keep_B[:, None], start_B[:, None] + 1 + j, cache.max_length)  # out of range: dropped
     rows = jnp.arange(b)[:, None]
 
-    def move(a):  # a: [L, B, S, K, Dh]
-        return a.at[:, rows, dst].set(a[:, rows, jnp.minimum(src, cache.max_length - 1)], mode="drop")
+    def move(a):  # a: [L, B, K, S, Dh]; the gathered entries are [B, T, L, K, Dh]
+        return a.at[:, rows, :, dst].set(a[:, rows, :, jnp.minimum(src, cache.max_length - 1)], mode="drop")
 
     return tfm.KVCache(move(cache.k), move(cache.v), start_B + 1 + keep_B)
