@@ -1,5 +1,7 @@
 """Speculative rollouts: drafter bookkeeping, greedy equivalence, and the sampled
 distribution against the exact one on a tiny model."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.rollout.timeline import SpecChunk
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8)
@@ -68,14 +71,36 @@ def test_greedy_speculation_equals_plain_greedy(params, dcfg):
     # The fused drafter runs each step as two timed device calls, the other in device loops.
     engine = _engine(params, dcfg, dparams, time_spec_phases=dcfg is FUSED)
     for strategy in STRATEGIES:
-        spec = engine.generate(PROMPTS, 2, sp, jax.random.PRNGKey(3),
-                               speculation=spec_lib.FixedSpeculation(strategy, max_active=8))
+        speculation = _Recording(strategy)
+        spec = engine.generate(PROMPTS, 2, sp, jax.random.PRNGKey(3), speculation=speculation)
         for a, b in zip(plain.tokens, spec.tokens):
             np.testing.assert_array_equal(a, b, err_msg=strategy.name)
         assert plain.finish_reason == spec.finish_reason
         summary = spec.timeline.summary()
         assert summary["speculative_steps"] > 0 and summary["acceptance_length"] > 1, strategy.name
         assert (summary["draft_s"] > 0) == (dcfg is FUSED)
+        # The policy hears every speculative chunk but the first, whose time includes the compile.
+        chunks = [c for c in spec.timeline.groups[0].chunks if isinstance(c, SpecChunk)]
+        assert [tokens for _, tokens, _ in speculation.heard] == [sum(c.tokens_per_step) for c in chunks[1:]]
+        assert all(s == strategy and seconds > 0 for s, _, seconds in speculation.heard)
+
+
+@dataclasses.dataclass
+class _Recording:
+    """A fixed strategy that records what the engine reports back."""
+
+    strategy: spec_lib.Strategy
+    heard: list = dataclasses.field(default_factory=list)
+
+    @property
+    def strategies(self):
+        return (self.strategy,)
+
+    def strategy_for(self, num_active):
+        return self.strategy
+
+    def observe(self, strategy, num_active, tokens, seconds):
+        self.heard.append((strategy, tokens, seconds))
 
 
 SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,

@@ -174,6 +174,7 @@ class _Group:
                                                         spec=SpecSlots(rows2, row, drafter))
         self.params = self.drafter_params = None
         self._compiled: dict = {}
+        self._has_run: set = set()  # (step, strategy, sampling) whose first call, with its compile, is past
 
     def _jit(self, name, fn, in_shardings, out_shardings, static_argnums=(), donate_argnums=()):
         """The jitted step called `name` (its trace depends on nothing else: a step whose
@@ -461,6 +462,10 @@ class _Group:
             if all(s < 0 for s in slot_request):
                 break
             strategy = speculation.strategy_for(num_active) if speculation is not None else None
+            # The tuner hears only steady-state timings: a step's first call compiles it.
+            step_key = (rc.time_spec_phases, strategy, sp)
+            steady = step_key in self._has_run
+            self._has_run.add(step_key)
             t0 = time.perf_counter()
             if strategy is None:
                 state, n, committed = self.run_chunk(state, key, bool(pending), sp)
@@ -478,7 +483,8 @@ class _Group:
                 timeline.chunks.append(SpecChunk(t0, t2, [num_active], [sum(per_sequence)], strategy=strategy.name,
                                                  committed_per_sequence=per_sequence, draft_s=t1 - t0,
                                                  verify_s=t2 - t1))
-                speculation.observe(strategy, num_active, sum(per_sequence), t2 - t0)
+                if steady:
+                    speculation.observe(strategy, num_active, sum(per_sequence), t2 - t0)
             else:
                 state, n, active_steps, kept = self.spec_chunk(state, key, bool(pending), strategy, sp)
                 active, n, active_steps, kept = jax.device_get((state.active, n, active_steps, kept))
@@ -487,7 +493,8 @@ class _Group:
                 timeline.chunks.append(SpecChunk(t0, t1, active_steps[:n].tolist(), kept.sum(1).tolist(),
                                                  strategy=strategy.name,
                                                  committed_per_sequence=kept[kept > 0].tolist()))
-                speculation.observe(strategy, num_active, int(kept.sum()), t1 - t0)
+                if steady:
+                    speculation.observe(strategy, num_active, int(kept.sum()), t1 - t0)
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:

@@ -88,7 +88,9 @@ class Strategy:
 
 class Speculation(Protocol):
     """Picks the strategy of each rollout chunk (None: plain decode) and hears back how
-    it went; the adaptive tuner is one, `FixedSpeculation` the simplest."""
+    it went: the tokens committed by a speculative chunk that started with num_active
+    sequences, and its wall time (never a chunk whose step compiled in that call). The
+    adaptive tuner is one, `FixedSpeculation` the simplest."""
 
     strategies: Sequence[Strategy]
 
