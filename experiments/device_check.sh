@@ -16,22 +16,25 @@ python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.d
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 4.3 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
-# addition traces, then its one-layer drafter, then plain vs 6- and 4-deep EAGLE chains
-# at batch 1, 4, 8, then 16, 32, 64 while the budget lasts, temperature 1 and 0.
+# addition traces, then its one-layer drafter, then plain vs a 6-deep EAGLE chain at
+# temperature 1 (the bars), batch 1, 8, 4, then 16, 32, 64 while the budget lasts. Each
+# batch size compiles its own steps (tens of seconds for 16 unrolled layers), so the
+# other strategies and temperature 0 are for a run of their own:
+#   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
 if want spec; then
 echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
-timeout 90 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
-  > "$OUT/sft.log" 2>&1
+timeout 110 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
+  --config.data.num_eval=64 > "$OUT/sft.log" 2>&1
 echo "sft exit $?" >> "$OUT/sft.log"
-timeout 70 python -m experiments.train_drafter --config=configs/drafter.py:gpu \
+timeout 70 python -m experiments.train_drafter --config=configs/drafter.py:gpu --config.acceptance.num_prompts=16 \
   --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
 echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
-timeout 95 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --strategies=eagle-d6,eagle-d4 --temperatures=1,0 --time_budget_s=55 \
-  --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
+timeout 75 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
+  --drafter="$OUT/drafter_gpu/drafter" --batches=1,8,4,16,32,64 --time_budget_s=30 \
+  ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
 echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
 tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
-tail -n 30 "$OUT/bench_spec.log"
+tail -n 20 "$OUT/bench_spec.log"
 rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints" "$OUT/sft_gpu/hf" "$OUT/drafter_gpu/drafter"
 fi
 # ===== END spec ===================================================================================
