@@ -40,13 +40,13 @@ fi
 # ===== END spec ===================================================================================
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
-# Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16, 1, 4,
-# fused per-layer, stacked (scanned) and per-layer weights; transformers' generate at
-# batch 16.
+# Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16 and 1, the
+# default decode layout (fused, per layer) against session 1's (stacked, scanned);
+# transformers' generate (dynamic and static cache) at batch 16.
 if want rollout; then
 echo "== bench_rollout --preset=gpu"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 125 python -m experiments.bench_rollout --preset=gpu \
-  --models=qwen2.5-1.5b --batches=16,1,4 --layouts=fused,stacked,per_layer --hf_batches=16 \
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 130 python -m experiments.bench_rollout --preset=gpu \
+  --models=qwen2.5-1.5b --batches=16,1 --layouts=fused,stacked --hf_batches=16 \
   --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
 echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
 tail -n 10 "$OUT/bench_rollout.log"
@@ -60,7 +60,7 @@ fi
 # every case, so an outer kill keeps what finished).
 if want losses; then
 echo "== bench_kl --preset=gpu --first=..."
-timeout 95 python -m experiments.bench_kl --preset=gpu --time_budget_s=65 \
+timeout 85 python -m experiments.bench_kl --preset=gpu --time_budget_s=55 \
   --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
 echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
 tail -n 25 "$OUT/bench_kl.log"
