@@ -54,12 +54,12 @@ fi
 # ===== END rollout ==============================================================================
 
 # ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
-# Budget: under 2 minutes: the cases session 1 did not reach (bf16 dW accumulation at
-# 32k and 256k tokens, the Pallas kernels at 8k), then the rest of the preset's list
-# while the budget lasts (one fresh process per case; bench_kl.json is rewritten after
-# every case, so an outer kill keeps what finished).
+# Budget: under 1.5 minutes: the dense anchor (for the ratios), then the cases session 1
+# did not reach: bf16 dW accumulation at 32k and 256k tokens, the Pallas kernels (one
+# fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
+# keeps what finished). `--only` dropped, the whole preset takes about 4 minutes.
 if want losses; then
-echo "== bench_kl --preset=gpu --first=..."
+echo "== bench_kl --preset=gpu --only=..."
 timeout 85 python -m experiments.bench_kl --preset=gpu --time_budget_s=55 \
   --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
 echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
