@@ -33,7 +33,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # The speculative-decoding target on the GPU: 180M parameters (16 layers of 1024),
         # large enough that a decode step moves more bytes than the 1-layer drafter's.
         c.model.update(hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16, num_kv_heads=4,
-                       head_dim=64)
+                       head_dim=64, dtype="bfloat16")  # float32 master weights, bfloat16 compute
         c.optimizer.update(learning_rate=6e-4, warmup_steps=50, decay_steps=500)
         c.steps, c.eval_every, c.checkpoint_every = 500, 500, 500
         c.run_dir = "runs/sft_gpu"

@@ -34,6 +34,8 @@ _PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Batch sizes and le
 _TARGET = flags.DEFINE_string("target", "assets/sft_tiny", "Target: a Hugging Face checkpoint with its tokenizer.")
 _DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_tiny/drafter", "Drafter trained for the target.")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype of the target "
+                           "(default: the checkpoint's).")
 _BATCHES = flags.DEFINE_list("batches", None, "Override the preset's batch sizes.")
 _STRATEGIES = flags.DEFINE_list("strategies", ["eagle-d4", "eagle-d6", "eagle-d5-k3-t12", "ngram-d4-b2"],
                                 "Strategies by name (Strategy.from_name).")
@@ -67,7 +69,7 @@ def main(argv):
     batches = [int(b) for b in (_BATCHES.value or preset["batches"])]
     strategies = [Strategy.from_name(name) for name in _STRATEGIES.value]
     temperatures = [float(t) for t in (_TEMPERATURES.value or preset["temperatures"])]
-    model_cfg, params = load_hf(_TARGET.value)
+    model_cfg, params = load_hf(_TARGET.value, dtype=_DTYPE.value)
     tokenizer = load_tokenizer(_TARGET.value)
     if not os.path.exists(_DRAFTER.value):
         raise SystemExit(f"No drafter at {_DRAFTER.value!r}; train one with `python -m experiments.train_drafter "

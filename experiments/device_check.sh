@@ -6,20 +6,27 @@
 # BLOCKS picks blocks, e.g. BLOCKS="losses" bash experiments/device_check.sh.
 set -u
 OUT=${OUT:-/tmp/device_check}
+cd "$(dirname "$0")/.." || exit 1
+# Without ml-collections (every config file needs it) and without a package index, the
+# wheel comes along in .whl/: `python -m pip download --no-deps -d .whl ml-collections==1.1.0`.
+if ! python -c "import ml_collections" 2>/dev/null; then
+  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "no ml_collections wheel in .whl/"
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 BLOCKS=${BLOCKS:-"spec rollout losses"}
 want() { [[ " $BLOCKS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.." || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())" \
   > "$OUT/versions.txt" 2>&1
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 4.3 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
-# addition traces, then its one-layer drafter, then plain vs a 6-deep EAGLE chain at
-# temperature 1 (the bars), batch 1, 8, 4, then 16, 32, 64 while the budget lasts. Each
-# batch size compiles its own steps (tens of seconds for 16 unrolled layers), so the
-# other strategies and temperature 0 are for a run of their own:
+# addition traces (float32 masters, bfloat16 compute), then its one-layer drafter, then
+# plain vs a 6-deep EAGLE chain at temperature 1 (the bars), bfloat16, batch 1, then 8,
+# 4, 16, 32, 64 as long as the budget lets a new batch size start. Each batch size
+# compiles its own steps (tens of seconds for 16 unrolled layers), so expect batch 1
+# and 8; the other strategies and temperature 0 are for a run of their own:
 #   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
 if want spec; then
 echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
@@ -30,7 +37,7 @@ timeout 70 python -m experiments.train_drafter --config=configs/drafter.py:gpu -
   --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
 echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
 timeout 75 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --batches=1,8,4,16,32,64 --time_budget_s=30 \
+  --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 --batches=1,8,4,16,32,64 --time_budget_s=30 \
   ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
 echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
 tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
