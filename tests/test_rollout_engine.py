@@ -89,6 +89,13 @@ def test_data_parallel_groups_signal_done(params, reference):
     assert 0 <= s["group_idle_fraction"] < 1 and 0 <= s["slot_idle_fraction"] < 1
 
 
+def test_projections_stay_unfused_when_kv_heads_do_not_split():
+    params = tfm.init_params(CFG, jax.random.PRNGKey(0))
+    split = _engine(params, 2, tensor=4).groups[0].params["layers"][0]  # 2 kv heads, 4 devices
+    assert "wqkv" not in split and split["wq"].sharding.spec == P(None, "tensor", None)
+    assert "wqkv" in _engine(params, 2, tensor=2).groups[0].params["layers"][0]
+
+
 def test_cache_full_and_update_params(params, tmp_path):
     engine = _engine(params, 2, max_length=9)
     r = engine.generate([[1, 2, 3, 4]], 2, sampling.SamplingParams(temperature=0.0, max_tokens=50),

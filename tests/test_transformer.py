@@ -159,6 +159,25 @@ def test_bf16_runs_close_to_f32(params):
     assert rel < 3e-2
 
 
+def test_bf16_decode_layouts_stay_near_forward(params):
+    """In bfloat16 the layouts differ from the scanned forward only by rounding (XLA may
+    keep float32 across fused operations): next-token log-probs within 0.05 nats."""
+    cfg16 = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    tokens = _tokens(2, 12, seed=9)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+
+    def logp(logits):
+        logq = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        return jnp.take_along_axis(logq[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+
+    expected = logp(tfm.logits_from_hidden(p16, cfg16, tfm.forward(p16, cfg16, tokens)))
+    cache = tfm.init_cache(cfg16, 2, 12)
+    for layout in (p16, tfm.fuse_projections(tfm.unstack_layers(p16), cfg16)):
+        logits = jax.jit(lambda p: tfm.decode(p, cfg16, cache, tokens, positions, return_logits=True)[0])(layout)
+        assert float(jnp.max(jnp.abs(logp(logits) - expected))) < 0.05
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="model_type"):
         CFG.replace(model_type="gpt2")
