@@ -131,6 +131,9 @@ print(json.dumps(dict(seconds=statistics.median(times))))
 def main(argv):
     del argv
     launch.maybe_initialize_distributed()
+    unknown = set(_LAYOUTS.value) - set(LAYOUTS)
+    if unknown:
+        raise SystemExit(f"Unknown --layouts {sorted(unknown)}; choose from {list(LAYOUTS)}.")
     preset = PRESETS[_PRESET.value]
     model_names = _MODELS.value or preset["models"]
     batches = [int(b) for b in (_BATCHES.value or preset["batches"])]

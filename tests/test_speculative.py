@@ -146,6 +146,6 @@ def test_sampled_sequences_follow_the_target_distribution(strategy):
 def test_strategy_names_round_trip():
     for strategy in STRATEGIES + [spec_lib.Strategy("eagle", depth=6)]:
         assert spec_lib.Strategy.from_name(strategy.name) == strategy
-    for bad in ("eagle", "eagle-x4", "beam-d4", "eagle-d4-q2"):
+    for bad in ("eagle", "eagle-x4", "beam-d4", "eagle-d4-q2", "ngram-d4-k2", "eagle-d4-b2"):
         with pytest.raises(ValueError, match="Cannot read strategy"):
             spec_lib.Strategy.from_name(bad)

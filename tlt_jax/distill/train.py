@@ -311,14 +311,15 @@ def train_distill(config, *, progress: bool = True) -> dict:
         return {f"eval_{k}": float(v) / count for k, v in totals.items()}
 
     n, b = len(rows["train"]["tokens"]), config.batch_size
-    prefetched = {}
+    prefetched = (None, None)  # (step, its targets), read while the device ran the step before
 
     def step_fn(state, step):
-        train_targets = prefetched.pop(step, None) or targets("train", batch_indices(step, b, n, config.seed))
+        nonlocal prefetched
         idx = batch_indices(step, b, n, config.seed)
-        state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **train_targets})
-        if step + 1 < config.steps:  # read (or compute) the next targets while the device steps
-            prefetched[step + 1] = targets("train", batch_indices(step + 1, b, n, config.seed))
+        step_targets = prefetched[1] if prefetched[0] == step else targets("train", idx)
+        state, out = trainer.step(state, {**{k: v[idx] for k, v in rows["train"].items()}, **step_targets})
+        if step + 1 < config.steps:
+            prefetched = (step + 1, targets("train", batch_indices(step + 1, b, n, config.seed)))
         return state, {k: float(v) for k, v in jax.device_get(out).items()}
 
     bar = metrics.ProgressBar(config.steps, ["loss", "eval_kl", "eval_top1_agree"], initial=start, desc="distill",

@@ -326,8 +326,9 @@ class KVCache:
     """Preallocated per-layer keys and values with each sequence's committed length.
 
     k, v: [L, B, K, S, Dh] (head-major, as `attention` reads them); lengths: int32 [B],
-    the number of committed slots. Slots at
-    or beyond a sequence's length are invisible to attention, whatever they hold.
+    the number of committed slots. Slots at or beyond a sequence's length are invisible
+    to attention, whatever they hold. Code outside this module moves entries with the
+    methods below, never by indexing k and v.
     """
 
     k: jax.Array
@@ -337,6 +338,25 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return self.k.shape[3]
+
+    def with_rows(self, rows_R: jax.Array, rows_cache: "KVCache", lengths_R: jax.Array) -> "KVCache":
+        """Rows rows_R (out of range: dropped) take rows_cache's P slots as their first P
+        and lengths_R as their lengths: prompts prefilled on their own, put in place."""
+        p = rows_cache.max_length
+        put = lambda a, v: a.at[:, rows_R, :, :p].set(v, mode="drop")
+        return KVCache(put(self.k, rows_cache.k), put(self.v, rows_cache.v),
+                       self.lengths.at[rows_R].set(lengths_R, mode="drop"))
+
+    def with_slots_copied(self, src_BT: jax.Array, dst_BT: jax.Array, lengths_B: jax.Array) -> "KVCache":
+        """Each row's entries at slots src_BT copied to slots dst_BT (destinations out of
+        range are dropped; sources are clipped into range), lengths set to lengths_B."""
+        rows = jnp.arange(src_BT.shape[0])[:, None]
+        src = jnp.minimum(src_BT, self.max_length - 1)
+
+        def copy(a):  # advanced indices around a slice: the entries are [B, T, L, K, Dh]
+            return a.at[:, rows, :, dst_BT].set(a[:, rows, :, src], mode="drop")
+
+        return KVCache(copy(self.k), copy(self.v), lengths_B)
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -396,7 +416,10 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
         v_all = v_all.at[index, rows_B1, :, slots_BT].set(v.astype(v_all.dtype), mode="drop")
         attn = attention(q, k_all[index].astype(q.dtype), v_all[index].astype(q.dtype), mask_BTS)
         x = _attn_out_and_mlp(layer, x, attn, c)
-        if layer_ids:
+        if isinstance(index, int):  # the unrolled loop knows which layer it is at
+            if index in layer_ids:
+                collected = collected.at[tuple(layer_ids).index(index)].set(x)
+        elif layer_ids:
             collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
         return (x, k_all, v_all, collected), None
 

@@ -238,9 +238,7 @@ class _Group:
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
             code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
             put = lambda a, v: a.at[slots_R].set(v, mode="drop")
-            cache = tfm.KVCache(state.cache.k.at[:, slots_R, :, :p].set(small.k, mode="drop"),
-                                state.cache.v.at[:, slots_R, :, :p].set(small.v, mode="drop"),
-                                put(state.cache.lengths, lengths_R))
+            cache = state.cache.with_rows(slots_R, small, lengths_R)
             spec = state.spec
             if spec is not None:
                 # The context: the prompt, then the sampled token right after it.

@@ -80,8 +80,9 @@ class Strategy:
     def from_name(cls, name: str) -> "Strategy":
         """The inverse of `name`: 'eagle-d4', 'eagle-d5-k3-t12' or 'ngram-d4-b2'."""
         kind, *parts = name.split("-")
-        fields = {p[0]: int(p[1:]) for p in parts if p[:1] in "dktb" and p[1:].isdigit()}
-        if kind not in ("eagle", "ngram") or "d" not in fields or len(fields) != len(parts):
+        letters = {"eagle": "dkt", "ngram": "db"}.get(kind, "")
+        fields = {p[0]: int(p[1:]) for p in parts if p[:1] and p[0] in letters and p[1:].isdigit()}
+        if not letters or "d" not in fields or len(fields) != len(parts):
             raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12 or ngram-d4-b2.")
         return cls(kind, depth=fields["d"], topk=fields.get("k", fields.get("b", 1)), num_nodes=fields.get("t", 0))
 
@@ -217,9 +218,7 @@ class Drafter:
         last = (lengths_R - 1)[:, None]
         last_token = jnp.take_along_axis(tokens_RP, last, 1)
         last_feature = jnp.take_along_axis(features_RPD, last[..., None], 1)
-        cache = tfm.KVCache(state.cache.k.at[:, rows_R, :, :p].set(small.k, mode="drop"),
-                            state.cache.v.at[:, rows_R, :, :p].set(small.v, mode="drop"),
-                            put(state.cache.lengths, lengths_R - 1))
+        cache = state.cache.with_rows(rows_R, small, lengths_R - 1)
         return DrafterState(cache, state.pending_tokens.at[rows_R, :1].set(last_token, mode="drop"),
                             state.pending_features.at[rows_R, :1].set(
                                 last_feature.astype(state.pending_features.dtype), mode="drop"),
@@ -362,13 +361,7 @@ def emitted(tree: DraftTree, target_logp_BTV, path_BT, num_accepted_B, next_toke
 def commit_path(cache: tfm.KVCache, start_B, path_BT, keep_B) -> tfm.KVCache:
     """Moves the first keep_B accepted nodes' keys/values (tree slots start + node) to
     slots start+1 .. start+keep; lengths become start + 1 + keep (the root stays put)."""
-    b, t = path_BT.shape
-    j = jnp.arange(t, dtype=jnp.int32)[None]
+    j = jnp.arange(path_BT.shape[1], dtype=jnp.int32)[None]
     src = start_B[:, None] + jnp.maximum(path_BT, 0)
     dst = jnp.where(j < keep_B[:, None], start_B[:, None] + 1 + j, cache.max_length)  # out of range: dropped
-    rows = jnp.arange(b)[:, None]
-
-    def move(a):  # a: [L, B, K, S, Dh]; the gathered entries are [B, T, L, K, Dh]
-        return a.at[:, rows, :, dst].set(a[:, rows, :, jnp.minimum(src, cache.max_length - 1)], mode="drop")
-
-    return tfm.KVCache(move(cache.k), move(cache.v), start_B + 1 + keep_B)
+    return cache.with_slots_copied(src, dst, start_B + 1 + keep_B)
