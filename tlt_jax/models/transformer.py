@@ -1,8 +1,7 @@
 """Llama-3 / Qwen2 decoder: pure functions over a parameter pytree.
 
 Parameters are a nested dict whose layer weights are stacked on a leading layer axis
-(`lax.scan` over layers: one compiled layer body whatever the depth; `decode` also
-takes the per-layer form that `unstack_layers` makes, for the GPU's decode loop):
+(`lax.scan` over layers: one compiled layer body whatever the depth):
 
     embed       [V, D]
     layers/attn_norm [L, D]      layers/wq [L, D, H, Dh]   layers/wk, wv [L, D, K, Dh]
@@ -11,6 +10,11 @@ takes the per-layer form that `unstack_layers` makes, for the GPU's decode loop)
     layers/w_gate, w_up [L, D, F]    layers/w_down [L, F, D]
     final_norm  [D]
     lm_head     [D, V]           (absent with tied embeddings: the head is embed.T)
+
+`decode` also reads the rollout engine's layouts of the same weights: per layer
+(`unstack_layers`: `layers` a tuple of L dicts, an unrolled loop) and with fused
+projections (`fuse_projections`: wq, wk, wv -> wqkv [.., D, K, H/K + 2, Dh], bq, bk,
+bv -> bqkv [.., K, H/K + 2, Dh], w_gate, w_up -> w_gate_up [.., D, 2, F]).
 
 Three entry points share one attention and one KV-cache layout:
   * `forward`  full sequences (training), returns final hidden states, never logits;
