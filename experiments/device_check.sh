@@ -48,7 +48,7 @@ fi
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
 # Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16 and 1, the
-# default decode layout (fused, per layer) against session 1's (stacked, scanned);
+# default decode layout (fused, per layer) against the first H200 run's (stacked, scanned);
 # transformers' generate (dynamic and static cache) at batch 16.
 if want rollout; then
 echo "== bench_rollout --preset=gpu"
@@ -61,7 +61,7 @@ fi
 # ===== END rollout ==============================================================================
 
 # ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
-# Budget: under 1.5 minutes: the dense anchor (for the ratios), then the cases session 1
+# Budget: under 1.5 minutes: the dense anchor (for the ratios), then the cases the first run
 # did not reach: bf16 dW accumulation at 32k and 256k tokens, the Pallas kernels (one
 # fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
 # keeps what finished). `--only` dropped, the whole preset takes about 4 minutes.
