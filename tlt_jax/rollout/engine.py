@@ -163,7 +163,7 @@ class _Group:
         kv_axis = sharding.logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
         row = NamedSharding(mesh, PartitionSpec(batch_axis))
         rows2, rows3 = (NamedSharding(mesh, PartitionSpec(batch_axis, *[None] * n)) for n in (1, 2))
-        cache = tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, kv_axis, None, None))] * 2, row)
+        cache = tfm.KVCache(*[NamedSharding(mesh, PartitionSpec(None, batch_axis, None, kv_axis, None))] * 2, row)
         self.state_shardings = SlotState(
             cache=cache, last_token=row, request=row, prompt_length=row, num_generated=row, active=row, finish=row,
             out_tokens=rows2, out_logp=rows2)
