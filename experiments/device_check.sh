@@ -52,10 +52,15 @@ fi
 # transformers' generate (dynamic and static cache) at batch 16.
 if want rollout; then
 echo "== bench_rollout --preset=gpu"
+# The engine's optimized GPU HLO (insert and decode-chunk modules) comes back as
+# rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 130 python -m experiments.bench_rollout --preset=gpu \
   --models=qwen2.5-1.5b --batches=16,1 --layouts=fused,stacked --hf_batches=16 \
   --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
 echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
+(cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' | tar czf rollout_hlo.tgz -T -)
+rm -rf "$OUT/rollout_hlo"
 tail -n 10 "$OUT/bench_rollout.log"
 fi
 # ===== END rollout ==============================================================================
