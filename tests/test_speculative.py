@@ -149,3 +149,19 @@ def test_strategy_names_round_trip():
     for bad in ("eagle", "eagle-x4", "beam-d4", "eagle-d4-q2", "ngram-d4-k2", "eagle-d4-b2"):
         with pytest.raises(ValueError, match="Cannot read strategy"):
             spec_lib.Strategy.from_name(bad)
+
+
+def test_ancestors_match_walking_up_the_parents():
+    rng = np.random.default_rng(0)
+    for t in (1, 2, 5, 12, 33):
+        parents = np.full((8, t), -1)
+        for row in parents:
+            for i in range(1, t):  # some nodes are padding (-1); children may hang under them
+                row[i] = -1 if rng.random() < 0.15 else rng.integers(0, i)
+        expected = np.zeros((8, t, t), bool)
+        for b, row in enumerate(parents):
+            for i in range(t):
+                j = i
+                while j >= 0:
+                    expected[b, i, j], j = True, row[j]
+        np.testing.assert_array_equal(spec_lib.ancestors(jnp.asarray(parents, jnp.int32)), expected)

@@ -311,16 +311,13 @@ def ngram_tree(context_BS, context_length_B, group_B, strategy: Strategy) -> Dra
 
 def ancestors(parents_BT: jax.Array) -> jax.Array:
     """[B, T, T] bool: node i sees node j iff j is i or one of its ancestors (padding
-    nodes see only themselves). Parents precede children, so one pass in index order."""
-    b, t = parents_BT.shape
-    eye = jnp.eye(t, dtype=bool)
-    anc = jnp.broadcast_to(eye, (b, t, t))
-    rows = jnp.arange(b)
-    for i in range(1, t):
-        parent = parents_BT[:, i]
-        inherited = anc[rows, jnp.maximum(parent, 0)] & (parent >= 0)[:, None]
-        anc = anc.at[:, i].set(eye[i] | inherited)
-    return anc
+    nodes see only themselves). The transitive closure of "self or parent" by repeated
+    squaring: ceil(log2 T) small matmuls, not a pass per node."""
+    t = parents_BT.shape[1]
+    anc = jnp.eye(t, dtype=jnp.int32) + jax.nn.one_hot(parents_BT, t, dtype=jnp.int32)  # -1: no row
+    for _ in range(max(t - 1, 1).bit_length()):  # after k squarings: paths of length < 2^k
+        anc = jnp.minimum(jnp.einsum("bij,bjk->bik", anc, anc), 1)
+    return anc.astype(bool)
 
 
 def bound_tree(tree: DraftTree, cache_length_B, max_length: int) -> DraftTree:
