@@ -64,3 +64,14 @@ def test_train_drafter_writes_a_loadable_drafter(tmp_path):
     assert summary["steps"] == 2 and 0 <= summary["eval_top1_agree"] <= 1
     assert load_drafter(tmp_path / "drafter")[0].num_layers == 1
     assert (tmp_path / "drafter_curves.png").exists()
+
+
+def test_dw_accum_error_reports_both_accumulators(tmp_path):
+    out = _run("experiments.dw_accum_error", "--tokens_n=1024", "--vocab=256", "--block_tokens=128",
+               f"--out={tmp_path / 'e.json'}")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    errors = {r["accumulator"]: r["rel_error"] for r in rows}
+    assert [r["blocks"] for r in rows] == [None, 8, 8]
+    # float32 accumulation stays near one bf16 rounding; bf16 accumulation adds its own
+    assert errors["float32"] < 2 * errors["exact, rounded to bf16 once"] < errors["param"]
