@@ -88,13 +88,13 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout):
         return group.insert(state, prompts, np.full((batch,), prompt_len, np.int32), rows, rows, rows, key, sp)
 
     t0 = time.perf_counter()
-    jax.block_until_ready(group.run_chunk(filled(), key, False, sp))
+    jax.block_until_ready(group.run_chunk(filled(), key, False, None, sp))
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         state = jax.block_until_ready(filled())
         t0 = time.perf_counter()
-        state, steps, _ = group.run_chunk(state, key, False, sp)
+        state, steps, _, _ = group.run_chunk(state, key, False, None, sp)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
         assert int(steps) == new_tokens

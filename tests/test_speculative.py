@@ -100,7 +100,8 @@ class _Recording:
         return self.strategy
 
     def observe(self, strategy, num_active, tokens, seconds):
-        self.heard.append((strategy, tokens, seconds))
+        if strategy is not None:  # plain chunks are reported too
+            self.heard.append((strategy, tokens, seconds))
 
 
 SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,

@@ -17,8 +17,10 @@ ran in or on its neighbours. One decode step commits a per-slot number of tokens
 Speculation (`generate(..., speculation=...)`): before each chunk the host asks the
 speculation policy for a strategy given the number of active sequences; with one, the
 chunk runs speculative steps (draft, then verify and commit) in place of plain decode
-steps: up to steps_per_sync of them in one device loop, or, with `time_spec_phases`,
-one step as two device calls timed apart. The slots then also carry their token
+steps: up to steps_per_sync of them in the same device loop, or, with `time_spec_phases`,
+one step as two device calls timed apart. Every steady-state chunk, plain or
+speculative, is reported back to the policy (tokens committed, seconds), so plain
+decode competes with the strategies on measured throughput. The slots then also carry their token
 context (for the n-gram drafter) and, with an EAGLE drafter, its state.
 """
 from __future__ import annotations
@@ -298,48 +300,63 @@ class _Group:
                         state.out_logp.at[rows, at].set(logp_BE, mode="drop"), spec)
         return new, kept
 
-    def run_chunk(self, state, key, refill_wanted, sp):
-        """Up to steps_per_sync plain decode steps; returns the state and per-step logs."""
+    def _decode_step(self, params, drafter_params, state, key, sp):
+        """One plain decode step for every slot (traced): (state, tokens committed per slot)."""
         engine = self.engine
-        cfg, rc = engine.model_config, engine.rollout_config
-        n_steps = rc.steps_per_sync
-        layer_ids = self._target_layer_ids(state)
+        cfg = engine.model_config
+        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
+                                               state.cache.lengths[:, None], return_logits=True,
+                                               layer_ids=self._target_layer_ids(state))
+        keys = _request_keys(key, state.request, state.num_generated)
+        token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
+        features = None
+        if engine.drafter is not None and state.spec is not None:
+            features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
+        was_active = state.active
+        new, kept = self._advance(params, drafter_params, state, token[:, None], logp[:, None],
+                                  was_active.astype(jnp.int32), features, sp)
+        cache = tfm.KVCache(cache.k, cache.v, jnp.where(was_active, cache.lengths, state.cache.lengths))
+        return dataclasses.replace(new, cache=cache), kept
 
-        def decode_step(params, drafter_params, state, key, sp):
-            logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
-                                                   state.cache.lengths[:, None], return_logits=True,
-                                                   layer_ids=layer_ids)
-            keys = _request_keys(key, state.request, state.num_generated)
-            token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
-            features = None
-            if engine.drafter is not None and state.spec is not None:
-                features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
-            was_active = state.active
-            new, _ = self._advance(params, drafter_params, state, token[:, None], logp[:, None],
-                                   was_active.astype(jnp.int32), features, sp)
-            cache = tfm.KVCache(cache.k, cache.v, jnp.where(was_active, cache.lengths, state.cache.lengths))
-            return dataclasses.replace(new, cache=cache), jnp.sum(was_active, dtype=jnp.int32)
+    def run_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy | None, sp):
+        """Up to steps_per_sync decode steps in one device loop: plain steps (strategy None)
+        or speculative ones (draft, then verify and commit). The loop stops early once a
+        slot frees up while requests are pending, so refills are prompt. Returns (state,
+        steps run, active slots per step [steps_per_sync], tokens committed per step and
+        slot [steps_per_sync, B])."""
+        rc = self.engine.rollout_config
+        n_steps, b = rc.steps_per_sync, rc.num_slots
+
+        def one_step(params, drafter_params, state, key, sp):
+            if strategy is None:
+                return self._decode_step(params, drafter_params, state, key, sp)
+            state, tree = self._draft(params, drafter_params, state, key, strategy, sp)
+            return self._verify(params, drafter_params, state, tree, key, sp)
 
         def fn(params, drafter_params, state, key, refill_wanted, sp):
             started_active = state.active
 
             def cond(carry):
-                i, state, _ = carry
+                i, state, _, _ = carry
                 freed = jnp.any(started_active & ~state.active)
                 return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed)
 
             def body(carry):
-                i, state, committed = carry
-                state, n = decode_step(params, drafter_params, state, key, sp)
-                return i + 1, state, committed.at[i].set(n)
+                i, state, active, kept = carry
+                n = jnp.sum(state.active, dtype=jnp.int32)
+                state, kept_B = one_step(params, drafter_params, state, key, sp)
+                return i + 1, state, active.at[i].set(n), kept.at[i].set(kept_B)
 
-            i, state, committed = lax.while_loop(cond, body, (0, state, jnp.zeros((n_steps,), jnp.int32)))
-            return state, i, committed
+            init = (0, state, jnp.zeros((n_steps,), jnp.int32), jnp.zeros((n_steps, b), jnp.int32))
+            i, state, active, kept = lax.while_loop(cond, body, init)
+            return state, i, active, kept
 
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(state.spec is not None)
-        step = self._jit(("chunk", state.spec is not None), fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
-                         (shardings, rep, rep), static_argnums=(5,), donate_argnums=(2,))
+        speculative = state.spec is not None
+        shardings = self._shardings(speculative)
+        name = ("chunk", speculative, strategy)
+        step = self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+                         (shardings, rep, rep, rep), static_argnums=(5,), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, key, refill_wanted, sp)
 
     def _draft(self, params, drafter_params, state, key, strategy, sp):
@@ -403,38 +420,6 @@ class _Group:
                          (shardings, rep), static_argnums=(5,), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, tree, key, sp)
 
-    def spec_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy, sp):
-        """Up to steps_per_sync speculative steps in one device loop (stopping like
-        `run_chunk`); returns (state, steps run, active slots per step, tokens committed
-        per slot and step [steps_per_sync, B])."""
-        rc = self.engine.rollout_config
-        n_steps, b = rc.steps_per_sync, rc.num_slots
-
-        def fn(params, drafter_params, state, key, refill_wanted, strategy, sp):
-            started_active = state.active
-
-            def cond(carry):
-                i, state, _, _ = carry
-                freed = jnp.any(started_active & ~state.active)
-                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed)
-
-            def body(carry):
-                i, state, active, kept = carry
-                n = jnp.sum(state.active, dtype=jnp.int32)
-                state, tree = self._draft(params, drafter_params, state, key, strategy, sp)
-                state, kept_B = self._verify(params, drafter_params, state, tree, key, sp)
-                return i + 1, state, active.at[i].set(n), kept.at[i].set(kept_B)
-
-            init = (0, state, jnp.zeros((n_steps,), jnp.int32), jnp.zeros((n_steps, b), jnp.int32))
-            i, state, active, kept = lax.while_loop(cond, body, init)
-            return state, i, active, kept
-
-        rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(True)
-        step = self._jit("spec_chunk", fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
-                         (shardings, rep, rep, rep), static_argnums=(5, 6), donate_argnums=(2,))
-        return step(self.params, self.drafter_params, state, key, refill_wanted, strategy, sp)
-
     # -- host loop ---------------------------------------------------------------------------
 
     def run(self, requests, key, sp, timeline: GroupTimeline, results: dict, num_samples: int = 1,
@@ -464,17 +449,12 @@ class _Group:
             if all(s < 0 for s in slot_request):
                 break
             strategy = speculation.strategy_for(num_active) if speculation is not None else None
-            # The tuner hears only steady-state timings: a step's first call compiles it.
-            step_key = (rc.time_spec_phases, strategy, sp)
+            # The policy hears only steady-state timings: a step's first call compiles it.
+            step_key = (rc.time_spec_phases and strategy is not None, strategy, sp)
             steady = step_key in self._has_run
             self._has_run.add(step_key)
             t0 = time.perf_counter()
-            if strategy is None:
-                state, n, committed = self.run_chunk(state, key, bool(pending), sp)
-                active, n, committed = jax.device_get((state.active, n, committed))
-                committed = committed[:n].tolist()
-                timeline.chunks.append(Chunk(t0, time.perf_counter(), committed, committed))
-            elif rc.time_spec_phases:
+            if strategy is not None and rc.time_spec_phases:
                 state, tree = self.spec_draft(state, key, strategy, sp)
                 jax.block_until_ready(tree)
                 t1 = time.perf_counter()
@@ -485,18 +465,21 @@ class _Group:
                 timeline.chunks.append(SpecChunk(t0, t2, [num_active], [sum(per_sequence)], strategy=strategy.name,
                                                  committed_per_sequence=per_sequence, draft_s=t1 - t0,
                                                  verify_s=t2 - t1))
-                if steady:
-                    speculation.observe(strategy, num_active, sum(per_sequence), t2 - t0)
+                tokens = sum(per_sequence)
             else:
-                state, n, active_steps, kept = self.spec_chunk(state, key, bool(pending), strategy, sp)
+                state, n, active_steps, kept = self.run_chunk(state, key, bool(pending), strategy, sp)
                 active, n, active_steps, kept = jax.device_get((state.active, n, active_steps, kept))
-                t1 = time.perf_counter()
+                t2 = time.perf_counter()
                 kept = kept[:n]
-                timeline.chunks.append(SpecChunk(t0, t1, active_steps[:n].tolist(), kept.sum(1).tolist(),
-                                                 strategy=strategy.name,
-                                                 committed_per_sequence=kept[kept > 0].tolist()))
-                if steady:
-                    speculation.observe(strategy, num_active, int(kept.sum()), t1 - t0)
+                if strategy is None:
+                    timeline.chunks.append(Chunk(t0, t2, active_steps[:n].tolist(), kept.sum(1).tolist()))
+                else:
+                    timeline.chunks.append(SpecChunk(t0, t2, active_steps[:n].tolist(), kept.sum(1).tolist(),
+                                                     strategy=strategy.name,
+                                                     committed_per_sequence=kept[kept > 0].tolist()))
+                tokens = int(kept.sum())
+            if steady and speculation is not None:
+                speculation.observe(strategy, num_active, tokens, t2 - t0)
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:

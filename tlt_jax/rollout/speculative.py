@@ -89,15 +89,16 @@ class Strategy:
 
 class Speculation(Protocol):
     """Picks the strategy of each rollout chunk (None: plain decode) and hears back how
-    it went: the tokens committed by a speculative chunk that started with num_active
-    sequences, and its wall time (never a chunk whose step compiled in that call). The
-    adaptive tuner is one, `FixedSpeculation` the simplest."""
+    it went: the tokens committed by a chunk (plain: strategy None) that started with
+    num_active sequences, and its wall time (never a chunk whose step compiled in that
+    call). The adaptive tuner (`tuner.BucketedEpsilonGreedy`) is one, `FixedSpeculation`
+    the simplest."""
 
     strategies: Sequence[Strategy]
 
     def strategy_for(self, num_active: int) -> Strategy | None: ...
 
-    def observe(self, strategy: Strategy, num_active: int, tokens: int, seconds: float) -> None: ...
+    def observe(self, strategy: Strategy | None, num_active: int, tokens: int, seconds: float) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ class FixedSpeculation:
     def strategy_for(self, num_active: int) -> Strategy | None:
         return self.strategy if num_active <= self.max_active else None
 
-    def observe(self, strategy: Strategy, num_active: int, tokens: int, seconds: float) -> None:
+    def observe(self, strategy: Strategy | None, num_active: int, tokens: int, seconds: float) -> None:
         del strategy, num_active, tokens, seconds
 
 
