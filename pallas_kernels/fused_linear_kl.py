@@ -175,11 +175,14 @@ def resolve_block_sizes(
 
 
 class RowStats(NamedTuple):
-    """Per-row statistics of z = h @ w / T. lse_N, zid_NK, ez_N (None unless asked) float32."""
+    """Per-row statistics of z = h @ w / T. lse_N, zid_NK, ez_N (None unless asked) float32;
+    top_z_NK / top_ids_NK: the row's k largest z and their ids (None unless asked)."""
 
     lse: jax.Array
     zid: jax.Array
     ez: jax.Array | None
+    top_z: jax.Array | None = None
+    top_ids: jax.Array | None = None
 
 
 class Coefs(NamedTuple):
@@ -235,11 +238,12 @@ def _xla_logits(h_bD, w_DV, temperature):
     return _scale_logits(jnp.dot(h_bD, w_DV, preferred_element_type=jnp.float32), temperature)
 
 
-def _xla_stats(z_bV, ids_bK, with_ez) -> RowStats:
+def _xla_stats(z_bV, ids_bK, with_ez, top_k=0) -> RowStats:
     lse_b = jax.nn.logsumexp(z_bV, axis=1)
     zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, z_bV.shape[1]), axis=1)
     ez_b = jnp.sum(jnp.exp(z_bV - lse_b[:, None]) * z_bV, axis=1) if with_ez else None
-    return RowStats(lse_b, zid_bK, ez_b)
+    top = lax.top_k(z_bV, top_k) if top_k else (None, None)
+    return RowStats(lse_b, zid_bK, ez_b, *top)
 
 
 def _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs: Coefs, temperature, acc_dtype):
@@ -275,12 +279,12 @@ def _acc_dtype(w_DV, blocks: BlockSizes):
     return jnp.float32 if blocks.dw_accum == "float32" else w_DV.dtype
 
 
-def _xla_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks) -> RowStats:
+def _xla_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks, top_k=0) -> RowStats:
     n = h_ND.shape[0]
 
     def one(args):
         h_bD, ids_bK = args
-        return _xla_stats(_xla_logits(h_bD, w_DV, temperature), ids_bK, with_ez)
+        return _xla_stats(_xla_logits(h_bD, w_DV, temperature), ids_bK, with_ez, top_k)
 
     stats = lax.map(one, (_to_blocks(h_ND, blocks.tokens), _to_blocks(ids_NK, blocks.tokens)))
     return jax.tree.map(lambda x: _from_blocks(x, n), stats)
@@ -589,13 +593,19 @@ def _check_engine(engine):
 
 
 def row_stats(
-    engine: str, h_ND, w_DV, ids_NK, *, temperature: float, with_ez: bool, blocks: BlockSizes | None
+    engine: str, h_ND, w_DV, ids_NK, *, temperature: float, with_ez: bool, blocks: BlockSizes | None, top_k: int = 0
 ) -> RowStats:
-    """Per-row statistics of z = h w / T: one projection (plus W-column gathers for pallas)."""
+    """Per-row statistics of z = h w / T: one projection (plus W-column gathers for pallas).
+    top_k > 0 also keeps each row's k largest z (chunked_xla only: its token blocks hold
+    full-vocabulary rows; the Pallas kernels stream vocabulary tiles and do not merge a
+    running top-k)."""
     _check_engine(engine)
     blocks = resolve_block_sizes(engine, blocks, h_ND.shape[0], *w_DV.shape)
-    fn = _xla_row_stats if engine == "chunked_xla" else _pallas_row_stats
-    return fn(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
+    if engine == "chunked_xla":
+        return _xla_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks, top_k)
+    if top_k:
+        raise NotImplementedError("row_stats(top_k > 0) runs on the chunked_xla engine only; pass impl='chunked_xla'.")
+    return _pallas_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks)
 
 
 def grads(engine: str, h_ND, w_DV, ids_NK, lse_N, coefs: Coefs, *, temperature: float, blocks: BlockSizes | None):

@@ -5,6 +5,9 @@ Public API:
       KL from a cached teacher top-K to the student softmax of z = h w / T.
   linear_logprob(h_ND, w_DV, targets_N, ...) -> logp_N (, entropy_N)
       per-token log-probs (the K=1 case, teacher probability 1 on the target) for GRPO.
+  linear_logprob_topk(h_ND, w_DV, targets_N, k, ...) -> (logp_N, entropy_N, ids_NK, logp_NK)
+      the same log-probs from the same projection pass, plus each row's top-k ids and
+      log-probs: what the online drafter learns from (no gradient).
   BlockSizes: tiling knobs (pallas_kernels.fused_linear_kl).
 
 Math (z = (h @ w) / T in float32, q = softmax(z) over the full vocabulary, S the row's
@@ -53,7 +56,7 @@ from jax.scipy.special import xlogy
 from pallas_kernels import fused_linear_kl as fk
 from pallas_kernels.fused_linear_kl import BlockSizes
 
-__all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_topk_kl", "resolve_impl"]
+__all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_logprob_topk", "linear_topk_kl", "resolve_impl"]
 
 IMPLS = ("auto", "dense", "chunked_xla", "pallas")
 REDUCTIONS = ("none", "sum", "mean")
@@ -361,3 +364,33 @@ def linear_logprob(
     if cfg.impl == "dense":
         return _dense_logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
     return _logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
+
+
+def linear_logprob_topk(
+    h_ND: jax.Array,
+    w_DV: jax.Array,
+    targets_N: jax.Array,
+    k: int,
+    *,
+    temperature: float = 1.0,
+    block_sizes: BlockSizes | dict | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`linear_logprob(..., with_entropy=True)` plus the top-k of softmax(h w / T) per row,
+    from one blockwise projection: (logp_N, entropy_N, ids_NK int32, logp_NK float32).
+
+    No gradient (the old-policy pass of RL). Each token block's logits give the target's
+    log-prob, the entropy and the top-k at once, so the extra outputs cost a top-k per
+    block, not a second projection; logp_N and entropy_N are those of linear_logprob.
+    It runs on the chunked_xla engine, whose token blocks hold full-vocabulary rows (the
+    Pallas kernels stream vocabulary tiles).
+    """
+    _check_projection(h_ND, w_DV, temperature)
+    _check_ids("targets_N", targets_N, h_ND, trailing=())
+    if not 1 <= k <= w_DV.shape[1]:
+        raise ValueError(f"k={k} must lie in [1, {w_DV.shape[1]}] (the vocabulary size).")
+    h_ND, w_DV = jax.lax.stop_gradient(h_ND), jax.lax.stop_gradient(w_DV)
+    ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
+    stats = fk.row_stats("chunked_xla", h_ND, w_DV, ids_N[:, None], temperature=float(temperature),
+                         with_ez=True, blocks=_as_blocks(block_sizes), top_k=k)
+    logp_N, entropy_N = _logprob_outputs(stats, valid_N, True)
+    return logp_N, entropy_N, stats.top_ids.astype(jnp.int32), stats.top_z - stats.lse[:, None]

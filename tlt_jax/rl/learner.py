@@ -14,6 +14,7 @@ A batch is a dict of sequences right-padded to one length T (prompt then answer)
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,35 @@ def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=
     return out.reshape(n, t)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterData:
+    """What the target's old-policy pass hands the online drafter, per position t of the
+    batch rows (T' = T-1: the positions that predict a next token)."""
+
+    hidden: jax.Array  # [n, T', D] final-normed hidden state at t (the EAGLE feature)
+    ids: jax.Array  # [n, T', K] int32 top-K ids of the distribution of token t+1
+    logp: jax.Array  # [n, T', K] float32 their log-probs (at the learner's temperature)
+    layers: jax.Array | None  # [n, T', L, D] the drafter's feature layers' outputs (EAGLE-3), or None
+
+
+def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, top_k: int,
+                       feature_layers=()):
+    """One target forward for the GRPO old-policy pass and the drafter's data:
+    (logp [n, T-1], entropy [n, T-1], DrafterData). The log-probs, the entropy and the top-K
+    come out of the same blockwise projection (`losses.linear_logprob_topk`), so no
+    [n, T, V] logits exist and the log-probs equal `token_logprobs`'."""
+    out = tfm.forward(params, model_config, tokens_nT[:, :-1], layer_ids=tuple(feature_layers))
+    h, layers = out if feature_layers else (out, None)
+    n, t, d = h.shape
+    logp, entropy, ids, top_logp = losses.linear_logprob_topk(
+        h.reshape(n * t, d), tfm.lm_head_weight(params, model_config), tokens_nT[:, 1:].reshape(-1), top_k,
+        temperature=temperature)
+    data = DrafterData(h, ids.reshape(n, t, top_k), top_logp.reshape(n, t, top_k),
+                       None if layers is None else jnp.moveaxis(layers, 0, 2))
+    return logp.reshape(n, t), entropy.reshape(n, t), data
+
+
 class Learner:
     """Holds the compiled steps for one model, optimizer and mesh."""
 
@@ -88,6 +118,19 @@ class Learner:
             self._steps[key] = sharding.jit_sharded(
                 fn, in_shardings=(self.param_shardings(params), sharding.batch_sharding(self.mesh, 2)),
                 out_shardings=(out_sh, out_sh) if with_entropy else out_sh)
+        return self._steps[key](params, tokens_nT)
+
+    def logprobs_and_drafter_data(self, params, tokens_nT, *, top_k: int, feature_layers=()):
+        """`logprobs(..., with_entropy=True)` and, from the same forward, the DrafterData."""
+        key = ("drafter_data", top_k, tuple(feature_layers), tokens_nT.shape)
+        if key not in self._steps:
+            fn = lambda p, t: old_policy_outputs(p, self.model_config, t, temperature=self.config.temperature,
+                                                 top_k=top_k, feature_layers=feature_layers)
+            out_shapes = jax.eval_shape(fn, params, tokens_nT)
+            out_sh = jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), out_shapes)
+            self._steps[key] = sharding.jit_sharded(
+                fn, in_shardings=(self.param_shardings(params), sharding.batch_sharding(self.mesh, 2)),
+                out_shardings=out_sh)
         return self._steps[key](params, tokens_nT)
 
     # -- the update ------------------------------------------------------------------------------
