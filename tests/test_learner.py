@@ -45,6 +45,28 @@ def test_token_logprobs_match_dense():
     np.testing.assert_allclose(ent, -(jnp.exp(ref) * ref).sum(-1), atol=1e-4)
 
 
+def test_old_policy_outputs_share_the_forward_with_the_logprobs():
+    """The drafter's data comes from the old-policy pass itself: its log-probs and entropy
+    are the plain pass's (bit for bit on one device; on a sharded mesh the two programs
+    partition the blockwise projection differently, within float32 rounding), hidden
+    states and layer outputs the forward's, and the top-K the dense log_softmax's."""
+    params = tfm.init_params(CFG, jax.random.PRNGKey(1), init_std=0.2)
+    tokens = jnp.asarray(_batch(seed=2)["tokens"])
+    for shape, atol in (((1, 1, 1), 0.0), ((2, 4, 1), 1e-5)):
+        learner = Learner(CFG, LearnerConfig(temperature=0.9), _mesh(shape))
+        logp, ent, data = learner.logprobs_and_drafter_data(params, tokens, top_k=5, feature_layers=(0, 1))
+        ref_logp, ref_ent = learner.logprobs(params, tokens, with_entropy=True)
+        np.testing.assert_allclose(np.asarray(logp), np.asarray(ref_logp), rtol=0, atol=atol)
+        np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), rtol=0, atol=atol)
+    h, layers = tfm.forward(params, CFG, tokens[:, :-1], layer_ids=(0, 1))
+    np.testing.assert_allclose(data.hidden, h, atol=1e-5)
+    np.testing.assert_allclose(data.layers, jnp.moveaxis(layers, 0, 2), atol=1e-5)
+    ref = jax.nn.log_softmax(tfm.logits_from_hidden(params, CFG, h) / 0.9)
+    top, top_ids = jax.lax.top_k(ref, 5)
+    np.testing.assert_array_equal(data.ids, top_ids)
+    np.testing.assert_allclose(data.logp, top, atol=1e-5)
+
+
 def test_update_raises_advantaged_logprobs_and_is_shard_invariant():
     params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
     batch = _batch()

@@ -186,6 +186,29 @@ def test_logprob_without_entropy_is_kl_with_k1():
     np.testing.assert_allclose(np.asarray(logp), -np.asarray(kl), rtol=1e-6, atol=1e-6)
 
 
+def test_logprob_topk_matches_float64_reference():
+    """The old-policy pass's extra outputs: top-k ids and log-probs per row from the same
+    blockwise projection, against log_softmax in float64; the log-probs and entropy are
+    linear_logprob's, bit for bit."""
+    h, w, _, _, _ = _inputs(seed=11, k=1, dtype=jnp.float32, masked=False)
+    targets = np.random.default_rng(12).integers(0, V, size=N).astype(np.int32)
+    targets[4] = -1  # padding: logp 0
+    k, temperature = 7, 0.7
+    logp, ent, ids, top_logp = jax.jit(lambda h, w: losses.linear_logprob_topk(
+        h, w, targets, k, temperature=temperature, block_sizes={"tokens": 16}))(h, w)
+    plain = jax.jit(lambda h, w: losses.linear_logprob(h, w, targets, temperature=temperature, with_entropy=True,
+                                                       impl="chunked_xla", block_sizes={"tokens": 16}))(h, w)
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(plain[0]))
+    np.testing.assert_array_equal(np.asarray(ent), np.asarray(plain[1]))
+    logq = torch.log_softmax(_t64(h) @ _t64(w) / temperature, dim=1).numpy()
+    order = np.argsort(-logq, axis=1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(ids), order)
+    np.testing.assert_allclose(np.asarray(top_logp), np.take_along_axis(logq, order, 1), rtol=1e-5, atol=1e-5)
+    assert ids.dtype == jnp.int32 and top_logp.shape == (N, k)
+    with pytest.raises(ValueError, match="k=0 must lie in"):
+        losses.linear_logprob_topk(h, w, targets, 0)
+
+
 @pytest.mark.parametrize("impl", ["dense", "chunked_xla"])
 def test_tail_is_finite_when_top_k_holds_all_mass(impl):
     # M = 1 exactly and a student that puts ~all its mass on the same K ids: 1 - M = 0
