@@ -10,6 +10,7 @@ import numpy as np
 from absl import logging
 
 from tlt_jax import sharding
+from tlt_jax.drafter_training.buffer import pack_spans
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import tasks
 from tlt_jax.rl.learner import token_logprobs
@@ -19,40 +20,18 @@ from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, 
 
 def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) -> dict:
     """Packs examples greedily into rows of seq_len tokens (no padding wasted on short
-    traces). Returns int32 tokens / positions / segment_ids [n, seq_len] (segment 0 is
-    padding) and the target mask [n, seq_len-1], True where position t predicts a
-    solution token or <eos> of its own example. Examples longer than seq_len are dropped,
-    counted."""
-    rows, row = [], []
-    dropped = 0
-    for example in examples:
-        ids, mask = tasks.encode_for_sft(tokenizer, example)
-        if len(ids) > seq_len:
-            dropped += 1
-            continue
-        if sum(len(i) for i, _ in row) + len(ids) > seq_len:
-            rows.append(row)
-            row = []
-        row.append((ids, mask))
-    rows.append(row)
-    if dropped:
-        logging.warning("%d of %d examples are longer than seq_len=%d and were dropped.", dropped, len(examples),
-                        seq_len)
-    if not any(rows):
+    traces; `buffer.pack_spans`, which packs the drafter's data too). Returns int32 tokens /
+    positions / segment_ids [n, seq_len] (segment 0 is padding) and the target mask
+    [n, seq_len-1], True where position t predicts a solution token or <eos> of its own
+    example. Examples longer than seq_len are dropped, counted."""
+    encoded = [tasks.encode_for_sft(tokenizer, example) for example in examples]
+    packing = pack_spans([len(ids) for ids, _ in encoded], seq_len)
+    if packing.dropped:
+        logging.warning("%d of %d examples are longer than seq_len=%d and were dropped.", packing.dropped,
+                        len(examples), seq_len)
+    if not packing.num_rows:
         raise ValueError(f"Every example is longer than seq_len={seq_len}; raise seq_len.")
-    n = len(rows)
-    out = {k: np.zeros((n, seq_len), np.int32) for k in ("tokens", "positions", "segment_ids")}
-    out["tokens"][:] = tokenizer.pad_token_id
-    target = np.zeros((n, seq_len), bool)  # target[i, t]: token t is to be predicted
-    for i, row in enumerate(rows):
-        at = 0
-        for segment, (ids, mask) in enumerate(row, start=1):
-            span = slice(at, at + len(ids))
-            out["tokens"][i, span], out["positions"][i, span] = ids, np.arange(len(ids))
-            out["segment_ids"][i, span], target[i, span] = segment, mask
-            at += len(ids)
-    out["mask"] = target[:, 1:]  # a segment's first token is never a target: no leak across examples
-    return out
+    return packing.rows([ids for ids, _ in encoded], [mask for _, mask in encoded], pad_id=tokenizer.pad_token_id)
 
 
 def batch_indices(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:

@@ -1,0 +1,314 @@
+"""The drafter's online data: the target's by-products of each RL step, packed into rows.
+
+During RL the learner runs the target over every sampled sequence anyway (prompt then
+response, right-padded to T). Its outputs at token t are what drafter training reads
+(`trainer.target_outputs`): the final hidden state h_t, the top-K ids and log-probs of the
+distribution of token t+1, and, for a fused (EAGLE-3) drafter, its feature layers' outputs
+at t. `DrafterBuffer` keeps them in host memory, as numpy, for the spot trainer.
+
+Span rule. Of a sample with prompt length p and response length r the buffer keeps tokens
+[max(p - 1 - prompt_tail, 0), p + r): the response, the last prompt token and up to
+`prompt_tail` prompt tokens before it. The last prompt token is always kept because
+drafting starts from it: after the prompt, the drafter's first entry reads (x_p, f_{p-1}),
+the target's feature at the last prompt position. Only response tokens are targets (mask);
+prompt tokens are context; padding never enters a row. A span longer than seq_len first
+loses prompt context (down to the last prompt token), then the end of its response
+(counted as truncated): the kept tokens keep their true prefix, as at drafting time,
+whereas a later chunk of the response without its prefix would teach attention over a
+context that never occurs. Samples without a response token are skipped.
+
+Rows. The samples of one `add` are packed greedily (`pack_spans`, the one packing rule of
+SFT, the offline drafter and this buffer) into rows of seq_len tokens with exactly the
+fields of the offline trainer's batches, so `DrafterTrainer.step` trains on them as they
+are; R rows, S = seq_len:
+    tokens       int32 [R, S]      pad 0
+    positions    int32 [R, S]      the token's position in its original sequence (RoPE sees
+                                   the positions of the target's forward)
+    segment_ids  int32 [R, S]      1, 2, ... per sample within a row; 0 is padding
+    mask         bool  [R, S-1]    entry t: token t+1 is a target (a response token) of its
+                                   own segment
+    hidden       [R, S, D]         h_t, in the dtype given (bf16 stays bf16)
+    ids, logp    int32 / f32 [R, S, K]   top-K of the distribution of token t+1
+    layers       [R, S, n, D]      fused drafters only: the feature layers' outputs at t
+Every other entry of a row is zero. Segment ids keep the samples of a row apart: attention
+never crosses two samples (the reference instead packs samples into one causal sequence
+whose attention crosses them, so a sample's features are learned against context that the
+drafter never sees when drafting).
+
+Memory. A row takes S * (12 + D*b + 8K + n*D*b) + S - 1 bytes, b the bytes per feature
+(hidden size 3584, bf16, K = 8, S = 4096: 28 MiB, nearly all hidden states).
+`max_bytes` (config `tlt.drafter.buffer_max_bytes`) bounds the rows held; the oldest go first.
+Greedy packing wastes only the tail of each row; `add` briefly holds the batch's outputs on
+host beside the rows it builds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+import numpy as np
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where greedy packing put each span: span i fills columns offset_N[i] ..
+    offset_N[i] + lengths_N[i] of row row_N[i] (-1: dropped, longer than seq_len) as
+    segment segment_N[i] (1, 2, ... within its row)."""
+
+    seq_len: int
+    lengths_N: np.ndarray
+    row_N: np.ndarray
+    offset_N: np.ndarray
+    segment_N: np.ndarray
+    num_rows: int
+
+    @property
+    def dropped(self) -> int:
+        return int(np.sum(self.row_N < 0))
+
+    def scatter(self, values: Sequence, dtype, fill=0) -> np.ndarray:
+        """[num_rows, seq_len, ...] of `dtype`: values[i] (lengths_N[i] entries along its
+        first axis) at span i's place, `fill` elsewhere. Dropped spans' values are ignored."""
+        trailing = np.shape(values[0])[1:] if len(values) else ()
+        out = np.full((self.num_rows, self.seq_len, *trailing), fill, dtype)
+        for i in np.flatnonzero(self.row_N >= 0):
+            out[self.row_N[i], self.offset_N[i]:self.offset_N[i] + self.lengths_N[i]] = values[i]
+        return out
+
+    def rows(self, tokens: Sequence, targets: Sequence, positions: Sequence | None = None, pad_id: int = 0) -> dict:
+        """The row fields of the spans (`trainer.ROW_FIELDS`): int32 tokens (pad_id on
+        padding), positions (default 0 .. length-1 per span) and segment_ids [num_rows,
+        seq_len], and mask [num_rows, seq_len-1], True at t where token t+1 is a target
+        (targets[i]: per token of span i) of its own segment."""
+        if positions is None:
+            positions = [np.arange(n) for n in self.lengths_N]
+        out = {"tokens": self.scatter(tokens, np.int32, fill=pad_id), "positions": self.scatter(positions, np.int32),
+               "segment_ids": self.scatter([np.full(n, s) for n, s in zip(self.lengths_N, self.segment_N)], np.int32)}
+        target = self.scatter(targets, bool)  # target[i, t]: token t is to be predicted
+        kept = self.row_N >= 0
+        # A segment's first token is never a target: the previous sample's last position
+        # must not learn to predict it.
+        target[self.row_N[kept], self.offset_N[kept]] = False
+        out["mask"] = target[:, 1:]
+        return out
+
+
+def pack_spans(lengths: Sequence[int], seq_len: int) -> Packing:
+    """Packs spans of `lengths` (>= 1) greedily, in order, into rows of seq_len: a span
+    joins the current row while it fits, else starts a new one. Spans longer than seq_len
+    are dropped (`Packing.dropped`)."""
+    lengths_N = np.asarray(lengths, np.int64).reshape(-1)
+    if np.any(lengths_N < 1):
+        raise ValueError(f"Spans are at least one token long, got lengths {lengths_N[lengths_N < 1].tolist()}.")
+    row_N = np.full(len(lengths_N), -1, np.int64)
+    offset_N, segment_N = np.zeros_like(row_N), np.zeros_like(row_N)
+    row, at, segment = -1, 0, 0
+    for i, length in enumerate(lengths_N.tolist()):
+        if length > seq_len:
+            continue
+        if row < 0 or at + length > seq_len:
+            row, at, segment = row + 1, 0, 0
+        segment += 1
+        row_N[i], offset_N[i], segment_N[i] = row, at, segment
+        at += length
+    return Packing(seq_len, lengths_N, row_N, offset_N, segment_N, row + 1)
+
+
+# ----------------------------------------------------------------------------- buffer
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """The rows of one `add`, all of RL step `step`."""
+    step: int
+    rows: dict
+
+    def __len__(self) -> int:
+        return len(self.rows["tokens"])
+
+
+class DrafterBuffer:
+    """FIFO of packed rows over the last `keep_steps` RL steps, at most `max_bytes` of them.
+
+    Args:
+      seq_len: tokens per row (S).
+      hidden_size, top_k: D and K of the target outputs `add` receives.
+      max_bytes: bound on the bytes of the rows held (config `tlt.drafter.buffer_max_bytes`).
+        Checked here against one row's size, so a bound too small fails before any RL step.
+      num_feature_layers: n, the fused drafter's feature layers (0: unfused, no "layers").
+      feature_dtype: dtype of hidden (and layers) as the learner hands them; stored as is.
+      keep_steps: RL steps whose rows are kept (2: this step and the previous).
+      prompt_tail: prompt tokens kept before the last one (see the module docstring).
+      seed: of `sample`'s draws.
+    """
+
+    def __init__(self, seq_len: int, hidden_size: int, top_k: int, *, max_bytes: int, num_feature_layers: int = 0,
+                 feature_dtype="float32", keep_steps: int = 2, prompt_tail: int = 0, seed: int = 0):
+        if seq_len < 2 or keep_steps < 1 or prompt_tail < 0 or seed < 0:
+            raise ValueError(f"DrafterBuffer needs seq_len >= 2, keep_steps >= 1, prompt_tail >= 0 and seed >= 0; "
+                             f"got {seq_len}, {keep_steps}, {prompt_tail}, {seed}.")
+        self.seq_len, self.hidden_size, self.top_k = seq_len, hidden_size, top_k
+        self.num_feature_layers, self.feature_dtype = num_feature_layers, np.dtype(feature_dtype)
+        self.max_bytes, self.keep_steps, self.prompt_tail, self.seed = max_bytes, keep_steps, prompt_tail, seed
+        s, d, k, f = seq_len, hidden_size, top_k, self.feature_dtype
+        self._fields = {"tokens": ((s,), np.dtype(np.int32)), "positions": ((s,), np.dtype(np.int32)),
+                        "segment_ids": ((s,), np.dtype(np.int32)), "mask": ((s - 1,), np.dtype(bool)),
+                        "hidden": ((s, d), f), "ids": ((s, k), np.dtype(np.int32)),
+                        "logp": ((s, k), np.dtype(np.float32))}
+        if num_feature_layers:
+            self._fields["layers"] = ((s, num_feature_layers, d), f)
+        self.row_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self._fields.values())
+        if max_bytes < self.row_bytes:
+            raise ValueError(
+                f"tlt.drafter.buffer_max_bytes={max_bytes} cannot hold one row: a row of seq_len={s} (hidden size {d}, "
+                f"{f.name}, top_k={k}, {num_feature_layers} feature layers) takes {self.row_bytes} bytes; set "
+                f"tlt.drafter.buffer_max_bytes >= {self.row_bytes}, or lower tlt.drafter.seq_len.")
+        self._max_rows = max_bytes // self.row_bytes
+        self._chunks: list[_Chunk] = []
+        self._draws = self._truncated = self._dropped_rows = 0
+
+    # -- adding
+
+    def add(self, rl_step: int, tokens_nT, prompt_lengths_n, response_lengths_n, hidden_nTD, ids_nTK, logp_nTK,
+            layers_nTLD=None) -> None:
+        """Packs the samples of a learner batch of RL step `rl_step` into rows and evicts.
+
+        tokens_nT: prompt then response, right-padded to T. prompt_lengths_n (>= 1),
+        response_lengths_n: per sample. hidden_nTD, ids_nTK / logp_nTK, layers_nTLD: the
+        target's outputs at every token t (ids / logp: top-K of the distribution of token
+        t+1), as `trainer.target_outputs` gives them; layers only for a fused drafter. Any
+        array type numpy can read (device arrays are copied to host).
+        """
+        tokens_nT = np.asarray(tokens_nT)
+        n, t = tokens_nT.shape
+        p_n, r_n = np.asarray(prompt_lengths_n, np.int64), np.asarray(response_lengths_n, np.int64)
+        if p_n.shape != (n,) or r_n.shape != (n,) or np.any(p_n < 1) or np.any(r_n < 0) or np.any(p_n + r_n > t):
+            raise ValueError(f"Need prompt lengths >= 1 and response lengths >= 0 for each of the {n} samples, "
+                             f"fitting T={t}; got {p_n.tolist()} and {r_n.tolist()}.")
+        if (layers_nTLD is None) != (not self.num_feature_layers):
+            raise ValueError(f"add: layers {'missing' if layers_nTLD is None else 'given'}; this buffer was built "
+                             f"with num_feature_layers={self.num_feature_layers}.")
+        outputs = {"hidden": hidden_nTD, "ids": ids_nTK, "logp": logp_nTK, "layers": layers_nTLD}
+        outputs = {k: np.asarray(x) for k, x in outputs.items() if x is not None}
+        for name, x in outputs.items():
+            shape, dtype = self._fields[name]
+            if x.shape != (n, t, *shape[1:]) or (name in ("hidden", "layers") and x.dtype != dtype):
+                want = f"{dtype.name} " if name in ("hidden", "layers") else ""
+                raise ValueError(f"add: {name} is {x.dtype.name} {x.shape}; this buffer expects "
+                                 f"{want}{(n, t, *shape[1:])}.")
+        if self._chunks and rl_step < self._chunks[-1].step:
+            raise ValueError(f"add: RL step {rl_step} after step {self._chunks[-1].step}; steps only move forward.")
+
+        keep = np.flatnonzero(r_n > 0)
+        p_n, end_n = p_n[keep], (p_n + r_n)[keep]
+        start_n = np.maximum(p_n - 1 - self.prompt_tail, 0)
+        start_n = np.maximum(start_n, np.minimum(p_n - 1, end_n - self.seq_len))  # over-long: prompt context goes first
+        stop_n = np.minimum(end_n, start_n + self.seq_len)  # then the end of the response
+        self._truncated += int(np.sum(stop_n < end_n))
+        spans = [(i, slice(a, b)) for i, a, b in zip(keep, start_n, stop_n)]
+        packing = pack_spans(stop_n - start_n, self.seq_len)
+        rows = packing.rows([tokens_nT[i, s] for i, s in spans],
+                            [np.arange(s.start, s.stop) >= p for (_, s), p in zip(spans, p_n)],
+                            positions=[np.arange(s.start, s.stop) for _, s in spans])
+        for name, x in outputs.items():
+            rows[name] = packing.scatter([x[i, s] for i, s in spans], self._fields[name][1])
+        if packing.num_rows:
+            self._chunks.append(_Chunk(rl_step, rows))
+        self._evict(rl_step)
+
+    def _evict(self, rl_step: int) -> None:
+        self._chunks = [c for c in self._chunks if c.step > rl_step - self.keep_steps]
+        excess = self.num_rows - self._max_rows
+        while excess > 0:
+            oldest = self._chunks[0]
+            if len(oldest) <= excess:
+                self._chunks.pop(0)
+                dropped = len(oldest)
+            else:  # a copy, so that the dropped rows' memory is freed
+                oldest.rows = {k: v[excess:].copy() for k, v in oldest.rows.items()}
+                dropped = excess
+            excess -= dropped
+            self._dropped_rows += dropped
+
+    # -- reading
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(c) for c in self._chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for c in self._chunks for v in c.rows.values())
+
+    def ready(self, batch_size: int) -> bool:
+        """Whether `sample(batch_size)` can draw: any row is held (fewer rows than
+        batch_size are drawn with replacement)."""
+        return self.num_rows > 0
+
+    def sample(self, batch_size: int) -> dict:
+        """[batch_size, ...] arrays of every row field: rows drawn uniformly, without
+        replacement when at least batch_size rows are held, else with. The draw is a
+        function of (seed, number of earlier draws, rows held). Raises when empty."""
+        n = self.num_rows
+        if not n:
+            raise ValueError("The drafter buffer is empty; check ready() before sampling.")
+        rng = np.random.default_rng([self.seed, self._draws])
+        self._draws += 1
+        idx = rng.choice(n, batch_size, replace=n < batch_size)
+        starts = np.cumsum([0] + [len(c) for c in self._chunks])
+        chunk_of = np.searchsorted(starts, idx, side="right") - 1
+        out = {k: np.empty((batch_size, *shape), dtype) for k, (shape, dtype) in self._fields.items()}
+        for c, chunk in enumerate(self._chunks):
+            at = np.flatnonzero(chunk_of == c)
+            for k in out:
+                out[k][at] = chunk.rows[k][idx[at] - starts[c]]
+        return out
+
+    def stats(self) -> dict:
+        """rows, samples and RL steps held, their bytes, and since construction the samples
+        truncated to seq_len and the rows dropped to respect max_bytes."""
+        samples = sum(int(c.rows["segment_ids"].max(axis=1).sum()) for c in self._chunks)
+        return {"rows": self.num_rows, "samples": samples, "steps": len({c.step for c in self._chunks}),
+                "bytes": self.nbytes, "truncated": self._truncated, "dropped_rows": self._dropped_rows}
+
+    # -- checkpointing
+
+    def state_dict(self) -> dict:
+        """What resumes the buffer exactly: the rows ("rows": field -> [R, ...], "steps":
+        int64 [R], their RL steps, oldest first; both absent when empty, as orbax saves no
+        zero-size array), the draw counter (with the seed, the sampler's state) and the
+        counters, as numpy arrays and ints that `checkpoint.Checkpointer` saves. About
+        `nbytes` (<= max_bytes) + 8 bytes a row, concatenated here (a transient copy). Its
+        shapes follow the rows held: restore it without a target, or with shapes recorded
+        at save time."""
+        state = {"draws": self._draws, "truncated": self._truncated, "dropped_rows": self._dropped_rows}
+        if self._chunks:
+            state["rows"] = {k: np.concatenate([c.rows[k] for c in self._chunks]) for k in self._fields}
+            state["steps"] = np.concatenate([np.full(len(c), c.step, np.int64) for c in self._chunks])
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a `state_dict` of a buffer built with the same arguments."""
+        chunks = []
+        if "rows" in state:
+            rows, steps = state["rows"], np.asarray(state["steps"])
+            if set(rows) != set(self._fields):
+                raise ValueError(f"load_state_dict: fields {sorted(rows)}, this buffer has {sorted(self._fields)}.")
+            rows = {k: np.asarray(rows[k], dtype) for k, (_, dtype) in self._fields.items()}
+            for k, (shape, _) in self._fields.items():
+                if rows[k].shape != (len(steps), *shape):
+                    raise ValueError(f"load_state_dict: {k} is {rows[k].shape}, expected {(len(steps), *shape)}.")
+            bounds = [0, *(np.flatnonzero(np.diff(steps)) + 1), len(steps)]
+            # Copies, so that evicting a step frees its memory.
+            chunks = [_Chunk(int(steps[a]), {k: v[a:b].copy() for k, v in rows.items()})
+                      for a, b in zip(bounds, bounds[1:])]
+        self._chunks = chunks
+        self._draws, self._truncated = int(state["draws"]), int(state["truncated"])
+        self._dropped_rows = int(state["dropped_rows"])
