@@ -3,10 +3,35 @@
 Presets: tiny (CPU, minutes: warm-started from the shipped SFT checkpoint, or a freshly
 trained one when it is absent), qwen2.5-0.5b and qwen2.5-1.5b (GPU shapes; their SFT
 warm start is trained first unless --config.sft_dir names a checkpoint).
+
+`tlt.enabled` turns TLT on: adaptive speculative rollouts (the BEG-MAB tuner of
+`tlt.tuner` picks plain decode or a drafting strategy per chunk by active batch size)
+and the drafter trained on the spot in the idle gaps of each RL step (`tlt.spot`,
+`tlt.drafter`). `--config.tlt.enabled=False` is the baseline: the same run without them.
 """
 import ml_collections
 
 from configs import models, sft
+
+
+def tlt_config() -> ml_collections.ConfigDict:
+    """TLT's knobs; the arms and buckets follow the reference (DESIGN.md section 7), with
+    plain decode and an n-gram drafter as arms of every bucket."""
+    from tlt_jax.rollout import tuner
+
+    return ml_collections.ConfigDict(dict(
+        enabled=True,
+        tuner=tuner.default_arms_config(),
+        spot=dict(max_steps_per_rl_step=50, catch_up_steps=0),
+        drafter=dict(
+            init="assets/drafter_tiny",  # an offline drafter export (experiments/train_drafter); "": from scratch
+            num_layers=1, feature_layers=(),  # the architecture when starting from scratch
+            top_k=8, batch_size=16, seq_len=128, buffer_max_bytes=256 << 20, keep_steps=2, prompt_tail=0,
+            feature_weight=1.0, kl_weight=1.0, feature_noise=0.2,
+            optimizer=dict(learning_rate=1e-3, warmup_steps=0, schedule="constant", decay_steps=1000,
+                           weight_decay=0.01, b1=0.9, b2=0.95, max_grad_norm=1.0),
+            checkpoint_every=5),
+    ))
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -38,6 +63,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/rl_tiny"
+    c.tlt = tlt_config()
     if preset == "tiny":
         return c
     if preset not in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
@@ -53,4 +79,5 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.learner.optimizer.learning_rate = 1e-6
     c.steps = 200
     c.run_dir = f"runs/rl_{preset}"
+    c.tlt.drafter.init = ""
     return c

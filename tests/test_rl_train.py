@@ -22,6 +22,7 @@ OVERRIDES = {
     "prompts_per_step": 4, "num_samples": 4, "learner.micro_batch_size": 8, "learner.num_minibatches": 2,
     "steps": 4, "eval_every": 2, "checkpoint_every": 1, "save_hf": False,
     "mesh.data": 2, "mesh.fsdp": 4,  # two rollout groups; the learner shards over all 8 devices
+    "tlt.enabled": False,  # the baseline; tests/test_tlt.py runs TLT
 }
 
 

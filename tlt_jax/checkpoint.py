@@ -234,6 +234,11 @@ class Checkpointer:
                 f"step {step}: its meta says step {restored.meta.get('step')}")
         return restored.state, restored.meta
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON meta of a verified step alone (e.g. to size the restore target)."""
+        self.verify(step)
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
     def restore(self, step: int | None = None, target: Any = None) -> tuple[Any, dict]:
         """Restores (state, meta) of `step`, or of the newest step that verifies.
 

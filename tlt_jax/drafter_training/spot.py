@@ -154,11 +154,11 @@ class SpotTrainer:
     # Events.
 
     def begin_rl_step(self, rl_step: int) -> None:
-        """Resets the per-RL-step budget and stats (a step still in flight counts toward the new one)."""
+        """Names the RL step that failures are reported against. The budget and stats run
+        from one `end_rl_step` to the next, so steps in gaps between two RL steps (e.g.
+        checkpoint writes) count towards the next report."""
         with self._cond:
             self._rl_step = rl_step
-            self._stats = _RLStepStats()
-        self._notify()  # a spent budget is available again
 
     def open_gap(self, name: str, placement: Hashable) -> None:
         """Devices `placement` are idle from now until `close_gap(name)`; returns at once."""
@@ -242,9 +242,9 @@ class SpotTrainer:
         return ran
 
     def end_rl_step(self) -> dict:
-        """Stats of this RL step (times in seconds of `clock`): gaps, gap_time_s and the
-        preemption delays cover the gaps closed in it; `last_*` are the metrics of its last
-        step. Raises SpotStepFailed if a step has failed."""
+        """Stats since the previous report (times in seconds of `clock`): gaps, gap_time_s
+        and the preemption delays cover the gaps closed since; `last_*` are the metrics of
+        the latest step. Then a fresh budget. Raises SpotStepFailed if a step has failed."""
         self._raise_if_failed()
         with self._cond:
             s = self._stats
@@ -260,6 +260,8 @@ class SpotTrainer:
                 "gaps": len(s.delays),
             }
             out.update({f"last_{k}": v for k, v in s.last_metrics.items()})
+            self._stats = _RLStepStats()
+        self._notify()  # a spent budget is available again
         return out
 
     def state_dict(self) -> dict:

@@ -89,6 +89,12 @@ def target_outputs(target_params, target_config: ModelConfig, drafter_config: dr
     return outputs
 
 
+def shared_target_params(target_params):
+    """The target weights a drafter step reads: its embedding, final norm and LM head (the
+    drafter's own layers replace the target's)."""
+    return {k: target_params[k] for k in drafter_lib.SHARED_TARGET_KEYS if k in target_params}
+
+
 # ----------------------------------------------------------------------------- loss
 
 
@@ -168,7 +174,12 @@ class DrafterTrainer:
         return sharding.tree_shardings(axes, drafter_params, self.mesh)
 
     def target_shardings(self, target_params):
-        return sharding.param_shardings(self.target_config, target_params, self.mesh)
+        """Shardings of the target's parameters, or of the subtree the drafter reads
+        (`shared_target_params`), in either weight layout."""
+        whole = "layers" in target_params
+        axes = tfm.param_logical_axes(self.target_config, per_layer=whole and tfm.has_per_layer_weights(target_params),
+                                      fused=whole and tfm.has_fused_projections(target_params))
+        return sharding.tree_shardings({k: axes[k] for k in target_params}, target_params, self.mesh)
 
     def _batch_shardings(self, batch):
         return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}

@@ -75,10 +75,13 @@ def drafter_logical_axes(target_config: ModelConfig, config: DrafterConfig):
     return axes
 
 
+SHARED_TARGET_KEYS = ("embed", "final_norm", "lm_head")  # the target weights a drafter reads, frozen
+
+
 def model_params(drafter_params, target_params):
     """The transformer parameter tree the drafter's layers run as: its own layers under
     the target's embedding, final norm and LM head."""
-    shared = {k: target_params[k] for k in ("embed", "final_norm", "lm_head") if k in target_params}
+    shared = {k: target_params[k] for k in SHARED_TARGET_KEYS if k in target_params}
     return {**shared, "layers": drafter_params["layers"]}
 
 

@@ -12,6 +12,7 @@ holds everything else, so a run killed and resumed continues exactly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing
 import time
@@ -24,6 +25,7 @@ import numpy as np
 from tlt_jax import sampling
 from tlt_jax.rl import evaluation, grpo, rewards, tasks
 from tlt_jax.rl.learner import Learner
+from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import Rollouts, RolloutEngine
 
 
@@ -81,8 +83,9 @@ class RLLoop:
 
     def __init__(self, *, engine: RolloutEngine, learner: Learner, tokenizer, train_examples: Sequence[tasks.Example],
                  eval_examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
-                 step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None):
+                 step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None):
         self.engine, self.learner, self.tokenizer = engine, learner, tokenizer
+        self.tlt = tlt  # None: the baseline (plain rollouts, no drafter)
         self.train_examples, self.eval_examples = list(train_examples), list(eval_examples)
         self.sampling_params, self.config, self.seq_len, self.seed = sampling_params, step_config, seq_len, seed
         self.ref_params = ref_params
@@ -99,6 +102,12 @@ class RLLoop:
     def close(self):
         if self._pool is not None:
             self._pool.shutdown()
+        if self.tlt is not None:
+            self.tlt.close()
+
+    def gap(self, name: str):
+        """A host phase during which the devices would idle: TLT trains the drafter there."""
+        return self.tlt.gap(name) if self.tlt is not None else contextlib.nullcontext()
 
     def prompts_for(self, data_position: int) -> list[tasks.Example]:
         """The next prompts_per_step examples of the train stream (reshuffled each epoch)."""
@@ -111,28 +120,54 @@ class RLLoop:
 
     def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
         """One RL step. Returns (state, metrics, new data position, rollouts)."""
-        cfg = self.config
+        cfg, tlt = self.config, self.tlt
         t0 = time.perf_counter()
         examples = self.prompts_for(data_position)
         prompt_ids = evaluation.encode_prompts(self.tokenizer, examples)
         key = jax.random.fold_in(self.key, step)
+        speculation = None
+        if tlt is not None:
+            tlt.begin(step, self.engine.num_groups)
+            speculation = tlt.tuner
+
+        def group_done(g):
+            if tlt is not None:
+                tlt.on_group_done(g)
+            if on_group_done is not None:
+                on_group_done(g)
+
         rollouts = self.engine.generate(prompt_ids, cfg.num_samples, self.sampling_params, key,
-                                        on_group_done=on_group_done)
+                                        on_group_done=group_done, speculation=speculation)
+        if tlt is not None:
+            tlt.after_rollout()
         t_rollout = time.perf_counter()
 
-        chosen = [examples[i] for i in rollouts.prompt_index]
-        completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
-        reward, failures = score(cfg.reward, [e.prompt for e in chosen], completions, tasks.reward_fields(chosen),
-                                 self._pool)
-        correct = np.asarray(rewards.answer_correctness([e.prompt for e in chosen], completions,
-                                                        **tasks.reward_fields(chosen)))
-        self.reward_failures += failures
-        advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward), cfg.num_samples))
+        with self.gap("reward"):
+            chosen = [examples[i] for i in rollouts.prompt_index]
+            completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
+            reward, failures = score(cfg.reward, [e.prompt for e in chosen], completions,
+                                     tasks.reward_fields(chosen), self._pool)
+            correct = np.asarray(rewards.answer_correctness([e.prompt for e in chosen], completions,
+                                                            **tasks.reward_fields(chosen)))
+            self.reward_failures += failures
+            advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward),
+                                                                                cfg.num_samples))
         t_reward = time.perf_counter()
 
-        batch = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id)
-        old_logp, entropy = self.learner.logprobs(state.params, batch["tokens"], with_entropy=True)
+        with self.gap("batch"):
+            batch = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id)
+        t_batch = time.perf_counter()
+        if tlt is not None and tlt.drafter is not None:
+            # One target forward gives GRPO its old log-probs and the drafter its data.
+            dc = tlt.drafter
+            old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(
+                state.params, batch["tokens"], top_k=dc.config.top_k, feature_layers=dc.drafter_config.feature_layers)
+            tlt.add(step, batch["tokens"], np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]),
+                    rollouts.lengths, drafter_data)
+        else:
+            old_logp, entropy = self.learner.logprobs(state.params, batch["tokens"], with_entropy=True)
         batch["old_logp"] = np.asarray(old_logp)
+        t_old_logp = time.perf_counter()
         if self.ref_params is not None:
             batch["ref_logp"] = np.asarray(self.learner.logprobs(self.ref_params, batch["tokens"]))
         state, updates = self.learner.update(state, batch)
@@ -141,6 +176,8 @@ class RLLoop:
 
         self.engine.update_params(state.params)
         t_sync = time.perf_counter()
+        tlt_metrics = tlt.end() if tlt is not None else {}
+        t_end = time.perf_counter()
 
         self.nonfinite_steps += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped == len(updates) else 0
@@ -161,15 +198,20 @@ class RLLoop:
             "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
             "skipped_updates": skipped, "reward_failures": failures,
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
-            "time_learner_s": t_learner - t_reward, "time_weight_sync_s": t_sync - t_learner,
-            "time_step_s": t_sync - t0,
+            "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_logp - t_batch,
+            "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
+            "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
+            "time_idle_s": timeline["group_idle_s"],
             "rollout_group_idle_fraction": timeline["group_idle_fraction"],
             "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
             "rollout_tokens_per_s": timeline["tokens_per_s"],
+            "rollout_tokens": timeline["tokens"],
+            "acceptance_length": timeline["acceptance_length"],
+            "speculative_token_share": timeline["speculative_tokens"] / max(timeline["tokens"], 1),
+            **tlt_metrics,
         }
         for g in rollouts.timeline.groups:
             metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
-        metrics["time_idle_s"] = timeline["group_idle_fraction"] * metrics["time_rollout_s"]
         return state, metrics, data_position + cfg.prompts_per_step, rollouts
 
     def check_finite(self, step: int) -> None:

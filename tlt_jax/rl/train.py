@@ -11,18 +11,26 @@ import json
 import os
 
 import jax
+import numpy as np
 from absl import logging
 
 from tlt_jax import checkpoint, metrics, sampling, sharding
 from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl import grpo, tasks
 from tlt_jax.rl.learner import Learner, LearnerConfig
+from tlt_jax.distill import teacher_cache as tc
+from tlt_jax.drafter_training.io import load_drafter
+from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
+from tlt_jax.drafter_training.spot import SpotConfig
+from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.rl.loop import RLLoop, RLStepConfig
+from tlt_jax.rl.tlt import TLT
+from tlt_jax.rollout import tuner as tuner_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import OptimizerConfig
 
-_TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time")
+_TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time", "tuner/", "spot/")
 
 
 def _warm_start(config):
@@ -39,6 +47,34 @@ def _warm_start(config):
     return model_cfg, params, load_tokenizer(sft_dir)
 
 
+def _drafter_warm_start(c, target_config, target_params):
+    """(DrafterConfig, params) of the RL run's drafter: an offline export (`c.init`) or a
+    fresh one of the configured architecture."""
+    if c.init:
+        return load_drafter(c.init, target_config, target_fingerprint=tc.fingerprint_arrays(target_params))
+    dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers))
+    dcfg.layer_config(target_config)  # feature layers outside the target fail here
+    return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
+
+
+def _online_drafter_config(c) -> OnlineDrafterConfig:
+    fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "optimizer")}
+    return OnlineDrafterConfig(optimizer=OptimizerConfig(**c.optimizer), **fields)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return every > 0 and (step % every == 0 or step == last)
+
+
+def _restore_drafter(drafter: OnlineDrafter, ckpt: checkpoint.Checkpointer, rl_step: int) -> None:
+    """The newest drafter checkpoint not after the resumed RL step (a newer one belongs to
+    steps that will run again)."""
+    steps = [s for s in ckpt.all_steps() if s <= rl_step]
+    if steps:
+        drafter.restore(ckpt, steps[-1])
+        logging.info("Restored the drafter of RL step %d (version %d)", steps[-1], drafter.version)
+
+
 def train_rl(config, *, progress: bool = True, stop_after: int | None = None) -> dict:
     """Runs (or resumes) the RL job; returns a summary with SFT and final eval accuracy.
     `stop_after` ends the process's work after that many steps (tests of resumption)."""
@@ -53,9 +89,14 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     r = config.rollout
     sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     seq_len = r.max_prompt_length + r.max_tokens
+    tlt_on = config.tlt.enabled
+    tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None  # bad arms fail here, not mid-run
+    spot_config = SpotConfig(**config.tlt.spot) if tlt_on else None
+    dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
     engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
         num_slots=r.num_slots, max_prompt_length=r.max_prompt_length, max_length=seq_len,
-        steps_per_sync=r.steps_per_sync, eos_token_id=model_cfg.eos_token_id))
+        steps_per_sync=r.steps_per_sync, eos_token_id=model_cfg.eos_token_id,
+        max_draft_depth=max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8), dcfg, dparams)
     lc = config.learner
     learner = Learner(model_cfg, LearnerConfig(
         optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
@@ -67,11 +108,19 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
                             advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
                             max_consecutive_skips=config.max_consecutive_skips)
+    tlt = None
+    if tlt_on:
+        online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
+                               temperature=r.temperature, seed=config.seed)
+        tlt = TLT(tuner, online, spot_config)
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
                   eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
-                  seed=config.seed, ref_params=ref_params)
+                  seed=config.seed, ref_params=ref_params, tlt=tlt)
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
+    # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their cadence.
+    drafter_ckpt = (checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"), max_to_keep=2)
+                    if tlt is not None else None)
     start, data_position, sft_eval = 0, 0, None
 
     def saved_tree():
@@ -85,6 +134,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         state, loop.key, loop.ref_params = restored["train"], restored["key"], restored.get("ref")
         start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         engine.update_params(state.params)
+        if tlt is not None:
+            tlt.load_state_dict(meta["tlt"])
+            _restore_drafter(tlt.drafter, drafter_ckpt, start)
         logging.info("Resumed RL at step %d (data position %d)", start, data_position)
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
     if sft_eval is None:
@@ -93,9 +145,16 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         logging.info("SFT checkpoint: eval accuracy %.3f", sft_eval["eval_accuracy"])
 
     def save(step):
-        ckpt.save(step, saved_tree(),
-                  {"step": step, "data_position": data_position, "sft_eval": sft_eval,
-                   "config": json.loads(config.to_json_best_effort())})
+        with loop.gap("checkpoint"):
+            ckpt.save(step, saved_tree(),
+                      {"step": step, "data_position": data_position, "sft_eval": sft_eval,
+                       "config": json.loads(config.to_json_best_effort()),
+                       "tlt": tlt.state_dict() if tlt is not None else None})
+
+    def save_drafter(step):
+        tree, meta = tlt.drafter.checkpoint_tree(), tlt.drafter.checkpoint_meta()  # before a gap lets it train
+        with loop.gap("drafter_checkpoint"):
+            drafter_ckpt.save(step, tree, meta)
 
     bar = metrics.ProgressBar(config.steps, ["reward_mean", "accuracy", "eval_accuracy"], initial=start, desc="rl",
                               disable=not progress)
@@ -110,12 +169,16 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             writer.write(step + 1, record)
             bar.update(record)
             loop.check_finite(step + 1)
+            if tlt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
+                save_drafter(step + 1)
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 save(step + 1)
     finally:
         bar.close()
         ckpt.wait()
         ckpt.close()
+        if drafter_ckpt is not None:
+            drafter_ckpt.close()
         writer.close()
         loop.close()
 
@@ -127,6 +190,12 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     if rollouts is not None:
         metrics.plot_length_histogram(rollouts.lengths, os.path.join(run_dir, "response_lengths.png"))
         rollouts.timeline.plot(os.path.join(run_dir, "rollout_timeline.png"))
+    if tlt is not None:
+        metrics.plot_curves(records, ["acceptance_length", "speculative_token_share", "rollout_tokens_per_s",
+                                      "drafter_version", "spot/steps", "spot/hidden_share"],
+                            os.path.join(run_dir, "tlt.png"), title="TLT: speculation and the spot-trained drafter")
+        tuner_lib.plot_arm_choices([r for r in records if any(k.startswith("tuner/") for k in r)],
+                                   os.path.join(run_dir, "tuner_arms.png"))
     if end == config.steps and config.save_hf:
         save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer,
                 overwrite=True)
@@ -134,7 +203,23 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                "final_eval_accuracy": (last_eval or {}).get("eval_accuracy"),
                "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
                "run_dir": run_dir}
+    if tlt is not None:
+        summary["tlt"] = tlt_summary(records, tlt.drafter.version)
     return summary
+
+
+def tlt_summary(records, drafter_version: int) -> dict:
+    """What TLT did over the run's steps: mean acceptance length of the speculative steps,
+    the share of rollout tokens committed speculatively, the drafter version reached and
+    the median rollout throughput."""
+    steps = [r for r in records if "rollout_tokens" in r]
+    tokens = sum(r["rollout_tokens"] for r in steps)
+    spec_tokens = sum(r["speculative_token_share"] * r["rollout_tokens"] for r in steps)
+    accepted = [r["acceptance_length"] for r in steps if r["acceptance_length"] > 0]
+    return {"acceptance_length_mean": float(np.mean(accepted)) if accepted else 0.0,
+            "speculative_token_share": spec_tokens / max(tokens, 1), "drafter_version": drafter_version,
+            "rollout_tokens_per_s_median": float(np.median([r["rollout_tokens_per_s"] for r in steps]))
+            if steps else 0.0}
 
 
 def learning_metrics(record: dict) -> dict:

@@ -77,27 +77,29 @@ class RolloutTimeline:
     def summary(self) -> dict:
         """Wall time, tokens/s, and the two long-tail losses.
 
-        group_idle_fraction: device time spent by groups that finished waiting for the
-        slowest one. slot_idle_fraction: decode slots stepping with no sequence in them.
+        group_idle_s / group_idle_fraction: device time spent by groups that finished
+        waiting for the slowest one (seconds summed over groups; share of groups x wall). slot_idle_fraction: decode slots stepping with no sequence in them.
         """
         if not self.groups:
-            return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_fraction=0.0,
-                        slot_idle_fraction=0.0, decode_steps=0, speculative_steps=0, acceptance_length=0.0,
-                        draft_s=0.0, verify_s=0.0)
+            return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_s=0.0, group_idle_fraction=0.0,
+                        slot_idle_fraction=0.0, decode_steps=0, speculative_steps=0, speculative_tokens=0,
+                        acceptance_length=0.0, draft_s=0.0, verify_s=0.0)
         start = min(g.start for g in self.groups)
         end = max(g.end for g in self.groups)
         wall = max(end - start, 1e-9)
-        idle = sum(end - g.end for g in self.groups) / (wall * len(self.groups))
+        idle_s = sum(end - g.end for g in self.groups)
         steps = [s for g in self.groups for s in g.steps()]
         slot_steps = sum(len(g.steps()) * g.num_slots for g in self.groups)
         busy = sum(a for _, a, _ in steps)
         tokens = sum(g.tokens for g in self.groups)
         spec = [c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)]
         committed = [n for c in spec for n in c.committed_per_sequence]
-        return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_fraction=idle,
+        return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_s=idle_s,
+                    group_idle_fraction=idle_s / (wall * len(self.groups)),
                     slot_idle_fraction=1 - busy / max(1, slot_steps),
                     decode_steps=max((len(g.steps()) for g in self.groups), default=0),
                     speculative_steps=sum(len(c.active_per_step) for c in spec),
+                    speculative_tokens=sum(committed),
                     acceptance_length=sum(committed) / len(committed) if committed else 0.0,
                     draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec))
 

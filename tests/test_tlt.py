@@ -1,0 +1,87 @@
+"""TLT in the RL run: speculation chosen by the tuner, the drafter trained on the spot and
+published, and its state (drafter, optimizer, buffer, version, tuner) resumed."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
+from tlt_jax import checkpoint, metrics
+from tlt_jax.rl.train import train_rl
+
+TLT = {**OVERRIDES, "tlt.enabled": True, "steps": 3, "eval_every": 3, "checkpoint_every": 1,
+       "tlt.drafter.init": "", "tlt.drafter.batch_size": 4, "tlt.drafter.seq_len": 48,
+       "tlt.drafter.checkpoint_every": 1, "tlt.drafter.optimizer.learning_rate": 3e-3,
+       "tlt.spot.catch_up_steps": 2, "tlt.spot.max_steps_per_rl_step": 6,
+       # every chunk picks among one EAGLE chain, one n-gram trie and plain decode
+       "tlt.tuner.buckets": [1], "tlt.tuner.arms": [["eagle-d3", "ngram-d2-b1", "plain"]],
+       "tlt.tuner.max_active": 16}
+
+
+def _records(run_dir):
+    return {r["step"]: r for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step" in r}
+
+
+def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_path):  # noqa: F811
+    run_dir = str(tmp_path / "tlt")
+    summary = train_rl(_config(warm_start, run_dir, **TLT), progress=False)
+    records = _records(run_dir)
+    steps = [records[s] for s in (1, 2, 3)]
+    # The drafter learns from step 0's data from the end of step 0 on, and each RL step
+    # publishes a new version.
+    assert [r["drafter_version"] for r in steps] == [1, 2, 3]
+    assert all(r["spot/steps"] + r["spot/catch_up_steps"] >= 2 for r in steps)
+    assert steps[-1]["drafter_steps_total"] == sum(r["spot/steps"] + r["spot/catch_up_steps"] for r in steps)
+    # Every arm is pulled (untried arms first) and speculation commits tokens.
+    pulls = {arm: sum(r.get(f"tuner/b1/{arm}/pulls", 0) for r in steps) for arm in ("eagle-d3", "ngram-d2-b1",
+                                                                                     "plain")}
+    assert all(n > 0 for n in pulls.values()), pulls
+    assert any(r["acceptance_length"] > 1 for r in steps)
+    assert 0 < summary["tlt"]["speculative_token_share"] <= 1
+    assert summary["tlt"]["drafter_version"] == 3
+    for name in ("tlt.png", "tuner_arms.png"):
+        assert os.path.getsize(os.path.join(run_dir, name)) > 0
+
+
+def test_tlt_resume_restores_drafter_tuner_and_buffer(warm_start, tmp_path):  # noqa: F811
+    run_dir = str(tmp_path / "resumed")
+    train_rl(_config(warm_start, run_dir, **TLT), progress=False, stop_after=2)
+    before = _records(run_dir)[2]
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"))
+    saved_tuner = ckpt.read_meta(2)["tlt"]["tuner"]
+    ckpt.close()
+    dckpt = checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"))
+    saved_drafter, saved_meta = dckpt.restore(2)
+    dckpt.close()
+    assert saved_meta["version"] == before["drafter_version"] == 2
+
+    # Resume: the restored state is the saved one, and the run continues from it.
+    import tlt_jax.rl.train as train_module
+    seen = {}
+    original = train_module._restore_drafter
+
+    def spy(drafter, dc, rl_step):
+        original(drafter, dc, rl_step)
+        seen["params"] = jax.device_get(drafter.state.params)
+        seen["rows"] = drafter.buffer.num_rows
+        seen["version"] = drafter.version
+
+    train_module._restore_drafter = spy
+    try:
+        train_rl(_config(warm_start, run_dir, **TLT), progress=False)
+    finally:
+        train_module._restore_drafter = original
+    jax.tree.map(np.testing.assert_array_equal, seen["params"], jax.device_get(saved_drafter["train"].params)
+                 if hasattr(saved_drafter["train"], "params") else saved_drafter["train"]["params"])
+    assert seen["version"] == 2 and seen["rows"] > 0
+    after = _records(run_dir)[3]
+    assert after["drafter_version"] == 3
+    assert after["drafter_steps_total"] == before["drafter_steps_total"] + after["spot/steps"] + \
+        after["spot/catch_up_steps"]
+    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"))
+    resumed_tuner = ckpt.read_meta(3)["tlt"]["tuner"]
+    ckpt.close()
+    # Tuner statistics carry over: every pull counted before the kill is still counted.
+    assert all(a >= b for pa, pb in zip(resumed_tuner["pulls"], saved_tuner["pulls"]) for a, b in zip(pa, pb))
+    assert sum(map(sum, resumed_tuner["pulls"])) > sum(map(sum, saved_tuner["pulls"]))

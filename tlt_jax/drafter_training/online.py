@@ -1,0 +1,172 @@
+"""The drafter during RL: trained on the spot from the learner's by-products, published
+to the rollout engine between rollouts, checkpointed on its own cadence.
+
+    old-policy pass (learner) --DrafterData--> DrafterBuffer (host, last n RL steps)
+    SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
+    end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
+
+One drafter, never diverging copies: its train state lives on the devices of the
+rollout group it last trained on (`placement` g; host-phase gaps, placement ALL, train
+wherever it is) and moves with it. A step reads the target's embedding, final norm and
+LM head from that group's engine copy (the current policy: the drafter follows the
+target it will draft for). The loss, batch format and AdamW guard are the offline
+trainer's (`trainer.DrafterTrainer`), so online and offline training are one recipe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from tlt_jax import checkpoint, sharding
+from tlt_jax.drafter_training import spot
+from tlt_jax.drafter_training.buffer import DrafterBuffer
+from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
+from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl.learner import DrafterData
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.train_state import OptimizerConfig, TrainState, state_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineDrafterConfig:
+    """How the drafter is trained during RL (`tlt.drafter` in configs/rl.py)."""
+
+    top_k: int = 8  # target ids per position kept for the KL
+    batch_size: int = 16  # buffer rows per drafter step
+    seq_len: int = 128  # buffer row length (samples are packed)
+    buffer_max_bytes: int = 256 << 20
+    keep_steps: int = 2  # RL steps of data the buffer holds
+    prompt_tail: int = 0  # prompt tokens kept before each response (context, never targets)
+    feature_weight: float = 1.0
+    kl_weight: float = 1.0
+    feature_noise: float = 0.2
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
+    checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
+
+
+class OnlineDrafter:
+    """The drafter's train state, buffer and version during an RL run."""
+
+    def __init__(self, engine: RolloutEngine, target_config: ModelConfig,
+                 drafter_config: drafter_lib.DrafterConfig, drafter_params, config: OnlineDrafterConfig, *,
+                 temperature: float, seed: int = 0):
+        if engine.drafter is None:
+            raise ValueError("The rollout engine has no drafter; build it with drafter_config and drafter_params.")
+        self.engine, self.target_config, self.drafter_config, self.config = engine, target_config, drafter_config, \
+            config
+        self.temperature = temperature
+        self.buffer = DrafterBuffer(config.seq_len, target_config.hidden_size, config.top_k,
+                                    max_bytes=config.buffer_max_bytes,
+                                    num_feature_layers=len(drafter_config.feature_layers),
+                                    feature_dtype=target_config.jnp_dtype, keep_steps=config.keep_steps,
+                                    prompt_tail=config.prompt_tail, seed=seed)
+        self._trainers: dict[int, DrafterTrainer] = {}
+        self._home = 0  # the rollout group whose devices hold the train state
+        self.state = self._trainer(0).init_state(drafter_params)
+        self._noise_key = jax.random.PRNGKey(seed + 1)
+        self.version = 0  # drafters published to the engine (0: the warm start)
+        self.steps = 0  # drafter optimizer steps run (skipped ones included)
+        self.skipped = 0
+        self._published_steps = 0
+
+    def _trainer(self, group: int) -> DrafterTrainer:
+        if group not in self._trainers:
+            c = self.config
+            self._trainers[group] = DrafterTrainer(
+                self.target_config, self.drafter_config, c.optimizer, self.engine.groups[group].mesh, top_k=c.top_k,
+                feature_weight=c.feature_weight, kl_weight=c.kl_weight, temperature=self.temperature,
+                feature_noise=c.feature_noise)
+        return self._trainers[group]
+
+    # -- data
+
+    def add(self, rl_step: int, tokens_nT: np.ndarray, prompt_lengths_n, response_lengths_n,
+            data: DrafterData) -> None:
+        """Stores an RL step's samples: the learner batch's rows and the old-policy pass's
+        DrafterData ([n, T-1] positions; the last position predicts nothing and is padded)."""
+        pad = lambda x: None if x is None else np.concatenate(
+            [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
+        host = jax.device_get(data)
+        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, pad(host.hidden), pad(host.ids),
+                        pad(host.logp), pad(host.layers))
+
+    def has_data(self) -> bool:
+        return self.buffer.ready(self.config.batch_size)
+
+    # -- the spot trainer's step
+
+    def train_step(self, placement: Hashable) -> dict:
+        """One drafter optimizer step on the devices of rollout group `placement` (`spot.ALL`,
+        a host phase: where the state already is), blocking until it is done."""
+        group = self._home if placement == spot.ALL else int(placement)
+        trainer = self._trainer(group)
+        if group != self._home:  # the state moves with the drafter to the idle group's devices
+            self.state = jax.device_put(self.state, self._state_shardings(trainer))
+            self._home = group
+        target = shared_target_params(self.engine.groups[group].params)
+        rows = self.buffer.sample(self.config.batch_size)
+        self.state, out = trainer.step(self.state, target, rows, jax.random.fold_in(self._noise_key, self.steps))
+        out = {k: float(v) for k, v in jax.device_get(out).items()}
+        self.steps += 1
+        self.skipped += int(out["skipped"])
+        return out
+
+    def _state_shardings(self, trainer: DrafterTrainer) -> TrainState:
+        return state_shardings(trainer.optimizer, self.state.params, trainer.drafter_shardings(self.state.params),
+                               trainer.mesh)
+
+    # -- to the engine
+
+    def publish(self) -> bool:
+        """Hands the engine the current drafter if it changed since the last publish and
+        every weight is finite (a non-finite drafter never reaches the engine)."""
+        if self.steps == self._published_steps:
+            return False
+        params = self.state.params
+        if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params)):
+            logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
+                            self.steps, self.version)
+            return False
+        # A host copy: the engine must not alias the train state, which each step donates.
+        self.engine.update_drafter(jax.device_get(params))
+        self._published_steps = self.steps
+        self.version += 1
+        return True
+
+    # -- checkpoints
+
+    def checkpoint_tree(self) -> dict:
+        """What a drafter checkpoint holds: the trainable parameters and optimizer state
+        (never the target's shared weights) and the buffer's contents, as host copies (the
+        next drafter step donates the device state, possibly while the write goes on)."""
+        return {"train": jax.device_get(self.state), "buffer": self.buffer.state_dict()}
+
+    def checkpoint_meta(self) -> dict:
+        """The counters, and the buffer's array shapes (its size varies: restoring needs them)."""
+        shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], self.buffer.state_dict())
+        return {"version": self.version, "steps": self.steps, "skipped": self.skipped,
+                "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes}
+
+    def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
+        """Restores drafter checkpoint `step` (train state on its home group, buffer and
+        counters) and hands the engine its weights."""
+        meta = ckpt.read_meta(step)
+        self._home = meta["home"]
+        like_train = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
+                                  self._state_shardings(self._trainer(self._home)))
+        like_buffer = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(tuple(spec[0]), np.dtype(spec[1])),
+                                   meta["buffer_shapes"], is_leaf=lambda x: isinstance(x, list) and len(x) == 2
+                                   and isinstance(x[1], str))
+        tree, _ = ckpt.restore(step, target={"train": like_train, "buffer": like_buffer})
+        self.state = tree["train"]
+        self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
+        self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
+        self._published_steps = meta["published_steps"]
+        self.engine.update_drafter(self.state.params)

@@ -1,0 +1,107 @@
+"""TLT in the RL loop: adaptive speculative rollouts and the drafter trained on the spot.
+
+`TLT` bundles the three parts one RL step talks to:
+
+    tuner     BucketedEpsilonGreedy, the engine's Speculation: plain decode or a drafting
+              strategy per chunk, by active batch size, from measured tokens/s
+    drafter   OnlineDrafter: buffer of the learner's by-products, train state, version
+    spot      SpotTrainer: drafter steps in the idle gaps the loop and engine announce
+
+and the events of a step (`RLLoop.step` calls them in this order):
+
+    begin(step)              budget reset
+    on_group_done(g)         a rollout group finished while others decode: its devices train
+    after_rollout()          the group gaps close (each waits for at most one drafter step)
+    gap(name)                host phases (reward scoring, batch building, checkpoint writes)
+    add(...)                 the old-policy pass's DrafterData into the buffer
+    end()                    owed catch-up steps, the new drafter to the engine, metrics
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from tlt_jax.drafter_training.online import OnlineDrafter
+from tlt_jax.drafter_training.spot import ALL, SpotConfig, SpotTrainer
+from tlt_jax.rollout import tuner as tuner_lib
+
+
+class TLT:
+    def __init__(self, tuner: tuner_lib.BucketedEpsilonGreedy, drafter: OnlineDrafter | None,
+                 spot_config: SpotConfig):
+        self.tuner, self.drafter = tuner, drafter
+        self.spot = None
+        if drafter is not None:
+            self.spot = SpotTrainer(drafter.train_step, spot_config, has_data=drafter.has_data)
+            self.spot.start()
+        self._lock = threading.Lock()
+        self._groups_done: list[int] = []
+        self._num_groups = 1
+        self._previous_report = tuner.report()
+
+    def close(self):
+        if self.spot is not None:
+            self.spot.close()
+
+    # -- events of one RL step
+
+    def begin(self, rl_step: int, num_groups: int) -> None:
+        self._num_groups, self._groups_done = num_groups, []
+        if self.spot is not None:
+            self.spot.begin_rl_step(rl_step)
+
+    def on_group_done(self, group: int) -> None:
+        """The engine's hook (called from the group's thread)."""
+        with self._lock:
+            self._groups_done.append(group)
+            others_running = len(self._groups_done) < self._num_groups
+        if self.spot is not None and others_running:
+            self.spot.open_gap(f"group{group}", group)
+
+    def after_rollout(self) -> None:
+        if self.spot is not None:
+            for group in self._groups_done[:-1]:
+                self.spot.close_gap(f"group{group}")
+
+    @contextlib.contextmanager
+    def gap(self, name: str):
+        """A host phase during which the devices wait (the drafter trains where its state is)."""
+        if self.spot is None:
+            yield
+            return
+        with self.spot.gap(name, ALL):
+            yield
+
+    def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data) -> None:
+        if self.drafter is not None:
+            self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data)
+            self.spot.notify_data()
+
+    def end(self) -> dict:
+        """Catch-up steps, the drafter to the engine; the step's TLT metrics."""
+        out = {}
+        if self.spot is not None:
+            self.spot.catch_up()
+            self.drafter.publish()
+            stats = self.spot.end_rl_step()
+            out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+            out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
+                        "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows})
+        report = self.tuner.report()
+        out.update(tuner_lib.report_metrics(report, self._previous_report))
+        self._previous_report = report
+        return out
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict:
+        out = {"tuner": self.tuner.state_dict()}
+        if self.spot is not None:
+            out["spot"] = self.spot.state_dict()
+        return out
+
+    def load_state_dict(self, d: dict) -> None:
+        self.tuner.load_state_dict(d["tuner"])
+        self._previous_report = self.tuner.report()
+        if self.spot is not None and "spot" in d:
+            self.spot.load_state_dict(d["spot"])
