@@ -109,6 +109,26 @@ def param_logical_axes(config: ModelConfig, per_layer: bool = False, fused: bool
     return axes
 
 
+def append_identity_layers(params: Params, config: ModelConfig, num_layers: int) -> tuple[ModelConfig, Params]:
+    """The same function with `num_layers` layers: the new ones, appended after the last,
+    copy the existing layers' weights cyclically but have zero output projections (wo,
+    w_down), so each adds nothing to the residual stream. A cheap stand-in for a deeper
+    trained model where only the cost of a forward matters (every matmul still runs)
+    and the outputs must stay those of a trained one; training moves the new layers."""
+    old = config.num_layers
+    if num_layers < old:
+        raise ValueError(f"num_layers={num_layers} is below the model's {old} layers; it can only grow.")
+    source = jnp.arange(num_layers - old) % old
+    zero_out = ("wo", "w_down")
+
+    def grow(name, x):
+        extra = x[source]
+        return jnp.concatenate([x, jnp.zeros_like(extra) if name in zero_out else extra], axis=0)
+
+    layers = {name: grow(name, x) for name, x in params["layers"].items()}
+    return config.replace(num_layers=num_layers), {**params, "layers": layers}
+
+
 def unstack_layers(params: Params) -> Params:
     """The same parameters with `layers` as a tuple of per-layer trees (decode's form).
 

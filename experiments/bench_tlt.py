@@ -1,0 +1,163 @@
+r"""TLT end to end: the same RL run with TLT off (the baseline) and on, back to back.
+
+  python -m experiments.bench_tlt --preset=cpu --seed=0 --out=docs/results/bench_tlt_cpu_s0.json
+  python -m experiments.bench_tlt --preset=gpu --out=$OUT/bench_tlt.json   # device_check.sh
+
+Same config, seed and data in every mode; only `tlt.*` differs. Modes:
+  baseline   --config.tlt.enabled=False: plain rollouts, no drafter
+  tlt        adaptive speculation (the tuner) and the drafter trained on the spot
+  frozen     (with --drafters) TLT with the warm-start drafter never trained: what a
+             static drafter accepts as the policy moves
+  ngram      (with --drafters) TLT with n-gram arms only: no drafter at all
+
+The CPU preset's target is the shipped SFT model deepened to `layers` layers by
+appending layers with zero output projections (`transformer.append_identity_layers`):
+the function (and so the accuracy and the shipped drafter's features) of the trained
+model, the decode cost of a deeper one, so that a one-layer drafter step is a small
+fraction of a target step, as on a GPU. Built once into `--cache_dir`.
+
+Times are medians over the steps after `--warmup_steps` (which compile); the first
+steps' excess over the median is reported as compile time. The table gives the phase
+split of both modes, so a missed bar shows where the time went.
+"""
+import json
+import os
+import shutil
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from configs import rl as rl_configs
+from tlt_jax import launch, metrics
+from tlt_jax.distill import teacher_cache as tc
+from tlt_jax.drafter_training import io as drafter_io
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.rl.train import train_rl
+from tlt_jax.tokenizer import load_tokenizer
+
+_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Run size.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
+_OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+_STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
+_MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram).")
+_CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
+_RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of the modes go here.")
+
+PRESETS = {
+    # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
+    # counts: most short, a few 4x the median), so the batch drains through a long tail.
+    "cpu": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=16, num_samples=8, max_tokens=96,
+                num_slots=128, catch_up_steps=2, max_steps_per_rl_step=8),
+    "gpu": dict(layers=48, steps=20, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
+                num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
+}
+_TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
+          "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
+
+
+def build_target(layers: int, cache_dir: str) -> tuple[str, str]:
+    """(target HF dir, drafter export dir) of the preset, built once from the shipped assets."""
+    target_dir = os.path.join(cache_dir, f"target_l{layers}")
+    drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}")
+    if not os.path.exists(os.path.join(drafter_dir)):
+        cfg, params = load_hf("assets/sft_tiny")
+        cfg, params = tfm.append_identity_layers(jax.tree.map(jnp.asarray, params), cfg, layers)
+        params = jax.device_get(params)
+        save_hf(target_dir, cfg, params, tokenizer=load_tokenizer("assets/sft_tiny"), overwrite=True)
+        # The shipped drafter reads the final hidden state, which the appended layers leave
+        # as it was: re-exported for the deeper target.
+        dcfg, dparams = drafter_io.load_drafter("assets/drafter_tiny")
+        drafter_io.save_drafter(drafter_dir, dparams, dcfg, cfg, tc.fingerprint_arrays(params))
+    return target_dir, drafter_dir
+
+
+def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed: int, steps: int):
+    c = rl_configs.get_config("tiny")
+    c.sft_dir, c.seed, c.steps = target_dir, seed, steps
+    c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
+    c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"])
+    c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
+    c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
+    c.tlt.enabled = mode != "baseline"
+    c.tlt.drafter.init = drafter_dir
+    c.tlt.drafter.checkpoint_every = steps
+    c.tlt.spot.update(catch_up_steps=preset["catch_up_steps"], max_steps_per_rl_step=preset["max_steps_per_rl_step"])
+    if mode == "frozen":
+        c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
+    if mode == "ngram":
+        c.tlt.tuner.arms = [[a for a in arms if not a.startswith("eagle")] for arms in c.tlt.tuner.arms]
+    return c
+
+
+def summarise(records: list[dict], warmup: int) -> dict:
+    steps = [r for r in records if "time_step_s" in r]
+    steady = steps[warmup:] or steps
+    med = {k: statistics.median(r[k] for r in steady) for k in _TIMES}
+    first = sum(r["time_step_s"] for r in steps[:warmup])
+    return dict(median=med, compile_s=max(0.0, first - warmup * med["time_step_s"]),
+                acceptance_length=[r["acceptance_length"] for r in steps],
+                speculative_token_share=[r["speculative_token_share"] for r in steps],
+                drafter_version=[r.get("drafter_version", 0) for r in steps],
+                drafter_steps=[r.get("spot/steps", 0) + r.get("spot/catch_up_steps", 0) for r in steps],
+                hidden_share=[r.get("spot/hidden_share", 1.0) for r in steps],
+                preemption_delay_max_s=[r.get("spot/preemption_delay_max_s", 0.0) for r in steps],
+                response_length_mean=[r["response_length_mean"] for r in steps],
+                reward_mean=[r["reward_mean"] for r in steps],
+                rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady))
+
+
+def main(argv):
+    del argv
+    launch.maybe_initialize_distributed()
+    preset = PRESETS[_PRESET.value]
+    steps = _STEPS.value or preset["steps"]
+    t0 = time.perf_counter()
+    target_dir, drafter_dir = build_target(preset["layers"], _CACHE.value)
+    result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                  preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
+                  build_s=time.perf_counter() - t0, modes={})
+    for mode in _MODES.value:
+        config = mode_config(mode, preset, target_dir, drafter_dir, _SEED.value, steps)
+        if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
+            shutil.rmtree(config.run_dir)
+        t_mode = time.perf_counter()
+        summary = train_rl(config, progress=True)
+        records = metrics.read_metrics(os.path.join(config.run_dir, metrics.METRICS_FILENAME))
+        result["modes"][mode] = dict(summarise(records, preset["warmup_steps"]), wall_s=time.perf_counter() - t_mode,
+                                     final_eval_accuracy=summary["final_eval_accuracy"],
+                                     sft_eval_accuracy=summary["sft_eval_accuracy"], tlt=summary.get("tlt"))
+        _write(result)
+    modes = result["modes"]
+    if "baseline" in modes and "tlt" in modes:
+        b, t = modes["baseline"]["median"], modes["tlt"]["median"]
+        result.update(
+            rollout_time_s={"baseline": b["time_rollout_s"], "tlt": t["time_rollout_s"]},
+            step_time_s={"baseline": b["time_step_s"], "tlt": t["time_step_s"]},
+            rollout_speedup=b["time_rollout_s"] / t["time_rollout_s"],
+            step_speedup=b["time_step_s"] / t["time_step_s"],
+            acceptance_length=modes["tlt"]["acceptance_length"],
+            final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
+                                 "tlt": modes["tlt"]["final_eval_accuracy"]})
+    _write(result)
+    print(f"\nbackend {result['backend']}, preset {result['preset']} ({preset['layers']}-layer target), seed "
+          f"{result['seed']}, {steps} steps per mode; medians over steps {preset['warmup_steps'] + 1}..{steps}")
+    print(f"{'mode':9}" + "".join(f"{k[5:-2]:>12}" for k in _TIMES) + f"{'compile':>9}{'acc len':>8}{'eval acc':>9}")
+    for mode, m in modes.items():
+        acc = [a for a in m["acceptance_length"] if a > 0]
+        print(f"{mode:9}" + "".join(f"{m['median'][k]:12.3f}" for k in _TIMES) + f"{m['compile_s']:9.1f}"
+              f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m['final_eval_accuracy'] or 0.0:9.3f}")
+    if "rollout_speedup" in result:
+        print(f"rollout speed-up {result['rollout_speedup']:.2f}x, step speed-up {result['step_speedup']:.2f}x")
+
+
+def _write(result):
+    if _OUT.value:
+        metrics.write_json(_OUT.value, result)
+
+
+if __name__ == "__main__":
+    launch.run(main)
