@@ -85,3 +85,21 @@ def test_tlt_resume_restores_drafter_tuner_and_buffer(warm_start, tmp_path):  # 
     # Tuner statistics carry over: every pull counted before the kill is still counted.
     assert all(a >= b for pa, pb in zip(resumed_tuner["pulls"], saved_tuner["pulls"]) for a, b in zip(pa, pb))
     assert sum(map(sum, resumed_tuner["pulls"])) > sum(map(sum, saved_tuner["pulls"]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"tlt.tuner.buckets": [1, 1]}, "buckets"),
+    ({"tlt.tuner.epsilon": 1.5}, "epsilon"),
+    ({"tlt.tuner.arms": [["eagle-d3", "bogus"]], "tlt.tuner.buckets": [1]}, r"arms\[0\]"),
+    ({"tlt.spot.catch_up_steps": -1}, "tlt.spot.catch_up_steps"),
+    ({"tlt.drafter.batch_size": 0}, "tlt.drafter.batch_size"),
+    ({"tlt.drafter.init": "/nonexistent/drafter"}, "tlt.drafter.init"),
+])
+def test_bad_tlt_config_is_refused_before_anything_runs(tmp_path, override, message):
+    from tlt_jax.rl.train import check_config
+    config = _config("/nonexistent/sft", str(tmp_path / "run"), **{**TLT, **override})
+    with pytest.raises(ValueError, match=message):
+        check_config(config)
+    with pytest.raises(ValueError, match=message):
+        train_rl(config, progress=False)
+    assert not os.path.exists(tmp_path / "run")  # nothing written

@@ -50,6 +50,16 @@ class OnlineDrafterConfig:
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
 
+    def __post_init__(self):
+        for name in ("top_k", "batch_size", "keep_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tlt.drafter.{name}={getattr(self, name)} must be >= 1.")
+        if self.seq_len < 3:
+            raise ValueError(f"tlt.drafter.seq_len={self.seq_len} must be >= 3 (a drafter entry reads a token and "
+                             "predicts the one after the next).")
+        if self.prompt_tail < 0 or self.checkpoint_every < 0:
+            raise ValueError("tlt.drafter.prompt_tail and tlt.drafter.checkpoint_every must be >= 0.")
+
 
 class OnlineDrafter:
     """The drafter's train state, buffer and version during an RL run."""

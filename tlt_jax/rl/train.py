@@ -75,9 +75,28 @@ def _restore_drafter(drafter: OnlineDrafter, ckpt: checkpoint.Checkpointer, rl_s
         logging.info("Restored the drafter of RL step %d (version %d)", steps[-1], drafter.version)
 
 
+def check_config(config) -> None:
+    """Raises ValueError naming the field for TLT settings that cannot run, before anything
+    is loaded or written (the launcher calls it before touching the run directory)."""
+    if not config.tlt.enabled:
+        return
+    tuner = tuner_lib.from_config(config.tlt.tuner)
+    SpotConfig(**config.tlt.spot)
+    _online_drafter_config(config.tlt.drafter)
+    c = config.tlt.drafter
+    if not c.init and c.num_layers < 1:
+        raise ValueError(f"tlt.drafter.num_layers={c.num_layers}: a drafter needs at least one layer.")
+    if c.init and not os.path.isdir(c.init):
+        raise ValueError(f"tlt.drafter.init={c.init!r} is not a drafter export; train one with `python -m "
+                         "experiments.train_drafter` or set tlt.drafter.init='' to start from scratch.")
+    if not tuner.strategies:
+        logging.warning("tlt.tuner offers no drafting strategy: TLT will only train the drafter.")
+
+
 def train_rl(config, *, progress: bool = True, stop_after: int | None = None) -> dict:
     """Runs (or resumes) the RL job; returns a summary with SFT and final eval accuracy.
     `stop_after` ends the process's work after that many steps (tests of resumption)."""
+    check_config(config)
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     model_cfg, params, tokenizer = _warm_start(config)
