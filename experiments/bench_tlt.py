@@ -16,8 +16,9 @@ the function (and so the accuracy and the shipped drafter's features) of the tra
 model, the decode cost of a deeper one, so that a one-layer drafter step is a small
 fraction of a target step, as on a GPU. Built once into `--cache_dir`.
 
-Times are medians over the steps after `--warmup_steps` (which compile); the first
-steps' excess over the median is reported as compile time. The table gives the phase
+Times are medians over the steps after `--warmup_steps`; the first steps' excess over the
+median is reported as compile time (TLT compiles its strategies before the first step,
+`RolloutEngine.warm_up`; compiled programs persist in `<cache_dir>/xla` across runs). The table gives the phase
 split of both modes, so a missed bar shows where the time went.
 """
 import json
@@ -81,6 +82,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"])
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
+    c.track_kl = False  # kl_coef is 0: no reference forward, in either mode
     c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
     c.tlt.enabled = mode != "baseline"
     c.tlt.drafter.init = drafter_dir
@@ -115,6 +117,8 @@ def main(argv):
     launch.maybe_initialize_distributed()
     preset = PRESETS[_PRESET.value]
     steps = _STEPS.value or preset["steps"]
+    # Repeated runs (and the second mode's learner, the same programs) skip compiles.
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(_CACHE.value, "xla")))
     t0 = time.perf_counter()
     target_dir, drafter_dir = build_target(preset["layers"], _CACHE.value)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,

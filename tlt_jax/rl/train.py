@@ -132,6 +132,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
+        logging.info("Compiled plain decode and %d strategies in %.1f s", len(tuner.strategies),
+                     engine.warm_up(sp, tuner))
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
                   eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt)

@@ -571,6 +571,27 @@ class RolloutEngine:
         for group in self.groups:
             group.drafter_params = jax.device_put(drafter_params, group.drafter_shardings)
 
+    def warm_up(self, sampling_params: sampling.SamplingParams, speculation: spec_lib.Speculation) -> float:
+        """Compiles, on every group, the chunk of plain decode and of each of the policy's
+        strategies for these sampling parameters (on empty slots: nothing decodes), so that
+        no rollout pays a strategy's first compile and the policy hears every chunk from
+        the first. Returns the seconds spent."""
+        self._check_speculation(speculation)
+        t0 = time.perf_counter()
+        rc, sp = self.rollout_config, sampling_params
+        key = jax.random.PRNGKey(0)
+        for group in self.groups:
+            state = group.empty_state(sp, speculative=True)
+            for strategy in (None, *speculation.strategies):
+                if strategy is not None and rc.time_spec_phases:
+                    state, tree = group.spec_draft(state, key, strategy, sp)
+                    state, _ = group.spec_verify(state, tree, key, sp)
+                else:
+                    state = group.run_chunk(state, key, False, strategy, sp)[0]
+                group._has_run.add((rc.time_spec_phases and strategy is not None, strategy, sp))
+            jax.block_until_ready(state)
+        return time.perf_counter() - t0
+
     def _check(self, prompts, num_samples):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
