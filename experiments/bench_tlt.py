@@ -1,7 +1,7 @@
 r"""TLT end to end: the same RL run with TLT off (the baseline) and on, back to back.
 
   python -m experiments.bench_tlt --preset=cpu --seed=0 --out=docs/results/bench_tlt_cpu_s0.json
-  python -m experiments.bench_tlt --preset=gpu --out=$OUT/bench_tlt.json   # device_check.sh
+  python -m experiments.bench_tlt --preset=gpu --target=... --drafter=... --out=...   # device_check.sh
 
 Same config, seed and data in every mode; only `tlt.*` differs. Modes:
   baseline   --config.tlt.enabled=False: plain rollouts, no drafter
@@ -47,13 +47,16 @@ _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per
 _MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram).")
 _CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
 _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of the modes go here.")
+_TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
+                              "preset's deepened SFT model; needs --drafter.")
+_DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (experiments.train_drafter).")
 
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
     # counts: most short, a few 4x the median), so the batch drains through a long tail.
     "cpu": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=16, num_samples=8, max_tokens=96,
                 num_slots=128, catch_up_steps=2, max_steps_per_rl_step=8),
-    "gpu": dict(layers=48, steps=20, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
+    "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
 _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
@@ -120,7 +123,10 @@ def main(argv):
     # Repeated runs (and the second mode's learner, the same programs) skip compiles.
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(_CACHE.value, "xla")))
     t0 = time.perf_counter()
-    target_dir, drafter_dir = build_target(preset["layers"], _CACHE.value)
+    if bool(_TARGET.value) != bool(_DRAFTER.value):
+        raise SystemExit("Pass --target and --drafter together (or neither, for the preset's own).")
+    target_dir, drafter_dir = ((_TARGET.value, _DRAFTER.value) if _TARGET.value
+                               else build_target(preset["layers"], _CACHE.value))
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
                   build_s=time.perf_counter() - t0, modes={})

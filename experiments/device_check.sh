@@ -2,7 +2,8 @@
 # GPU checks for the device machine, run from anywhere:  OUT=/some/dir bash experiments/device_check.sh
 # Each block writes its results under $OUT and must not stop the blocks after it
 # (no `set -e`); each block's commands carry their own timeouts, which sum to under
-# 8 minutes for the default BLOCKS. Blocks run in the order of what is least measured.
+# 8 minutes for the default BLOCKS (spec 4.3 + tlt 3; rollout and losses on request).
+# Blocks run in the order of what is least measured.
 # BLOCKS picks blocks, e.g. BLOCKS="losses" bash experiments/device_check.sh.
 set -u
 OUT=${OUT:-/tmp/device_check}
@@ -13,7 +14,7 @@ if ! python -c "import ml_collections" 2>/dev/null; then
   python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "no ml_collections wheel in .whl/"
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-BLOCKS=${BLOCKS:-"spec rollout losses"}
+BLOCKS=${BLOCKS:-"spec tlt"}
 want() { [[ " $BLOCKS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
@@ -42,9 +43,25 @@ timeout 75 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/
 echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
 tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
 tail -n 20 "$OUT/bench_spec.log"
-rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints" "$OUT/sft_gpu/hf" "$OUT/drafter_gpu/drafter"
+rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints"  # the tlt block reuses hf/ and drafter/
 fi
 # ===== END spec ===================================================================================
+
+# ===== BEGIN tlt: TLT against the baseline end to end (bench_tlt.py) ==========================
+# Budget: 3 minutes. The spec block's 180M target and drafter (run it first): the same RL
+# run with TLT off and on, back to back; bars: step_speedup >= 2.0 (TLT: 1.7-2.1x vs verl),
+# acceptance >= 4 at temperature 1, eval accuracy within seed noise.
+if want tlt; then
+echo "== bench_tlt --preset=gpu"
+timeout 180 python -m experiments.bench_tlt --preset=gpu --target="$OUT/sft_gpu/hf" \
+  --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_tlt_runs" --cache_dir="$OUT/bench_tlt_cache" \
+  --out="$OUT/bench_tlt.json" > "$OUT/bench_tlt.log" 2>&1
+echo "bench_tlt exit $?" >> "$OUT/bench_tlt.log"
+tail -n 8 "$OUT/bench_tlt.log"
+rm -rf "$OUT/bench_tlt_runs" "$OUT/bench_tlt_cache"
+fi
+rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
+# ===== END tlt ================================================================================
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
 # Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16 and 1, the
