@@ -183,3 +183,19 @@ def test_config_errors():
         CFG.replace(model_type="gpt2")
     with pytest.raises(ValueError, match="num_kv_heads"):
         CFG.replace(num_kv_heads=3)
+
+
+def test_appended_identity_layers_keep_the_function_and_train(params):
+    """Deeper with the same outputs (the CPU TLT preset's target), and the new layers are
+    real: they take gradient and, once moved, change the output."""
+    deep_cfg, deep = tfm.append_identity_layers(params, CFG, 5)
+    assert deep_cfg.num_layers == 5 and deep["layers"]["wq"].shape[0] == 5
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 9), 0, CFG.vocab_size)
+    np.testing.assert_array_equal(tfm.forward(deep, deep_cfg, tokens), tfm.forward(params, CFG, tokens))
+    np.testing.assert_array_equal(deep["layers"]["wq"][3], params["layers"]["wq"][1])  # copied cyclically
+    grads = jax.grad(lambda p: jnp.sum(tfm.forward(p, deep_cfg, tokens) ** 2))(deep)
+    assert float(jnp.abs(grads["layers"]["wo"][4]).max()) > 0
+    moved = {**deep, "layers": {**deep["layers"], "w_down": deep["layers"]["w_down"].at[4].add(0.1)}}
+    assert not np.allclose(tfm.forward(moved, deep_cfg, tokens), tfm.forward(params, CFG, tokens))
+    with pytest.raises(ValueError, match="can only grow"):
+        tfm.append_identity_layers(params, CFG, 1)
