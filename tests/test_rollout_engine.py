@@ -61,10 +61,16 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_allclose(la, lb, atol=1e-5)
-    alone = _engine(params, 2).generate([PROMPTS[2]], 1, SP, jax.random.PRNGKey(7))
-    # Request ids differ when run alone, so compare with the same request id instead:
-    # request 0 of prompt 2 alone is request 6 in the reference only through its key.
-    assert alone.prompt_index.tolist() == [0]
+    # Named by its id, a prompt run alone (or beside another, in another order) gives the
+    # answers it gave in the full batch; unnamed, it is request 0 and draws other tokens.
+    for prompts, ids in (([PROMPTS[2]], [2]), ([PROMPTS[4], PROMPTS[2]], [4, 2])):
+        alone = _engine(params, 2).generate(prompts, 3, SP, jax.random.PRNGKey(7), prompt_ids=ids)
+        for p, s, tokens in zip(alone.prompt_index, alone.sample_index, alone.tokens):
+            np.testing.assert_array_equal(tokens, reference.tokens[ids[p] * 3 + s])
+    unnamed = _engine(params, 2).generate([PROMPTS[2]], 3, SP, jax.random.PRNGKey(7))
+    assert any(len(a) != len(b) or (a != b).any() for a, b in zip(unnamed.tokens, reference.tokens[6:9]))
+    with pytest.raises(ValueError, match="prompt_ids must name each"):
+        _engine(params, 2).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7), prompt_ids=[1, 1])
     different = _engine(params, 4).generate(PROMPTS, 3, SP, jax.random.PRNGKey(8))
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(reference.tokens, different.tokens))
 

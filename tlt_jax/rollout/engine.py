@@ -11,7 +11,8 @@ owns `num_slots` slots and runs its own host loop:
 Once the pending requests run out the batch drains: that is the long tail, which the
 timeline records. Randomness is per request: the key of a request's n-th sampled token
 is fold_in(fold_in(key, request), n), so its output does not depend on which slot it
-ran in or on its neighbours. One decode step commits a per-slot number of tokens
+ran in or on its neighbours (callers that name their prompts, `prompt_ids`, get the
+same answers for a prompt alone or in any batch). One decode step commits a per-slot number of tokens
 (`tokens_per_step`), so speculative steps plug into the same bookkeeping.
 
 Speculation (`generate(..., speculation=...)`): before each chunk the host asks the
@@ -441,8 +442,8 @@ class _Group:
                 lengths = np.ones((r,), np.int32)
                 slots = np.full((r,), b, np.int32)
                 ids = np.zeros((r,), np.int32)
-                for i, (rid, prompt) in enumerate(take):
-                    prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], rid
+                for i, (rid, prompt, seed_id) in enumerate(take):
+                    prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], seed_id
                     slot_request[free[i]] = rid
                 state = self.insert(state, prompts, lengths, slots, ids, ids // num_samples, key, sp)
                 num_active = int(jnp.sum(state.active))  # some finish at their first token
@@ -619,20 +620,31 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, sampling_params: sampling.SamplingParams,
                  key: jax.Array, on_group_done: Callable[[int], None] | None = None,
-                 speculation: spec_lib.Speculation | None = None) -> Rollouts:
+                 speculation: spec_lib.Speculation | None = None,
+                 prompt_ids: Sequence[int] | None = None) -> Rollouts:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
         `on_group_done(g)` fires as each group finishes, while others may still decode.
         `speculation` picks a strategy (or none) before each chunk from the number of
         active sequences; the samples' distribution is the same either way.
+        `prompt_ids` name the prompts (default: their positions): sample s of the prompt
+        named i draws from the key of request i * num_samples + s, so a prompt gives the
+        same answers alone or in any batch, under the same key and name.
         """
         self._check(prompts, num_samples)
         if speculation is not None:
             self._check_speculation(speculation)
+        if prompt_ids is None:
+            prompt_ids = range(len(prompts))
+        prompt_ids = [int(i) for i in prompt_ids]
+        if len(prompt_ids) != len(prompts) or len(set(prompt_ids)) != len(prompt_ids) or \
+                not all(0 <= i < (2**31 - 1) // num_samples for i in prompt_ids):
+            raise ValueError(f"prompt_ids must name each of the {len(prompts)} prompts once, with non-negative ids "
+                             f"below {(2**31 - 1) // num_samples} (int32 request ids); got {prompt_ids[:8]}.")
         timeline = RolloutTimeline([GroupTimeline(g.index, self.rollout_config.num_slots) for g in self.groups])
-        requests = [(p * num_samples + s, list(prompt)) for p, prompt in enumerate(prompts)
-                    for s in range(num_samples)]
+        requests = [(p * num_samples + s, list(prompt), prompt_ids[p] * num_samples + s)
+                    for p, prompt in enumerate(prompts) for s in range(num_samples)]
         shares = np.array_split(np.arange(len(prompts)), self.num_groups)
         results: dict = {}
 
