@@ -49,7 +49,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.reward = "task"
     c.reward_workers = 0
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
-                                            aggregation="token_mean", advantage="grpo"))
+                                            aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0
     c.learner = ml_collections.ConfigDict(dict(
         micro_batch_size=64, num_minibatches=2, remat=False,

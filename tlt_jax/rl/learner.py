@@ -1,19 +1,29 @@
 """The GRPO learner: per-token log-probs through the fused projection, AdamW updates.
 
 One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
-gradients over micro-batches of `micro_batch_size` sequences (a `lax.scan`, so one
-compiled body whatever the batch). Every jitted function takes explicit shardings on the
-mesh: parameters by the logical axis rules, sequences over (data, fsdp).
+gradients over micro-batches of `micro_batch_size` rows (a `lax.scan`, so one compiled
+body whatever the batch). Every jitted function takes explicit shardings on the mesh:
+parameters by the logical axis rules, rows over (data, fsdp).
 
-A batch is a dict of sequences right-padded to one length T (prompt then answer):
-    tokens      int32 [n, T]
-    loss_mask   bool  [n, T-1]   True where position t predicts an answer token t+1
-    rollout_logp f32  [n, T-1]   the engine's log-prob of token t+1 (0 elsewhere)
-    advantages  f32   [n]
+A batch is a dict of R packed rows of S tokens (`loop.build_batch`): each row holds
+several samples (prompt then answer), kept apart by segment ids, so that attention never
+crosses two samples and RoPE sees each sample's own positions; rows of segment 0 only
+pad each minibatch to `minibatch_rows`:
+    tokens       int32 [R, S]
+    positions    int32 [R, S]     the token's position in its sample (0 on padding)
+    segment_ids  int32 [R, S]     1, 2, ... per sample within a row; 0 is padding
+    loss_mask    bool  [R, S-1]   True where position t predicts an answer token t+1 of its
+                                  own sample (never at a sample's last position)
+    rollout_logp f32   [R, S-1]   the engine's log-prob of token t+1 (0 off the mask)
+    advantages   f32   [R, S-1]   the advantage of token t+1's sample (0 off the mask)
+One sample per row, right-padded, is the special case of segment ids 1 and positions
+0 .. S-1. The loss aggregations see sequences, not rows (`grpo.sequence_stats`), so a
+minibatch's loss is the same in either layout.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +69,10 @@ def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=
 @dataclasses.dataclass(frozen=True)
 class DrafterData:
     """What the target's old-policy pass hands the online drafter, per position t of the
-    batch rows (T' = T-1: the positions that predict a next token)."""
+    batch rows (T' = T-1: the positions that predict a next token). In packed rows each
+    sample's outputs are those of the sample alone, at each of its tokens but a last one
+    in a row's last column (no position of T'); drafter training never reads a sample's
+    last token's outputs."""
 
     hidden: jax.Array  # [n, T', D] final-normed hidden state at t (the EAGLE feature)
     ids: jax.Array  # [n, T', K] int32 top-K ids of the distribution of token t+1
@@ -67,13 +80,15 @@ class DrafterData:
     layers: jax.Array | None  # [n, T', L, D] the drafter's feature layers' outputs (EAGLE-3), or None
 
 
-def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, top_k: int,
-                       feature_layers=()):
+def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, segment_ids_nT, *,
+                       temperature=1.0, top_k: int, feature_layers=()):
     """One target forward for the GRPO old-policy pass and the drafter's data:
-    (logp [n, T-1], entropy [n, T-1], DrafterData). The log-probs, the entropy and the top-K
-    come out of the same blockwise projection (`losses.linear_logprob_topk`), so no
-    [n, T, V] logits exist and the log-probs equal `token_logprobs`'."""
-    out = tfm.forward(params, model_config, tokens_nT[:, :-1], layer_ids=tuple(feature_layers))
+    (logp [n, T-1], entropy [n, T-1], DrafterData), of rows packed as `token_logprobs`'.
+    The log-probs, the entropy and the top-K come out of the same blockwise projection
+    (`losses.linear_logprob_topk`), so no [n, T, V] logits exist and the log-probs equal
+    `token_logprobs`'."""
+    out = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=positions_nT[:, :-1],
+                      segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers))
     h, layers = out if feature_layers else (out, None)
     n, t, d = h.shape
     logp, entropy, ids, top_logp = losses.linear_logprob_topk(
@@ -82,6 +97,22 @@ def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, *, temperat
     data = DrafterData(h, ids.reshape(n, t, top_k), top_logp.reshape(n, t, top_k),
                        None if layers is None else jnp.moveaxis(layers, 0, 2))
     return logp.reshape(n, t), entropy.reshape(n, t), data
+
+
+def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
+    """The rows a minibatch of `rows` packed rows is padded to (its compiled shape). Below
+    one micro-batch: a multiple of lcm(granule, ceil(micro_batch_size / 8)) (at most 8
+    shapes, less than an eighth of a micro-batch of padding); from there on a multiple of
+    lcm(micro_batch_size, granule). granule is the data-parallel size, so rows shard
+    evenly; the few rows of a small RL step neither pay a whole micro-batch of padding nor
+    recompile at every step."""
+    if rows < micro_batch_size:
+        step = math.lcm(granule, -(-micro_batch_size // 8))
+        small = -(-rows // step) * step
+        if small < micro_batch_size:
+            return small
+    unit = math.lcm(micro_batch_size, granule)
+    return -(-rows // unit) * unit
 
 
 class Learner:
@@ -106,70 +137,90 @@ class Learner:
     def _batch_shardings(self, batch):
         return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
 
+    def minibatch_rows(self, rows: int) -> int:
+        """Rows of a minibatch that needs `rows` packed rows, padding included (`padded_rows`
+        on this mesh's data-parallel size): `loop.build_batch` pads to it."""
+        return padded_rows(rows, self.config.micro_batch_size, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+
     # -- log-probs of the policy at the start of the step, and of the reference ----------------
 
-    def logprobs(self, params, tokens_nT, with_entropy=False):
+    def logprobs(self, params, tokens_nT, positions_nT, segment_ids_nT, with_entropy=False):
+        """`token_logprobs` of packed rows: [n, T-1] float32 (and the entropy, with_entropy)."""
         key = ("logprobs", with_entropy, tokens_nT.shape)
         if key not in self._steps:
             cfg = self.config
-            fn = lambda p, t: token_logprobs(p, self.model_config, t, temperature=cfg.temperature,
-                                             with_entropy=with_entropy, impl=cfg.logprob_impl)
-            out_sh = sharding.batch_sharding(self.mesh, 2)
+            fn = lambda p, t, pos, seg: token_logprobs(p, self.model_config, t, temperature=cfg.temperature,
+                                                       with_entropy=with_entropy, impl=cfg.logprob_impl,
+                                                       positions_nT=pos, segment_ids_nT=seg)
+            row_sh = sharding.batch_sharding(self.mesh, 2)
             self._steps[key] = sharding.jit_sharded(
-                fn, in_shardings=(self.param_shardings(params), sharding.batch_sharding(self.mesh, 2)),
-                out_shardings=(out_sh, out_sh) if with_entropy else out_sh)
-        return self._steps[key](params, tokens_nT)
+                fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh),
+                out_shardings=(row_sh, row_sh) if with_entropy else row_sh)
+        return self._steps[key](params, tokens_nT, positions_nT, segment_ids_nT)
 
-    def logprobs_and_drafter_data(self, params, tokens_nT, *, top_k: int, feature_layers=()):
+    def logprobs_and_drafter_data(self, params, tokens_nT, positions_nT, segment_ids_nT, *, top_k: int,
+                                  feature_layers=()):
         """`logprobs(..., with_entropy=True)` and, from the same forward, the DrafterData."""
         key = ("drafter_data", top_k, tuple(feature_layers), tokens_nT.shape)
         if key not in self._steps:
-            fn = lambda p, t: old_policy_outputs(p, self.model_config, t, temperature=self.config.temperature,
-                                                 top_k=top_k, feature_layers=feature_layers)
-            out_shapes = jax.eval_shape(fn, params, tokens_nT)
+            fn = lambda p, t, pos, seg: old_policy_outputs(
+                p, self.model_config, t, pos, seg, temperature=self.config.temperature, top_k=top_k,
+                feature_layers=feature_layers)
+            out_shapes = jax.eval_shape(fn, params, tokens_nT, positions_nT, segment_ids_nT)
             out_sh = jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), out_shapes)
+            row_sh = sharding.batch_sharding(self.mesh, 2)
             self._steps[key] = sharding.jit_sharded(
-                fn, in_shardings=(self.param_shardings(params), sharding.batch_sharding(self.mesh, 2)),
-                out_shardings=out_sh)
-        return self._steps[key](params, tokens_nT)
+                fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh), out_shardings=out_sh)
+        return self._steps[key](params, tokens_nT, positions_nT, segment_ids_nT)
 
     # -- the update ------------------------------------------------------------------------------
 
     def _loss(self, params, mb):
         cfg = self.config
         logp = token_logprobs(params, self.model_config, mb["tokens"], temperature=cfg.temperature,
-                              impl=cfg.logprob_impl, remat=cfg.remat)
+                              impl=cfg.logprob_impl, remat=cfg.remat, positions_nT=mb["positions"],
+                              segment_ids_nT=mb["segment_ids"])
         return grpo.policy_loss(logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
                                 mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
 
-    def _update_fn(self, state: TrainState, minibatch):
-        """One optimizer update from a minibatch; gradients accumulated over micro-batches."""
+    def loss_and_grads(self, params, minibatch):
+        """(loss, metrics, float32 grads) of one minibatch, accumulated over its
+        micro-batches. The aggregation's weights come from the whole minibatch (its real
+        tokens and sequences), so the sum over micro-batches is the minibatch's loss and
+        an all-padding micro-batch adds exactly zero."""
         n = minibatch["tokens"].shape[0]
         micro = min(self.config.micro_batch_size, n)
         if n % micro:
-            raise ValueError(f"Minibatch of {n} sequences does not split into micro-batches of {micro}.")
+            raise ValueError(f"Minibatch of {n} rows does not split into micro-batches of {micro}.")
         mask = minibatch["loss_mask"]
-        minibatch = dict(minibatch, loss_weights=grpo.get_aggregation(self.config.grpo.aggregation)(mask),
+        stats = grpo.sequence_stats(mask, minibatch["segment_ids"])
+        minibatch = dict(minibatch, loss_weights=grpo.get_aggregation(self.config.grpo.aggregation)(mask, *stats),
                          token_weights=grpo.token_mean(mask))
         stacked = jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), minibatch)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
         def body(acc, mb):
-            (loss, metrics), grads = grad_fn(state.params, mb)
+            (loss, metrics), grads = grad_fn(params, mb)
             acc_grads, acc_loss, acc_metrics = acc
             acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
             acc_metrics = jax.tree.map(jnp.add, acc_metrics, metrics)
             return (acc_grads, acc_loss + loss, acc_metrics), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        first = jax.tree.map(lambda x: x[0], stacked)
         metric_zeros = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
-                                    jax.eval_shape(lambda: self._loss(state.params, jax.tree.map(lambda x: x[0], stacked))[1]))
+                                    jax.eval_shape(lambda: self._loss(params, first)[1]))
         (grads, loss, metrics), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metric_zeros), stacked)
+        return loss, metrics, grads
+
+    def _update_fn(self, state: TrainState, minibatch):
+        """One optimizer update from a minibatch."""
+        loss, metrics, grads = self.loss_and_grads(state.params, minibatch)
         state, guard = apply_gradients(self.optimizer, state, grads, loss)
         return state, dict(metrics, loss=loss, **guard)
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, list[dict]]:
-        """One RL step: `num_minibatches` updates over the batch, in order.
+        """One RL step: `num_minibatches` updates over the batch's rows, in order.
 
         The batch must carry old_logp (and ref_logp with a KL term) beside the fields above.
         A non-finite loss or gradient leaves the state unchanged (metrics["skipped"] = 1).
@@ -177,7 +228,7 @@ class Learner:
         n = batch["tokens"].shape[0]
         k = self.config.num_minibatches
         if n % k:
-            raise ValueError(f"Batch of {n} sequences does not split into {k} minibatches.")
+            raise ValueError(f"Batch of {n} rows does not split into {k} minibatches.")
         size = n // k
         results = []
         for i in range(k):

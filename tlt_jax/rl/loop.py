@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax import sampling
+from tlt_jax.drafter_training.buffer import Packing, pack_spans
 from tlt_jax.rl import evaluation, grpo, rewards, tasks
-from tlt_jax.rl.learner import Learner
+from tlt_jax.rl.learner import DrafterData, Learner
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import Rollouts, RolloutEngine
 
@@ -59,23 +60,71 @@ def score(reward_name: str, prompts: Sequence[str], completions: Sequence[str], 
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
-                pad_id: int) -> dict:
-    """Learner batch: prompt then answer, right-padded to seq_len (see learner.py)."""
-    n = len(rollouts)
-    tokens = np.full((n, seq_len), pad_id, np.int32)
-    loss_mask = np.zeros((n, seq_len - 1), bool)
-    rollout_logp = np.zeros((n, seq_len - 1), np.float32)
-    for i in range(n):
-        prompt = prompt_ids[rollouts.prompt_index[i]]
-        answer, logp = rollouts.tokens[i], rollouts.logprobs[i]
-        p, a = len(prompt), len(answer)
-        if p + a > seq_len:
-            raise ValueError(f"Prompt ({p}) plus answer ({a}) exceed the learner's seq_len={seq_len}.")
-        tokens[i, :p], tokens[i, p:p + a] = prompt, answer
-        loss_mask[i, p - 1:p - 1 + a] = True  # position t predicts token t+1
-        rollout_logp[i, p - 1:p - 1 + a] = logp
-    return dict(tokens=tokens, loss_mask=loss_mask, rollout_logp=rollout_logp,
-                advantages=np.asarray(advantages_n, np.float32))
+                pad_id: int, *, num_minibatches: int = 1,
+                minibatch_rows: Callable[[int], int] = lambda rows: rows) -> tuple[dict, Packing]:
+    """The learner batch of packed rows (fields: learner.py) and where each sample went.
+
+    The n samples (prompt then answer) split in order into num_minibatches equal parts,
+    the learner's minibatches, as in a layout of one sample per row; each part is packed
+    greedily into rows of seq_len tokens (`buffer.pack_spans`, the project's one packing
+    rule) and padded with empty rows (segment 0, loss mask False) to
+    R = minibatch_rows(most rows a part needs) (`Learner.minibatch_rows`: bucketed, so
+    that the compiled shapes stay few). The batch has num_minibatches * R rows, and the
+    learner's minibatch i holds exactly the samples of part i. Returns (batch, packing):
+    packing places sample i (in rollout order) in the batch's rows (`unpack_samples`).
+    """
+    n, k = len(rollouts), num_minibatches
+    if n % k:
+        raise ValueError(f"{n} samples do not split into {k} minibatches.")
+    prompts = [np.asarray(prompt_ids[i], np.int32) for i in rollouts.prompt_index]
+    lengths = np.asarray([len(p) + len(a) for p, a in zip(prompts, rollouts.tokens)], np.int64)
+    if np.any(lengths > seq_len):
+        i = int(np.argmax(lengths > seq_len))
+        raise ValueError(f"Prompt ({len(prompts[i])}) plus answer ({len(rollouts.tokens[i])}) exceed the learner's "
+                         f"seq_len={seq_len}.")
+    parts = [pack_spans(part, seq_len) for part in np.split(lengths, k)]
+    rows = minibatch_rows(max(p.num_rows for p in parts))
+    packing = Packing(seq_len, lengths, np.concatenate([p.row_N + m * rows for m, p in enumerate(parts)]),
+                      np.concatenate([p.offset_N for p in parts]), np.concatenate([p.segment_N for p in parts]),
+                      k * rows)
+    fields = packing.rows([np.concatenate([p, a]) for p, a in zip(prompts, rollouts.tokens)],
+                          [np.arange(len(p) + len(a)) >= len(p) for p, a in zip(prompts, rollouts.tokens)],
+                          pad_id=pad_id)
+    # Per-token values, shifted by one: position t carries those of the token it predicts.
+    per_token = lambda values: packing.scatter(
+        [np.concatenate([np.zeros(len(p), np.float32), v]) for p, v in zip(prompts, values)], np.float32)[:, 1:]
+    advantages_n = np.asarray(advantages_n, np.float32)
+    batch = dict(tokens=fields["tokens"], positions=fields["positions"], segment_ids=fields["segment_ids"],
+                 loss_mask=fields["mask"], rollout_logp=per_token(rollouts.logprobs),
+                 advantages=per_token([np.full(len(a), adv, np.float32)
+                                       for a, adv in zip(rollouts.tokens, advantages_n)]))
+    return batch, packing
+
+
+def unpack_samples(packing: Packing, x_R, width: int, fill=0) -> np.ndarray:
+    """The inverse of `Packing.scatter`: [n, width, ...] numpy, row i sample i's entries
+    x_R[row_i, offset_i : offset_i + length_i] from column 0, as many as x_R's columns and
+    width hold; `fill` elsewhere. x_R [R, S', ...]: per column of the packed rows (S' may
+    be S - 1, the positions that predict a next token)."""
+    x_R = np.asarray(x_R)
+    n, cols = len(packing.lengths_N), np.arange(width)
+    src = packing.offset_N[:, None] + cols
+    valid = (cols < packing.lengths_N[:, None]) & (src < x_R.shape[1]) & (packing.row_N[:, None] >= 0)
+    out = np.full((n, width, *x_R.shape[2:]), fill, x_R.dtype)
+    sample, col = np.nonzero(valid)
+    out[sample, col] = x_R[packing.row_N[sample], src[sample, col]]
+    return out
+
+
+def unpack_drafter_data(packing: Packing, data: DrafterData) -> DrafterData:
+    """The old-policy pass's DrafterData of packed rows [R, S-1, ...] as one sample per
+    row [n, S-1, ...] (numpy): the layout `OnlineDrafter.add` reads, with the tokens
+    `unpack_samples(packing, batch["tokens"], S, pad_id)`. Equal to the pass over one
+    sample per row at every position of each sample but its last (see DrafterData)."""
+    host = jax.device_get(data)
+    width = packing.seq_len - 1
+    unpack = lambda x: None if x is None else unpack_samples(packing, x, width)
+    return DrafterData(unpack(host.hidden), unpack(host.ids), unpack(host.logp), unpack(host.layers))
 
 
 class RLLoop:
@@ -155,21 +204,26 @@ class RLLoop:
         t_reward = time.perf_counter()
 
         with self.gap("batch"):
-            batch = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id)
+            batch, packing = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id,
+                                         num_minibatches=self.learner.config.num_minibatches,
+                                         minibatch_rows=self.learner.minibatch_rows)
         t_batch = time.perf_counter()
+        rows = (batch["tokens"], batch["positions"], batch["segment_ids"])
         if tlt is not None and tlt.drafter is not None:
-            # One target forward gives GRPO its old log-probs and the drafter its data.
+            # One target forward gives GRPO its old log-probs and the drafter its data, which
+            # the drafter's buffer reads one sample per row.
             dc = tlt.drafter
             old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(
-                state.params, batch["tokens"], top_k=dc.config.top_k, feature_layers=dc.drafter_config.feature_layers)
-            tlt.add(step, batch["tokens"], np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]),
-                    rollouts.lengths, drafter_data)
+                state.params, *rows, top_k=dc.config.top_k, feature_layers=dc.drafter_config.feature_layers)
+            tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
+                    np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]), rollouts.lengths,
+                    unpack_drafter_data(packing, drafter_data))
         else:
-            old_logp, entropy = self.learner.logprobs(state.params, batch["tokens"], with_entropy=True)
+            old_logp, entropy = self.learner.logprobs(state.params, *rows, with_entropy=True)
         batch["old_logp"] = np.asarray(old_logp)
         t_old_logp = time.perf_counter()
         if self.ref_params is not None:
-            batch["ref_logp"] = np.asarray(self.learner.logprobs(self.ref_params, batch["tokens"]))
+            batch["ref_logp"] = np.asarray(self.learner.logprobs(self.ref_params, *rows))
         state, updates = self.learner.update(state, batch)
         skipped = int(sum(u["skipped"] for u in updates))
         t_learner = time.perf_counter()
