@@ -250,7 +250,7 @@ def test_rows_of_the_last_keep_steps_are_kept():
 
 def test_bytes_bound_drops_the_oldest_rows():
     row_bytes = 8 * (12 + 3 * 4 + 8 * 2) + 7  # S (12 + D b + 8 K) + S - 1
-    with pytest.raises(ValueError, match=rf"tlt\.buffer\.max_bytes=100 cannot hold one row.*>= {row_bytes}"):
+    with pytest.raises(ValueError, match=rf"tlt\.drafter\.buffer_max_bytes=100 cannot hold one row.*>= {row_bytes}"):
         DrafterBuffer(8, 3, 2, max_bytes=100)
     buffer = DrafterBuffer(8, 3, 2, max_bytes=3 * row_bytes + row_bytes // 2, keep_steps=10)
     assert buffer.row_bytes == row_bytes
