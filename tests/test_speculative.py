@@ -106,6 +106,9 @@ class _Recording:
     def strategy_for(self, num_active):
         return self.strategy
 
+    def chunk_floor(self, num_active):
+        return 0
+
     def observe(self, strategy, num_active, tokens, seconds):
         if strategy is not None:  # plain chunks are reported too
             self.heard.append((strategy, tokens, seconds))
@@ -113,6 +116,19 @@ class _Recording:
 
 SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                     num_kv_heads=1, head_dim=8)
+
+
+def test_speculation_starts_as_soon_as_the_batch_drains(params):
+    """A plain chunk stops once the active count falls to the policy's threshold, so the
+    next chunk speculates at once (not up to steps_per_sync steps later)."""
+    engine = _engine(params, num_slots=8, max_length=40)
+    policy = spec_lib.FixedSpeculation(spec_lib.Strategy("ngram", depth=3, topk=1), max_active=3)
+    sp = sampling.SamplingParams(temperature=1.0, max_tokens=30, stop_tokens=(5, 6, 7))  # staggered ends
+    out = engine.generate(PROMPTS * 2, 1, sp, jax.random.PRNGKey(11), speculation=policy)
+    chunks = out.timeline.groups[0].chunks
+    plain = [c for c in chunks if not isinstance(c, SpecChunk)]
+    assert plain and all(a > 3 for c in plain for a in c.active_per_step)
+    assert any(isinstance(c, SpecChunk) for c in chunks)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)

@@ -58,6 +58,9 @@ class RolloutConfig:
     max_prompt_length: int = 64
     max_length: int = 512
     steps_per_sync: int = 16
+    # Speculative steps per device loop: each commits several tokens per sequence, and
+    # shorter speculative chunks let the tuner hear (and re-decide) more often in the tail.
+    spec_steps_per_sync: int = 4
     eos_token_id: int | None = None
     # Decode's weight layout (see RolloutEngine._engine_layout): per layer, the layer loop
     # unrolled (transformer.unstack_layers: longer compiles, no per-step weight copies on
@@ -77,8 +80,8 @@ class RolloutConfig:
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be below "
                              f"max_length={self.max_length} (the KV cache holds prompt and answer).")
-        if min(self.num_slots, self.steps_per_sync, self.max_prompt_length) < 1:
-            raise ValueError("num_slots, steps_per_sync and max_prompt_length must be positive.")
+        if min(self.num_slots, self.steps_per_sync, self.spec_steps_per_sync, self.max_prompt_length) < 1:
+            raise ValueError("num_slots, steps_per_sync, spec_steps_per_sync and max_prompt_length must be positive.")
 
 
 @dataclasses.dataclass
@@ -319,14 +322,16 @@ class _Group:
         cache = tfm.KVCache(cache.k, cache.v, jnp.where(was_active, cache.lengths, state.cache.lengths))
         return dataclasses.replace(new, cache=cache), kept
 
-    def run_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy | None, sp):
-        """Up to steps_per_sync decode steps in one device loop: plain steps (strategy None)
-        or speculative ones (draft, then verify and commit). The loop stops early once a
-        slot frees up while requests are pending, so refills are prompt. Returns (state,
-        steps run, active slots per step [steps_per_sync], tokens committed per step and
-        slot [steps_per_sync, B])."""
+    def run_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy | None, sp, floor=0):
+        """Up to steps_per_sync plain decode steps (strategy None) or spec_steps_per_sync
+        speculative ones (draft, then verify and commit) in one device loop. The loop stops
+        early once a slot frees up while requests are pending (prompt refills), or once
+        fewer than `floor` sequences are active (the speculation policy chooses anew for
+        the smaller batch). Returns (state, steps run, active slots per step [n], tokens
+        committed per step and slot [n, B])."""
         rc = self.engine.rollout_config
-        n_steps, b = rc.steps_per_sync, rc.num_slots
+        n_steps = rc.steps_per_sync if strategy is None else rc.spec_steps_per_sync
+        b = rc.num_slots
 
         def one_step(params, drafter_params, state, key, sp):
             if strategy is None:
@@ -334,13 +339,15 @@ class _Group:
             state, tree = self._draft(params, drafter_params, state, key, strategy, sp)
             return self._verify(params, drafter_params, state, tree, key, sp)
 
-        def fn(params, drafter_params, state, key, refill_wanted, sp):
+        def fn(params, drafter_params, state, key, refill_wanted, floor, sp):
             started_active = state.active
 
             def cond(carry):
                 i, state, _, _ = carry
                 freed = jnp.any(started_active & ~state.active)
-                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed)
+                # The first step always runs: the floor is at most the active count at the start.
+                drained = (i > 0) & (jnp.sum(state.active, dtype=jnp.int32) < floor)
+                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed) & ~drained
 
             def body(carry):
                 i, state, active, kept = carry
@@ -356,9 +363,9 @@ class _Group:
         speculative = state.spec is not None
         shardings = self._shardings(speculative)
         name = ("chunk", speculative, strategy)
-        step = self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
-                         (shardings, rep, rep, rep), static_argnums=(5,), donate_argnums=(2,))
-        return step(self.params, self.drafter_params, state, key, refill_wanted, sp)
+        step = self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep, rep),
+                         (shardings, rep, rep, rep), static_argnums=(6,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, key, refill_wanted, np.int32(floor), sp)
 
     def _draft(self, params, drafter_params, state, key, strategy, sp):
         """Drafts a tree for every slot (traced): (state, DraftTree)."""
@@ -468,7 +475,8 @@ class _Group:
                                                  verify_s=t2 - t1))
                 tokens = sum(per_sequence)
             else:
-                state, n, active_steps, kept = self.run_chunk(state, key, bool(pending), strategy, sp)
+                floor = speculation.chunk_floor(num_active) if speculation is not None else 0
+                state, n, active_steps, kept = self.run_chunk(state, key, bool(pending), strategy, sp, floor)
                 active, n, active_steps, kept = jax.device_get((state.active, n, active_steps, kept))
                 t2 = time.perf_counter()
                 kept = kept[:n]

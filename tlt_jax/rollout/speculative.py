@@ -98,6 +98,11 @@ class Speculation(Protocol):
 
     def strategy_for(self, num_active: int) -> Strategy | None: ...
 
+    def chunk_floor(self, num_active: int) -> int:
+        """The chunk chosen at num_active stops once fewer sequences than this are active,
+        so the next chunk is chosen for the smaller batch."""
+        ...
+
     def observe(self, strategy: Strategy | None, num_active: int, tokens: int, seconds: float) -> None: ...
 
 
@@ -115,6 +120,9 @@ class FixedSpeculation:
 
     def strategy_for(self, num_active: int) -> Strategy | None:
         return self.strategy if num_active <= self.max_active else None
+
+    def chunk_floor(self, num_active: int) -> int:
+        return self.max_active + 1 if num_active > self.max_active else 0  # speculate once the batch drains
 
     def observe(self, strategy: Strategy | None, num_active: int, tokens: int, seconds: float) -> None:
         del strategy, num_active, tokens, seconds

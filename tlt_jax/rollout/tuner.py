@@ -122,6 +122,12 @@ class BucketedEpsilonGreedy:
         """Index of the bucket num_active falls in (below the first bound: bucket 0)."""
         return max(bisect.bisect_right(self.buckets, num_active) - 1, 0)
 
+    def chunk_floor(self, num_active: int) -> int:
+        """A chunk chosen at num_active runs while at least this many sequences are active:
+        the lower bound of its bucket, so every chunk stays in the bucket it was chosen
+        for and the next bucket's choice is made as soon as the batch drains into it."""
+        return self.buckets[self.bucket_of(num_active)]
+
     def _exploit(self, bucket: int) -> int:
         """Index of the first untried arm, else of the best median reward (first on ties)."""
         rewards = self._rewards[bucket]
