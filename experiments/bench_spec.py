@@ -32,7 +32,7 @@ from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Batch sizes and lengths to run.")
 _TARGET = flags.DEFINE_string("target", "assets/sft_tiny", "Target: a Hugging Face checkpoint with its tokenizer.")
-_DRAFTER = flags.DEFINE_string("drafter", "runs/drafter_tiny/drafter", "Drafter trained for the target.")
+_DRAFTER = flags.DEFINE_string("drafter", "assets/drafter_tiny", "Drafter trained for the target.")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Parameter and compute dtype of the target "
                            "(default: the checkpoint's).")
