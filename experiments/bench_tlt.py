@@ -40,7 +40,7 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
-_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Run size.")
+_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "cpu_tail", "gpu"], "Run size (see PRESETS).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
@@ -56,6 +56,10 @@ PRESETS = {
     # counts: most short, a few 4x the median), so the batch drains through a long tail.
     "cpu": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=16, num_samples=8, max_tokens=96,
                 num_slots=128, catch_up_steps=2, max_steps_per_rl_step=8),
+    # The tail alone: 4 prompts x 8 samples, so every chunk runs at most 32 sequences (TLT's
+    # threshold): the regime speculation is for, without the wide phase before it.
+    "cpu_tail": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=96,
+                     num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
