@@ -157,6 +157,8 @@ def main(argv):
             final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
     _write(result)
+    if _OUT.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
+        plot_acceptance(modes, os.path.splitext(_OUT.value)[0] + "_acceptance.png")
     print(f"\nbackend {result['backend']}, preset {result['preset']} ({preset['layers']}-layer target), seed "
           f"{result['seed']}, {steps} steps per mode; medians over steps {preset['warmup_steps'] + 1}..{steps}")
     print(f"{'mode':9}" + "".join(f"{k[5:-2]:>12}" for k in _TIMES) + f"{'compile':>9}{'acc len':>8}{'eval acc':>9}")
@@ -166,6 +168,24 @@ def main(argv):
               f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m['final_eval_accuracy'] or 0.0:9.3f}")
     if "rollout_speedup" in result:
         print(f"rollout speed-up {result['rollout_speedup']:.2f}x, step speed-up {result['step_speedup']:.2f}x")
+
+
+def plot_acceptance(modes: dict, path: str) -> None:
+    """Acceptance length per RL step of each drafter the modes ran (adaptive, frozen, n-gram)."""
+    from matplotlib.figure import Figure
+
+    labels = {"tlt": "adaptive (spot-trained)", "frozen": "frozen at step 0", "ngram": "none (n-gram only)"}
+    figure = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = figure.subplots()
+    for mode, label in labels.items():
+        if mode in modes:
+            values = modes[mode]["acceptance_length"]
+            ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("acceptance length")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    figure.savefig(path, dpi=100)
 
 
 def _write(result):

@@ -1,6 +1,10 @@
 """TLT in the RL run: speculation chosen by the tuner, the drafter trained on the spot and
 published, and its state (drafter, optimizer, buffer, version, tuner) resumed."""
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -44,9 +48,26 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
         assert os.path.getsize(os.path.join(run_dir, name)) > 0
 
 
-def test_tlt_resume_restores_drafter_tuner_and_buffer(warm_start, tmp_path):  # noqa: F811
+_KILLED_RUN = """
+import sys
+from tests.test_tlt import TLT, _config
+from tlt_jax.rl.train import train_rl
+train_rl(_config(sys.argv[1], sys.argv[2], **{**TLT, "steps": 6}), progress=False)
+"""
+
+
+def test_tlt_resume_after_sigkill_restores_drafter_tuner_and_buffer(warm_start, tmp_path):  # noqa: F811
     run_dir = str(tmp_path / "resumed")
-    train_rl(_config(warm_start, run_dir, **TLT), progress=False, stop_after=2)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, warm_start, run_dir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    markers = [os.path.join(run_dir, d, "2", checkpoint.MANIFEST_NAME) for d in ("drafter_checkpoints", "checkpoints")]
+    deadline = time.time() + 300
+    while not all(map(os.path.exists, markers)) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert all(map(os.path.exists, markers)), "the killed run never reached its step-2 checkpoints"
     before = _records(run_dir)[2]
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"))
     saved_tuner = ckpt.read_meta(2)["tlt"]["tuner"]

@@ -69,10 +69,16 @@ def _due(step: int, every: int, last: int) -> bool:
 def _restore_drafter(drafter: OnlineDrafter, ckpt: checkpoint.Checkpointer, rl_step: int) -> None:
     """The newest drafter checkpoint not after the resumed RL step (a newer one belongs to
     steps that will run again)."""
-    steps = [s for s in ckpt.all_steps() if s <= rl_step]
-    if steps:
-        drafter.restore(ckpt, steps[-1])
-        logging.info("Restored the drafter of RL step %d (version %d)", steps[-1], drafter.version)
+    for step in reversed([s for s in ckpt.all_steps() if s <= rl_step]):
+        try:
+            drafter.restore(ckpt, step)
+        except (checkpoint.CheckpointIntegrityError, FileNotFoundError) as e:  # a write the kill cut short
+            logging.warning("Skipping drafter checkpoint %d: %s", step, e)
+            continue
+        logging.info("Restored the drafter of RL step %d (version %d)", step, drafter.version)
+        return
+    logging.warning("No usable drafter checkpoint up to RL step %d: the drafter restarts from its warm start.",
+                    rl_step)
 
 
 def check_config(config) -> None:
