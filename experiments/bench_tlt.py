@@ -21,7 +21,6 @@ median is reported as compile time (TLT compiles its strategies before the first
 `RolloutEngine.warm_up`; compiled programs persist in `<cache_dir>/xla` across runs). The table gives the phase
 split of both modes, so a missed bar shows where the time went.
 """
-import json
 import os
 import shutil
 import statistics
@@ -179,7 +178,8 @@ def plot_acceptance(modes: dict, path: str) -> None:
     ax = figure.subplots()
     for mode, label in labels.items():
         if mode in modes:
-            values = modes[mode]["acceptance_length"]
+            # A step whose tail chunks all decoded plainly has no acceptance: a gap, not 0.
+            values = [a if a > 0 else float("nan") for a in modes[mode]["acceptance_length"]]
             ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel("acceptance length")
