@@ -46,6 +46,10 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     assert summary["tlt"]["drafter_version"] == 3
     for name in ("tlt.png", "tuner_arms.png"):
         assert os.path.getsize(os.path.join(run_dir, name)) > 0
+    # The trained drafter is exported for inference on its own.
+    from tlt_jax.drafter_training.io import load_drafter
+    _, exported = load_drafter(os.path.join(run_dir, "drafter"))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(exported))
 
 
 _KILLED_RUN = """

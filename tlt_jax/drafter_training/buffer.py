@@ -252,6 +252,11 @@ class DrafterBuffer:
         batch_size are drawn with replacement)."""
         return self.num_rows > 0
 
+    def empty_batch(self, batch_size: int) -> dict:
+        """A batch shaped like `sample`'s with nothing to train on (segment 0, mask False):
+        what compiling a drafter step needs before any data exists."""
+        return {k: np.zeros((batch_size,) + shape, dtype) for k, (shape, dtype) in self._fields.items()}
+
     def sample(self, batch_size: int) -> dict:
         """[batch_size, ...] arrays of every row field: rows drawn uniformly, without
         replacement when at least batch_size rows are held, else with. The draw is a

@@ -15,15 +15,15 @@ trainer's (`trainer.DrafterTrainer`), so online and offline training are one rec
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Hashable
+import time
+from typing import Hashable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, sharding
+from tlt_jax import checkpoint
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
@@ -127,6 +127,17 @@ class OnlineDrafter:
         self.steps += 1
         self.skipped += int(out["skipped"])
         return out
+
+    def warm_up(self) -> float:
+        """Compiles the drafter step on its home group (a throwaway copy of the state takes
+        the step), so that the first step in a gap does not compile; returns the seconds."""
+        t0 = time.perf_counter()
+        trainer = self._trainer(self._home)
+        copy = jax.tree.map(jnp.copy, self.state)
+        target = shared_target_params(self.engine.groups[self._home].params)
+        jax.block_until_ready(trainer.step(copy, target, self.buffer.empty_batch(self.config.batch_size),
+                                           self._noise_key))
+        return time.perf_counter() - t0
 
     def _state_shardings(self, trainer: DrafterTrainer) -> TrainState:
         return state_shardings(trainer.optimizer, self.state.params, trainer.drafter_shardings(self.state.params),

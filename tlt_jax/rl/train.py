@@ -19,7 +19,7 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl import grpo, tasks
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.distill import teacher_cache as tc
-from tlt_jax.drafter_training.io import load_drafter
+from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.models import drafter as drafter_lib
@@ -51,7 +51,7 @@ def _drafter_warm_start(c, target_config, target_params):
     """(DrafterConfig, params) of the RL run's drafter: an offline export (`c.init`) or a
     fresh one of the configured architecture."""
     if c.init:
-        return load_drafter(c.init, target_config, target_fingerprint=tc.fingerprint_arrays(target_params))
+        return drafter_io.load_drafter(c.init, target_config, target_fingerprint=tc.fingerprint_arrays(target_params))
     dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers))
     dcfg.layer_config(target_config)  # feature layers outside the target fail here
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
@@ -138,8 +138,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
-        logging.info("Compiled plain decode and %d strategies in %.1f s", len(tuner.strategies),
-                     engine.warm_up(sp, tuner))
+        logging.info("Compiled plain decode and %d strategies in %.1f s, the drafter step in %.1f s",
+                     len(tuner.strategies), engine.warm_up(sp, tuner), online.warm_up())
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
                   eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt)
@@ -226,6 +226,11 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     if end == config.steps and config.save_hf:
         save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer,
                 overwrite=True)
+    if tlt is not None and end == config.steps:
+        # The trained drafter, a free by-product, as an export that decodes on its own
+        # (`experiments.generate --target=<run_dir>/hf --drafter=<run_dir>/drafter`).
+        drafter_io.save_drafter(os.path.join(run_dir, "drafter"), jax.device_get(tlt.drafter.state.params), dcfg,
+                                model_cfg, tc.fingerprint_arrays(jax.device_get(state.params)), step=end)
     summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
                "final_eval_accuracy": (last_eval or {}).get("eval_accuracy"),
                "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
