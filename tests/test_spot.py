@@ -183,7 +183,7 @@ def test_close_wins_against_a_step_handed_to_the_worker():
         assert spot.end_rl_step()["steps"] == 0
 
 
-def test_budget_stops_training_and_begin_rl_step_resets_it():
+def test_budget_stops_training_and_end_rl_step_renews_it():
     clock = FakeClock()
     dev = FakeDevices(clock, gated=False)
     with SpotTrainer(dev, SpotConfig(max_steps_per_rl_step=3), clock=clock) as spot:
@@ -193,11 +193,20 @@ def test_budget_stops_training_and_begin_rl_step_resets_it():
         dev.assert_starts(3)
         spot.close_gap("group0")
         assert spot.end_rl_step()["steps"] == 3
+        # A gap between two RL steps (a checkpoint write) trains on the next report's
+        # budget, and is counted in it.
+        with spot.gap("checkpoint"):
+            wait_for(lambda: len(dev.records) == 6)
         spot.begin_rl_step(1)
-        spot.open_gap("group0", 0)
-        wait_for(lambda: len(dev.records) == 6)
-        dev.assert_starts(6)
+        spot.open_gap("group0", 0)  # the budget is spent: nothing more this RL step
         spot.close_gap("group0")
+        dev.assert_starts(6)
+        assert spot.end_rl_step()["steps"] == 3
+        spot.begin_rl_step(2)
+        spot.open_gap("group0", 0)
+        wait_for(lambda: len(dev.records) == 9)
+        spot.close_gap("group0")
+        dev.assert_starts(9)
         assert spot.end_rl_step()["steps"] == 3
 
 
