@@ -42,3 +42,17 @@ def test_bad_params():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_processed_logprob_exceeds_the_temperature_one_by_the_kept_mass():
+    """What GRPO's TIS ratio and rollout_logp_gap compare under top-p: the engine's log-prob
+    (processed) minus the learner's (temperature only) is -log(kept mass) >= 0."""
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 17)) * 2.0
+    params = SamplingParams(temperature=0.7, top_p=0.6)
+    processed = processed_logprobs(logits, params)
+    plain = jax.nn.log_softmax(logits / 0.7, axis=-1)
+    kept = jnp.isfinite(processed)
+    kept_mass = jnp.sum(jnp.where(kept, jnp.exp(plain), 0.0), axis=-1, keepdims=True)
+    assert bool(jnp.all(kept_mass < 1.0)) and bool(jnp.all(jnp.sum(kept, -1) >= 1))
+    np.testing.assert_allclose(jnp.where(kept, processed - plain, 0.0),
+                               jnp.where(kept, -jnp.log(kept_mass), 0.0), atol=1e-5)

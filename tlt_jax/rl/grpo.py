@@ -127,7 +127,13 @@ class GRPOConfig:
     """clip_eps / clip_eps_high: the ratio is clipped to [1 - eps, 1 + eps_high] (DAPO's
     asymmetric clip-higher when eps_high > eps). kl_coef: weight of the k3 KL to the
     reference (0 disables it). tis_cap: truncated importance sampling cap on
-    pi_old / pi_rollout, correcting for the rollout engine's own numerics (0 disables).
+    pi_old / pi_rollout (0 disables). pi_old is the policy at the temperature alone (the
+    learner's log-probs); pi_rollout the distribution the engine actually sampled from,
+    after top-k / top-p / min-p. Without those filters the two differ only by the
+    engine's numerics; with them the ratio also corrects for the truncation (pi_rollout
+    renormalises the kept tokens, so the ratio is the kept mass, <= 1), which makes the
+    update unbiased for the untruncated policy. `rollout_logp_gap` reports the same
+    difference.
     The advantage estimator is the RL step's (`loop.RLStepConfig.advantage`): it runs on
     the host, before the learner."""
 
