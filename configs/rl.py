@@ -22,7 +22,7 @@ def tlt_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         enabled=True,
         tuner=tuner.default_arms_config(),
-        spot=dict(max_steps_per_rl_step=50, catch_up_steps=0),
+        spot=dict(max_steps_per_rl_step=50, catch_up_steps=0, skip_short_gaps=True),
         drafter=dict(
             init="assets/drafter_tiny",  # an offline drafter export (experiments/train_drafter); "": from scratch
             num_layers=1, feature_layers=(),  # the architecture when starting from scratch

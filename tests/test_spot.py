@@ -455,3 +455,37 @@ def test_preemption_with_jax_steps_on_device_groups():
     assert ALL in placements and len(placements - {ALL}) >= 3  # steps moved from group to group
     assert max(s["preemption_delay_max_s"] for s in stats) <= 0.25
     _check_intervals(records, gaps)
+
+
+def test_gaps_shorter_than_a_step_are_skipped_once_measured():
+    """A gap whose last duration (under its name) leaves less than a step's time gets no
+    step, so it is not delayed by one; a longer gap still trains."""
+    clock = FakeClock()
+    dev = FakeDevices(clock)
+    with SpotTrainer(dev, SpotConfig(skip_short_gaps=True), clock=clock) as spot:
+        spot.begin_rl_step(0)
+        spot.open_gap("reward", ALL)  # never seen: a step starts
+        assert dev.next_start() == ALL
+        clock.advance(0.5)
+        closer, out = close_in_thread(spot, "reward")  # asked at 0.5 s into the gap
+        clock.advance(1.5)
+        dev.release()
+        closer.join(5)
+        assert out["delay"] == 1.5
+        # Seen: the reward gap lasts 0.5 s, a step 2 s. It is skipped from now on.
+        spot.open_gap("reward", ALL)
+        dev.assert_starts(1)
+        spot.close_gap("reward")
+        # A gap long enough for a step: the group gap lasted 5 s last time.
+        spot.open_gap("group0", 0)
+        assert dev.next_start() == 0
+        clock.advance(5.0)
+        closer, out = close_in_thread(spot, "group0")
+        dev.release()
+        closer.join(5)
+        spot.open_gap("group0", 0)
+        assert dev.next_start() == 0  # 5 s left against a median step of 3.5 s
+        closer, out = close_in_thread(spot, "group0")
+        dev.release()
+        closer.join(5)
+        assert spot.end_rl_step()["steps"] == 3

@@ -36,6 +36,7 @@ and a failing step is raised in the RL thread instead of stopping training silen
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -55,6 +56,9 @@ class SpotStepFailed(RuntimeError):
 class SpotConfig:
     max_steps_per_rl_step: int = 50  # budget of drafter steps per RL step (gaps + catch-up)
     catch_up_steps: int = 0  # run after the learner when the gaps gave fewer than this many
+    # Start no step in a gap that, by its last duration under the same name, has less time
+    # left than a drafter step takes: such a step would delay the phase after the gap.
+    skip_short_gaps: bool = False
 
     def __post_init__(self):
         for name in ("max_steps_per_rl_step", "catch_up_steps"):
@@ -111,6 +115,8 @@ class SpotTrainer:
         self._catching_up = False
         self._error: BaseException | None = None
         self._stats = _RLStepStats()
+        self._gap_seconds: dict[str, float] = {}  # the last duration of each gap name
+        self._step_seconds: collections.deque = collections.deque(maxlen=20)  # recent drafter steps
         self._rl_step = -1
         self._totals = dict(steps=0, hidden_steps=0, catch_up_steps=0, skipped=0, rl_steps=0)
         self._stopping = False
@@ -187,6 +193,7 @@ class SpotTrainer:
                         step.cancelled = True
                 closed_at = self.clock()
                 self._stats.gap_time_s += closed_at - gap.opened_at
+                self._gap_seconds[name] = t0 - gap.opened_at  # until the close was asked: no wait in it
                 self._stats.delays.append(delay)
         # No wake-up needed: the dispatcher re-claims (for another open gap) as the slot frees.
         self._raise_if_failed()
@@ -311,7 +318,16 @@ class SpotTrainer:
     def _may_dispatch(self) -> bool:
         s = self._stats
         return (not self._stopping and self._error is None and not self._catching_up and self._running is None
-                and bool(self._gaps) and s.steps + s.catch_up_steps < self.config.max_steps_per_rl_step)
+                and bool(self._gaps) and s.steps + s.catch_up_steps < self.config.max_steps_per_rl_step
+                and self._long_enough(next(reversed(self._gaps))))
+
+    def _long_enough(self, name: str) -> bool:
+        """Whether gap `name` is expected to outlast one more drafter step (always, until
+        both its duration and a step's have been seen)."""
+        if not self.config.skip_short_gaps or name not in self._gap_seconds or not self._step_seconds:
+            return True
+        left = self._gap_seconds[name] - (self.clock() - self._gaps[name].opened_at)
+        return left >= statistics.median(self._step_seconds)
 
     def _claim(self) -> _Step | None:
         """Takes the step slot for the newest open gap, or returns None."""
@@ -351,6 +367,7 @@ class SpotTrainer:
             return
         dt = self.clock() - t0
         with self._cond:
+            self._step_seconds.append(dt)
             s = self._stats
             if step.gap is None:
                 s.catch_up_steps += 1
