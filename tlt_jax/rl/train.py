@@ -161,7 +161,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         state, loop.key, loop.ref_params = restored["train"], restored["key"], restored.get("ref")
         start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         engine.update_params(state.params)
-        if tlt is not None:
+        if tlt is not None and meta.get("tlt") is None:
+            logging.warning("Resuming a run saved with TLT off: the tuner and drafter start fresh.")
+        elif tlt is not None:
             tlt.load_state_dict(meta["tlt"])
             _restore_drafter(tlt.drafter, drafter_ckpt, start)
         logging.info("Resumed RL at step %d (data position %d)", start, data_position)
