@@ -22,7 +22,9 @@ def tlt_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         enabled=True,
         tuner=tuner.default_arms_config(),
-        spot=dict(max_steps_per_rl_step=50, catch_up_steps=0, skip_short_gaps=True),
+        # Catch-up steps keep the drafter training when every gap is shorter than a step
+        # (one device: the host phases of the tiny job are milliseconds); their time is reported.
+        spot=dict(max_steps_per_rl_step=50, catch_up_steps=2, skip_short_gaps=True),
         drafter=dict(
             init="assets/drafter_tiny",  # an offline drafter export (experiments/train_drafter); "": from scratch
             num_layers=1, feature_layers=(),  # the architecture when starting from scratch
