@@ -155,25 +155,28 @@ class OnlineDrafter:
             logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
                             self.steps, self.version)
             return False
-        # A host copy: the engine must not alias the train state, which each step donates.
-        self.engine.update_drafter(jax.device_get(params))
+        self._hand_to_engine()
         self._published_steps = self.steps
         self.version += 1
         return True
 
+    def _hand_to_engine(self) -> None:
+        # A host copy: the engine must not alias the train state, which each step donates.
+        self.engine.update_drafter(jax.device_get(self.state.params))
+
     # -- checkpoints
 
-    def checkpoint_tree(self) -> dict:
-        """What a drafter checkpoint holds: the trainable parameters and optimizer state
-        (never the target's shared weights) and the buffer's contents, as host copies (the
-        next drafter step donates the device state, possibly while the write goes on)."""
-        return {"train": jax.device_get(self.state), "buffer": self.buffer.state_dict()}
-
-    def checkpoint_meta(self) -> dict:
-        """The counters, and the buffer's array shapes (its size varies: restoring needs them)."""
-        shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], self.buffer.state_dict())
-        return {"version": self.version, "steps": self.steps, "skipped": self.skipped,
-                "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes}
+    def checkpoint(self) -> tuple[dict, dict]:
+        """(tree, meta) of a drafter checkpoint. The tree: the trainable parameters and
+        optimizer state (never the target's shared weights) and the buffer's contents, as
+        host copies (the next drafter step donates the device state, possibly while the
+        write goes on). The meta: the counters, and the buffer's array shapes (its size
+        varies: restoring needs them)."""
+        buffer = self.buffer.state_dict()
+        shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], buffer)
+        return ({"train": jax.device_get(self.state), "buffer": buffer},
+                {"version": self.version, "steps": self.steps, "skipped": self.skipped,
+                 "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes})
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
         """Restores drafter checkpoint `step` (train state on its home group, buffer and
@@ -190,4 +193,4 @@ class OnlineDrafter:
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
         self._published_steps = meta["published_steps"]
-        self.engine.update_drafter(self.state.params)
+        self._hand_to_engine()

@@ -181,7 +181,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                        "tlt": tlt.state_dict() if tlt is not None else None})
 
     def save_drafter(step):
-        tree, meta = tlt.drafter.checkpoint_tree(), tlt.drafter.checkpoint_meta()  # before a gap lets it train
+        tree, meta = tlt.drafter.checkpoint()  # before a gap lets it train
         with loop.gap("drafter_checkpoint"):
             drafter_ckpt.save(step, tree, meta)
 
