@@ -115,7 +115,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     seq_len = r.max_prompt_length + r.max_tokens
     tlt_on = config.tlt.enabled
-    tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None  # bad arms fail here, not mid-run
+    tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None
     spot_config = SpotConfig(**config.tlt.spot) if tlt_on else None
     dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
     engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
