@@ -68,8 +68,19 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.tlt = tlt_config()
     if preset == "tiny":
         return c
+    if preset == "tiny-speculate-always":
+        # Every chunk speculative at any batch size, with no plain arm: the RL-level check
+        # that speculation leaves learning unchanged (the tuned default mostly decodes
+        # plainly on this small model, where speculation does not pay).
+        from tlt_jax.rollout.tuner import PLAIN
+
+        c.tlt.tuner.arms = [[a for a in arms if a != PLAIN] for arms in c.tlt.tuner.arms]
+        c.tlt.tuner.max_active = c.rollout.num_slots
+        c.run_dir = "runs/rl_tiny_speculate_always"
+        return c
     if preset not in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
-        raise ValueError(f"Unknown rl preset {preset!r}; presets: tiny, qwen2.5-0.5b, qwen2.5-1.5b.")
+        raise ValueError(f"Unknown rl preset {preset!r}; presets: tiny, tiny-speculate-always, "
+                         "qwen2.5-0.5b, qwen2.5-1.5b.")
     c.sft.model = models.model_config(preset)
     c.sft.run_dir = f"runs/sft_{preset}"
     c.sft_dir = ""
@@ -83,3 +94,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.run_dir = f"runs/rl_{preset}"
     c.tlt.drafter.init = ""
     return c
+
+
+def get_sweep(preset: str = "tiny") -> list[dict]:
+    """TLT against the baseline over three sampling seeds: speculation is lossless, so the
+    modes must agree within seed noise (`experiments/compare_runs.py` reports it).
+    `tiny-speculate-always` sweeps the seeds of its TLT runs only; the baseline is tiny's."""
+    from configs.common import grid
+
+    if preset == "tiny-speculate-always":
+        return grid(seed=[0, 1, 2])
+    return grid(**{"tlt.enabled": [False, True], "seed": [0, 1, 2]})
