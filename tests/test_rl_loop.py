@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.drafter_training import buffer
-from tlt_jax.rl import loop, tasks
+from tlt_jax.rl import evaluation, loop, tasks
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 
@@ -80,3 +80,63 @@ def test_scoring_in_a_process_pool_equals_scoring_inline():
     np.testing.assert_array_equal(inline, pooled)
     assert failures == pooled_failures == 0
     np.testing.assert_allclose(inline, [0.1 if i % 3 == 0 else 1.0 for i in range(12)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
+    """One real RL step: the engine reports log-probs under the distribution it sampled
+    from (after top-p), the learner's old log-probs are the temperature-only policy's, and
+    the step's `rollout_logp_gap` is their mean absolute difference: -log(kept mass) per
+    token under top-p, the engine's numerics alone without it."""
+    import jax
+    import jax.numpy as jnp
+
+    from tlt_jax import sampling, sharding
+    from tlt_jax.models import transformer as tfm
+    from tlt_jax.models.config import ModelConfig
+    from tlt_jax.rl.learner import Learner, LearnerConfig
+    from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+    from tlt_jax.train_state import OptimizerConfig
+
+    tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tokenizer"))
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    params = tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)  # a spread-out next-token distribution
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    temperature, max_tokens = 0.9, 12
+    sp = sampling.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    seq_len = 24 + max_tokens
+    engine = RolloutEngine(cfg, params, mesh, RolloutConfig(num_slots=8, max_prompt_length=24, max_length=seq_len,
+                                                            eos_token_id=cfg.eos_token_id))
+    # A learning rate of 0: the step's only minibatch measures the gap at the old policy.
+    learner = Learner(cfg, LearnerConfig(optimizer=OptimizerConfig(learning_rate=0.0), num_minibatches=1,
+                                         micro_batch_size=8, temperature=temperature, remat=False), mesh)
+    examples = tasks.make_split(tasks.get_task("addition", max_digits=3), "train", 16, seed=0)
+    rl = loop.RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=examples,
+                     eval_examples=examples[:2], sampling_params=sp,
+                     step_config=loop.RLStepConfig(prompts_per_step=2, num_samples=4), seq_len=seq_len, seed=0)
+    _, step_metrics, _, rollouts = rl.step(learner.init_state(params), step=0, data_position=0)
+    rl.close()
+
+    # The reference: a plain forward of each sample, its sampled tokens' log-probs under
+    # the temperature-only and the processed (top-p) distributions.
+    prompt_ids = evaluation.encode_prompts(tokenizer, rl.prompts_for(0))
+    gaps, engine_errors = [], []
+    for i, answer in enumerate(rollouts.tokens):
+        prompt = np.asarray(prompt_ids[rollouts.prompt_index[i]], np.int32)
+        seq = np.concatenate([prompt, answer])[None]
+        h = tfm.forward(params, cfg, jnp.asarray(seq))
+        logits = tfm.logits_from_hidden(params, cfg, h)[0, len(prompt) - 1:-1]
+        plain = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
+        processed = sampling.processed_logprobs(logits, sp)
+        pick = lambda lp: np.asarray(jnp.take_along_axis(lp, jnp.asarray(answer)[:, None], 1)[:, 0])
+        gaps.append(np.abs(pick(plain) - pick(processed)))
+        engine_errors.append(np.abs(pick(processed) - rollouts.logprobs[i]))
+    assert max(e.max() for e in engine_errors) < 1e-4  # the engine's log-probs are the processed ones
+    want = np.concatenate(gaps).mean()
+    np.testing.assert_allclose(step_metrics["rollout_logp_gap"], want, rtol=1e-3, atol=1e-5)
+    if top_p < 1:
+        assert want > 0.05  # top-p cut real mass here: the check has power
+    else:
+        assert want < 1e-5
