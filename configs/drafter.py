@@ -16,12 +16,12 @@ Presets:
 """
 import ml_collections
 
-from configs.sft import tasks_tiny
+from configs.sft import tasks_long_tail, tasks_tiny
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset not in ("tiny", "fused", "gpu"):
-        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu.")
+    if preset not in ("tiny", "fused", "gpu", "long_tail"):
+        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail.")
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
@@ -61,4 +61,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.learning_rate = 2e-3
         c.batch_size = 32
         c.run_dir = "runs/drafter_gpu"
+    if preset == "long_tail":  # for the target of configs/sft.py:long_tail
+        c.target_dir = "runs/sft_long_tail/hf"
+        c.data.update(tasks=tasks_long_tail(), seq_len=352)
+        c.acceptance.update(max_tokens=288, max_prompt_length=64)
+        c.run_dir = "runs/drafter_long_tail"
     return c

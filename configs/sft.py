@@ -13,6 +13,13 @@ def tasks_tiny():
     return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 8, "digits_zipf": 1.6}})
 
 
+def tasks_long_tail():
+    """Additions of up to 32 digits, most short (median answer 32 characters) and a few
+    up to 270: per RL step of 64 samples the longest runs about 6x the median, the long
+    tail of reasoning traces that speculation is for."""
+    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 32, "digits_zipf": 1.6}})
+
+
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = models.model_config("tiny")
@@ -37,6 +44,13 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.update(learning_rate=6e-4, warmup_steps=50, decay_steps=500)
         c.steps, c.eval_every, c.checkpoint_every = 500, 500, 500
         c.run_dir = "runs/sft_gpu"
+    elif preset == "long_tail":
+        # The tiny model on long-tailed traces: the warm start of bench_tlt's CPU preset.
+        c.data.update(tasks=tasks_long_tail(), seq_len=352)  # the longest prompt (59) and answer (273)
+        c.eval.max_prompt_length = 64
+        c.optimizer.decay_steps = 400
+        c.steps, c.eval_every, c.checkpoint_every = 400, 400, 200
+        c.run_dir = "runs/sft_long_tail"
     elif preset != "tiny":
-        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu.")
+        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail.")
     return c

@@ -39,7 +39,7 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
-_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "cpu_tail", "gpu"], "Run size (see PRESETS).")
+_PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "cpu_long", "cpu_tail", "gpu"], "Run size (see PRESETS).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
@@ -55,6 +55,12 @@ PRESETS = {
     # counts: most short, a few 4x the median), so the batch drains through a long tail.
     "cpu": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=16, num_samples=8, max_tokens=96,
                 num_slots=128, catch_up_steps=2, max_steps_per_rl_step=8),
+    # Traces of up to 32-digit additions (configs/sft.py:long_tail; the warm start and its
+    # drafter are trained first, once): median answer ~32 tokens, the longest of a step's
+    # 64 samples ~200, so most of a rollout's steps run in the tail, as in TLT's traces.
+    "cpu_long": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=8, num_samples=8, max_tokens=288,
+                     num_slots=64, catch_up_steps=2, max_steps_per_rl_step=8, warm_start="long_tail",
+                     max_prompt_length=64),
     # The tail alone: 4 prompts x 8 samples, so every chunk runs at most 32 sequences (TLT's
     # threshold): the regime speculation is for, without the wide phase before it.
     "cpu_tail": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=96,
@@ -66,18 +72,46 @@ _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", 
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
 
 
-def build_target(layers: int, cache_dir: str) -> tuple[str, str]:
-    """(target HF dir, drafter export dir) of the preset, built once from the shipped assets."""
-    target_dir = os.path.join(cache_dir, f"target_l{layers}")
-    drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}")
+def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
+    """(SFT model dir, drafter export dir): the shipped assets, or those of
+    configs/sft.py:<name> and configs/drafter.py:<name> trained once into cache_dir."""
+    if name == "assets":
+        return "assets/sft_tiny", "assets/drafter_tiny"
+    from configs import drafter as drafter_configs
+    from configs import sft as sft_configs
+    from tlt_jax.drafter_training.trainer import train_drafter
+    from tlt_jax.rl.sft import train_sft
+
+    sft_config = sft_configs.get_config(name)
+    sft_config.run_dir = os.path.join(cache_dir, f"sft_{name}")
+    sft_dir = os.path.join(sft_config.run_dir, "hf")
+    if not os.path.exists(sft_dir):
+        print(f"training the {name} warm start once: {sft_config.steps} SFT steps into {sft_config.run_dir}")
+        train_sft(sft_config)
+    drafter_config = drafter_configs.get_config(name)
+    drafter_config.target_dir = sft_dir
+    drafter_config.run_dir = os.path.join(cache_dir, f"drafter_{name}")
+    drafter_dir = os.path.join(drafter_config.run_dir, "drafter")
+    if not os.path.exists(drafter_dir):
+        print(f"training its drafter once: {drafter_config.steps} steps into {drafter_config.run_dir}")
+        train_drafter(drafter_config)
+    return sft_dir, drafter_dir
+
+
+def build_target(layers: int, cache_dir: str, warm_start: str = "assets") -> tuple[str, str]:
+    """(target HF dir, drafter export dir) of the preset, built once from its warm start."""
+    sft_dir, sft_drafter_dir = build_warm_start(warm_start, cache_dir)
+    suffix = "" if warm_start == "assets" else f"_{warm_start}"
+    target_dir = os.path.join(cache_dir, f"target_l{layers}{suffix}")
+    drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}{suffix}")
     if not os.path.exists(os.path.join(drafter_dir)):
-        cfg, params = load_hf("assets/sft_tiny")
+        cfg, params = load_hf(sft_dir)
         cfg, params = tfm.append_identity_layers(jax.tree.map(jnp.asarray, params), cfg, layers)
         params = jax.device_get(params)
-        save_hf(target_dir, cfg, params, tokenizer=load_tokenizer("assets/sft_tiny"), overwrite=True)
-        # The shipped drafter reads the final hidden state, which the appended layers leave
-        # as it was: re-exported for the deeper target.
-        dcfg, dparams = drafter_io.load_drafter("assets/drafter_tiny")
+        save_hf(target_dir, cfg, params, tokenizer=load_tokenizer(sft_dir), overwrite=True)
+        # The drafter reads the final hidden state, which the appended layers leave as it
+        # was: re-exported for the deeper target.
+        dcfg, dparams = drafter_io.load_drafter(sft_drafter_dir)
         drafter_io.save_drafter(drafter_dir, dparams, dcfg, cfg, tc.fingerprint_arrays(params))
     return target_dir, drafter_dir
 
@@ -87,6 +121,11 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c.sft_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"])
+    if preset.get("warm_start", "assets") != "assets":
+        from configs import sft as sft_configs
+
+        c.data.tasks = sft_configs.get_config(preset["warm_start"]).data.tasks
+        c.rollout.max_prompt_length = preset["max_prompt_length"]
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
     c.track_kl = False  # kl_coef is 0: no reference forward, in either mode
     c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
@@ -129,7 +168,7 @@ def main(argv):
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise SystemExit("Pass --target and --drafter together (or neither, for the preset's own).")
     target_dir, drafter_dir = ((_TARGET.value, _DRAFTER.value) if _TARGET.value
-                               else build_target(preset["layers"], _CACHE.value))
+                               else build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets")))
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
                   build_s=time.perf_counter() - t0, modes={})
