@@ -48,8 +48,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # The tiny model on long-tailed traces: the warm start of bench_tlt's CPU preset.
         c.data.update(tasks=tasks_long_tail(), seq_len=352)  # the longest prompt (59) and answer (273)
         c.eval.max_prompt_length = 64
-        c.optimizer.decay_steps = 400
-        c.steps, c.eval_every, c.checkpoint_every = 400, 400, 200
+        c.optimizer.decay_steps = 300
+        c.steps, c.eval_every, c.checkpoint_every = 300, 300, 100
         c.run_dir = "runs/sft_long_tail"
     elif preset != "tiny":
         raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail.")
