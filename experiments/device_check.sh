@@ -2,7 +2,8 @@
 # GPU checks for the device machine, run from anywhere:  OUT=/some/dir bash experiments/device_check.sh
 # Each block writes its results under $OUT and must not stop the blocks after it
 # (no `set -e`); each block's commands carry their own timeouts, which sum to under
-# 8 minutes for the default BLOCKS (spec 4.3 + tlt 3; rollout and losses on request).
+# 8 minutes for the default BLOCKS (verify 0.7 + spec 4.3 + tlt 3; rollout, losses and
+# attention on request).
 # Blocks run in the order of what is least measured.
 # BLOCKS picks blocks, e.g. BLOCKS="losses" bash experiments/device_check.sh.
 set -u
@@ -14,12 +15,27 @@ if ! python -c "import ml_collections" 2>/dev/null; then
   python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "no ml_collections wheel in .whl/"
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-BLOCKS=${BLOCKS:-"spec tlt"}
+BLOCKS=${BLOCKS:-"verify spec tlt"}
 want() { [[ " $BLOCKS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
 python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())" \
   > "$OUT/versions.txt" 2>&1
+
+# ===== BEGIN verify: draft-tree verification, jnp reference vs V-tiled Pallas kernel (bench_verify.py) =====
+# Budget: 40 seconds. Qwen2.5's V = 151936, sampled drafts, T = 48, 16, 8 nodes at batch
+# 1 and 8, until the budget stops new cases (the deterministic mode and more block sizes:
+# BLOCKS=verify VERIFY_ARGS="--modes=deterministic --block_v=4096"). Each row says
+# whether the kernel's outputs equal the reference's; spec_verify's impl="auto" moves to
+# the kernel only where it is faster here.
+if want verify; then
+echo "== bench_verify (V=151936)"
+timeout 40 python -m experiments.bench_verify --nodes=48,16,8 --batches=1,8 --repeats=5 --time_budget_s=25 \
+  ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json" > "$OUT/bench_verify.log" 2>&1
+echo "bench_verify exit $?" >> "$OUT/bench_verify.log"
+tail -n 10 "$OUT/bench_verify.log"
+fi
+# ===== END verify =================================================================================
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 4.3 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
@@ -95,3 +111,21 @@ echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
 tail -n 25 "$OUT/bench_kl.log"
 fi
 # ===== END losses ====================================================================
+
+# ===== BEGIN attention: attention memory and time at reasoning lengths (bench_attention.py) =====
+# Budget: under 2 minutes. Qwen2.5-1.5B's shapes, bf16, batch 1: agreement of blockwise and
+# cuDNN with dense at T=2048, then forward + backward of the attention core at 8k-32k
+# tokens: XLA temp bytes (the CPU table's numbers, here from the GPU compiler) and
+# time; dense is expected to run out of memory at 32k. Then packed segments (blockwise
+# only: cuDNN's public API has no segment ids).
+if want attention; then
+echo "== bench_attention --time --check"
+timeout 75 python -m experiments.bench_attention --scopes=attention --time --check \
+  --out="$OUT/bench_attention.json" > "$OUT/bench_attention.log" 2>&1
+echo "bench_attention exit $?" >> "$OUT/bench_attention.log"
+timeout 40 python -m experiments.bench_attention --scopes=attention --time --segments --impls=blockwise \
+  --out="$OUT/bench_attention_segments.json" > "$OUT/bench_attention_segments.log" 2>&1
+echo "bench_attention segments exit $?" >> "$OUT/bench_attention_segments.log"
+tail -n 16 "$OUT/bench_attention.log" "$OUT/bench_attention_segments.log"
+fi
+# ===== END attention ================================================================================

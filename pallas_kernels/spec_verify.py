@@ -56,16 +56,23 @@ gives token 0 rather than NaN.
 
 Implementations (`impl`):
 reference  plain jnp, vectorised over B, a lax.fori_loop over nodes.
-pallas     `pl.pallas_call`, one program per sequence whose block is its whole
-           [T, V] rows; the same walk code as the reference, on [1, V] rows loaded
-           one node at a time. Interpret mode on CPU, where its outputs are bitwise
-           those of the reference. Triton lowering on the GPU: T and V are padded to
-           powers of two (padding nodes, -inf log-probs), which copies the inputs, and
-           a program keeps ~5 [V] float32 vectors live, which spills beyond a few
-           thousand entries; on the GPU the V-sums are Triton reductions, so outputs
-           can differ from the reference where a uniform lies within rounding of an
-           acceptance threshold. Not yet timed on a GPU.
-auto       _AUTO_IMPL for the backend.
+pallas     `pl.pallas_call`, one program per sequence, tiled over V: no [V] row is
+           held on chip, only vectors of `block_v` entries (default 2048), so it
+           serves V = 128k-152k (Llama 3, Qwen2.5). The walk state (r, q) is rebuilt a
+           block at a time from the current node's rows and the rejections recorded
+           since (see _tiled_kernel); the masses the walk needs (residual and kept
+           draft mass per rejection, sum(r) per deterministic try) and the final
+           Gumbel-argmax accumulate over V blocks. Memory traffic: one pass over the
+           node's rows per rejection (sampled) or per try (deterministic), plus one for
+           the final draw. Interpret mode on CPU, where its outputs equal the
+           reference's for the same key (the elementwise values are the reference's
+           bit for bit; only the block order of the V-sums differs, which matters
+           only where a uniform lies within rounding of an acceptance threshold).
+           Triton lowering on the GPU: only the [B, T] node arrays are padded (to a
+           power-of-two T), V only when below one block.
+auto       _AUTO_IMPL for the backend: the reference everywhere until a GPU timing
+           (`experiments/bench_verify.py`, in `experiments/device_check.sh`) says the
+           kernel is faster.
 """
 
 from __future__ import annotations
@@ -87,7 +94,10 @@ __all__ = ["IMPLS", "resolve_impl", "verify"]
 IMPLS = ("auto", "reference", "pallas")
 
 # impl="auto" per backend: the reference until the kernel has been timed on a GPU.
+# CPU: the kernel only runs in interpret mode there.
 _AUTO_IMPL = {"cpu": "reference", "gpu": "reference", "tpu": "reference"}
+# The kernel's V block (entries per vector it keeps live).
+_BLOCK_V = 2048
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
@@ -98,9 +108,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------
-# The walk, shared by both implementations: b sequences at once (b = B in the
-# reference, 1 in a kernel program). Only elementwise ops, masked selects and
-# last-axis reductions, all of which the Triton lowering takes.
+# The reference walk: b sequences at once, whole [b, V] rows.
 # ------------------------------------------------------------------------------------
 
 
@@ -197,24 +205,122 @@ def _reference(tokens_BT, parents_BT, target_BTV, draft_BTV, u_BT, g_BV):
     return path_BT, n_acc_B1[:, 0], next_B1[:, 0]
 
 
-def _kernel(tok_ref, parent_ref, u_ref, t_ref, *refs, sampled):
+# The kernel keeps no [V] row on chip. Within one node's children the state (r, q) is a
+# function of the current node's rows and of the siblings rejected so far: each
+# rejection is recorded as (token, residual mass z, kept draft mass s), and any block
+# of r, q is rebuilt from the rows by replaying those updates elementwise, in the
+# reference's order and with its operations, so that the values agree bit for bit with
+# the reference's given the same z and s. z, s (sampled) or sum(r) (deterministic) and
+# the final Gumbel-argmax are accumulated over V blocks. A block past the end of the
+# row starts at V - block instead and masks the entries an earlier block counted: no
+# padding of the [T, V] inputs (V below one block is padded up to it).
+
+
+def _tiled_kernel(tok_ref, parent_ref, u_ref, t_ref, *refs, sampled, block_v):
     d_ref, g_ref, path_ref, n_acc_ref, next_ref = refs if sampled else (None, *refs)
+    n_nodes, v = t_ref.shape
+    n_blocks = pl.cdiv(v, block_v)
+    tp = tok_ref.shape[1]
+    iota_1T = lax.broadcasted_iota(jnp.int32, (1, tp), 1)
+    tokens_1T, parents_1T, u_1T = tok_ref[...], parent_ref[...], u_ref[...]
 
-    def load(i):
-        node = pl.ds(i, 1)
-        d_1V = d_ref[node, :] if sampled else None
-        return tok_ref[:, node], parent_ref[:, node], u_ref[:, node], t_ref[node, :], d_1V
+    def entry(x_1T, j):  # x[j] as a scalar; exact (adds zeros)
+        return jnp.sum(jnp.where(iota_1T == j, x_1T, jnp.zeros_like(x_1T)))
 
-    path_ref[...], n_acc_ref[...], next_ref[...] = _walk(load, t_ref.shape[0], g_ref[...], sampled)
+    def rows(cur, k, rejected, start, width):
+        """r, q [1, width] at columns start.. of the walk's state at node cur after its
+        first k rejected siblings (q None for deterministic drafts)."""
+        node, cols = pl.ds(cur, 1), pl.ds(start, width)
+        ids = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+        r = jnp.exp(t_ref[node, cols])
+        q = jnp.exp(d_ref[node, cols]) if sampled else None
+        rej_tok, rej_z, rej_s = rejected
+
+        def replay(j, rq):
+            r, q = rq
+            hit = ids == entry(rej_tok, j)
+            if not sampled:
+                return jnp.where(hit, 0.0, r), q
+            z, s = entry(rej_z, j), entry(rej_s, j)
+            r = jnp.where(z > 0, _safe_div(jnp.maximum(r - q, 0.0), z), r)
+            return r, _safe_div(jnp.where(hit, 0.0, q), s)
+
+        return lax.fori_loop(0, k, replay, (r, q))
+
+    def blocks(n, fn, init):
+        """Folds fn(valid_1W, ids_1W, start, acc) over the first n V blocks (n = 0: none)."""
+
+        def body(j, acc):
+            start = jnp.minimum(j * block_v, v - block_v)
+            ids = start + lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+            return fn(ids >= j * block_v, ids, start, acc)
+
+        return lax.fori_loop(0, n, body, init)
+
+    def body(i, carry):
+        cur, k, n_acc, path_1T, rejected = carry
+        tok = jnp.clip(entry(tokens_1T, i), 0, v - 1)  # out-of-vocab nodes are padding: never tried
+        tried = entry(parents_1T, i) == cur
+        r_x, q_x = rows(cur, k, rejected, tok, 1)
+        r_x = jnp.sum(r_x)
+        if sampled:
+            accept = tried & (entry(u_1T, i) * jnp.sum(q_x) < r_x)
+            reject = tried & ~accept
+
+            def masses(valid, ids, start, acc):
+                r, q = rows(cur, k, rejected, start, block_v)
+                res = jnp.where(valid, jnp.maximum(r - q, 0.0), 0.0)
+                kept = jnp.where(valid & (ids != tok), q, 0.0)
+                return acc[0] + jnp.sum(res), acc[1] + jnp.sum(kept)
+
+            z, s = blocks(jnp.where(reject, n_blocks, 0), masses, (jnp.float32(0), jnp.float32(0)))
+        else:
+
+            def mass(valid, ids, start, acc):
+                return acc + jnp.sum(jnp.where(valid, rows(cur, k, rejected, start, block_v)[0], 0.0))
+
+            total = blocks(jnp.where(tried, n_blocks, 0), mass, jnp.float32(0))
+            accept = tried & (entry(u_1T, i) * total < r_x)
+            reject = tried & ~accept
+            z = s = jnp.float32(0)
+        at_k = reject & (iota_1T == k)
+        rej_tok, rej_z, rej_s = rejected
+        rejected = (jnp.where(at_k, tok, rej_tok), jnp.where(at_k, z, rej_z), jnp.where(at_k, s, rej_s))
+        path_1T = jnp.where(accept & (iota_1T == n_acc), i, path_1T)
+        k = jnp.where(accept, 0, k + reject.astype(jnp.int32))
+        return jnp.where(accept, i, cur), k, n_acc + accept.astype(jnp.int32), path_1T, rejected
+
+    zero = jnp.int32(0)
+    no_rejections = (jnp.zeros((1, tp), jnp.int32), jnp.zeros((1, tp), jnp.float32), jnp.ones((1, tp), jnp.float32))
+    init = (zero, zero, zero, jnp.full((1, tp), -1, jnp.int32), no_rejections)
+    cur, k, n_acc, path_1T, rejected = lax.fori_loop(1, n_nodes, body, init)
+
+    def argmax(valid, ids, start, acc):  # first maximum of log r + g, as _first_argmax
+        best, best_id = acc
+        x = jnp.where(valid, jnp.log(rows(cur, k, rejected, start, block_v)[0]) + g_ref[:, pl.ds(start, block_v)],
+                      -jnp.inf)
+        m = jnp.max(x)
+        m_id = jnp.min(jnp.where(x == m, ids, v))
+        return jnp.where(m > best, m, best), jnp.where(m > best, m_id, best_id)
+
+    _, next_token = blocks(n_blocks, argmax, (jnp.float32(-jnp.inf), zero))
+    path_ref[...] = path_1T
+    n_acc_ref[...] = jnp.full((1, 1), n_acc, jnp.int32)
+    next_ref[...] = jnp.full((1, 1), next_token, jnp.int32)
 
 
-def _pallas(tokens_BT, parents_BT, target_BTV, draft_BTV, u_BT, g_BV, *, interpret=None, pad=None):
-    """interpret None: everywhere but on a GPU. pad None: pad T and V to powers of two
-    unless interpreting (Triton blocks must be powers of two)."""
+def _pallas(tokens_BT, parents_BT, target_BTV, draft_BTV, u_BT, g_BV, *, interpret=None, block_v=_BLOCK_V,
+            num_warps=4):
+    """interpret None: everywhere but on a GPU. block_v: a power of two, the V block.
+    The [B, T] node arrays are padded to a power-of-two T (padding nodes) and V is
+    padded (-inf log-probs) only when below one block: Triton blocks are powers of two."""
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    pad = not interpret if pad is None else pad
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
     b, t, v = target_BTV.shape
-    tp, vp = (pl.next_power_of_2(t), pl.next_power_of_2(v)) if pad else (t, v)
+    tp = pl.next_power_of_2(t)
+    block_v = min(block_v, pl.next_power_of_2(v))
+    vp = max(v, block_v)
 
     def padded(x, sizes, value):
         return jnp.pad(x, [(0, s - n) for n, s in zip(x.shape, sizes)], constant_values=value)
@@ -224,20 +330,20 @@ def _pallas(tokens_BT, parents_BT, target_BTV, draft_BTV, u_BT, g_BV, *, interpr
         padded(tokens_BT, (b, tp), 0),
         padded(parents_BT, (b, tp), -1),
         padded(u_BT, (b, tp), 0.0),
-        padded(target_BTV, (b, tp, vp), -jnp.inf),
+        padded(target_BTV, (b, t, vp), -jnp.inf),
     ]
-    ins += [padded(draft_BTV, (b, tp, vp), -jnp.inf)] if sampled else []
+    ins += [padded(draft_BTV, (b, t, vp), -jnp.inf)] if sampled else []
     ins.append(padded(g_BV, (b, vp), 0.0))
-    row_T, rows_TV = pl.BlockSpec((1, tp), lambda s: (s, 0)), pl.BlockSpec((pl.Squeezed(), tp, vp), lambda s: (s, 0, 0))
+    row_T, rows_TV = pl.BlockSpec((1, tp), lambda s: (s, 0)), pl.BlockSpec((pl.Squeezed(), t, vp), lambda s: (s, 0, 0))
     one = pl.BlockSpec((1, 1), lambda s: (s, 0))
     if interpret:
         params = None
     elif _pltriton is None:
         raise NotImplementedError("this jax build has no Pallas Triton backend; use interpret=True")
     else:  # Triton parameters select the Triton lowering (jax >= 0.10 defaults to Mosaic GPU).
-        params = _pltriton.CompilerParams(num_warps=4)
+        params = _pltriton.CompilerParams(num_warps=num_warps)
     path_BT, n_acc_B1, next_B1 = pl.pallas_call(
-        functools.partial(_kernel, sampled=sampled),
+        functools.partial(_tiled_kernel, sampled=sampled, block_v=block_v),
         out_shape=(
             jax.ShapeDtypeStruct((b, tp), jnp.int32),
             jax.ShapeDtypeStruct((b, 1), jnp.int32),

@@ -258,10 +258,15 @@ def test_temperature_zero_is_argmax_path(impl):
             np.testing.assert_array_equal(next_token, want_next)
 
 
+# The kernel over blocks of 4 entries: with VS = 13, four blocks, the last overlapping.
+_pallas_blocks_of_4 = jax.jit(functools.partial(sv._pallas, block_v=4))
+
+
 def test_pallas_matches_reference():
-    """Same key -> identical outputs, over keys and random trees; also with T and V
-    padded to powers of two as on the GPU (interpret mode here)."""
-    padded = jax.jit(functools.partial(sv._pallas, pad=True))
+    """Same key -> identical outputs, over keys and random trees; with V (odd) below one
+    block (padded up to it) and over several blocks of 4, the last overlapping the one
+    before it."""
+    blocks_of_4 = _pallas_blocks_of_4
     n_accepted = 0
     for seed in range(4):
         tokens, parents, target, draft = _random_inputs(seed)
@@ -271,10 +276,10 @@ def test_pallas_matches_reference():
             got = sv.verify(tokens, parents, target, draft_logp, key, impl="pallas")
             k_u, k_g = jax.random.split(key)
             noise = jax.random.uniform(k_u, (B, T)), jax.random.gumbel(k_g, (B, VS))
-            got_padded = padded(tokens, parents, target, draft_logp, *noise)
-            for w, g, gp in zip(want, got, got_padded):
+            got_blocks = blocks_of_4(tokens, parents, target, draft_logp, *noise)
+            for w, g, gb in zip(want, got, got_blocks):
                 np.testing.assert_array_equal(g, w)
-                np.testing.assert_array_equal(gp, w)
+                np.testing.assert_array_equal(gb, w)
             padding = np.asarray(parents)[np.arange(B)[:, None], np.maximum(want[0], 0)] < 0
             assert not (padding & (np.asarray(want[0]) >= 0)).any()
             # A node drafting a token outside [0, V) is padding, with its subtree.
@@ -285,6 +290,88 @@ def test_pallas_matches_reference():
                     np.testing.assert_array_equal(g, w)
             n_accepted += int(want[1].sum())
     assert n_accepted >= 8  # the walks went past the root
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "deterministic"])
+def test_acceptance_at_exact_thresholds(sampled):
+    """The accept test after a chain of rejections, against float64 arithmetic: root
+    children 1, 2, 3 are rejected, then child 4 is tried with u just below (row 0:
+    accepted) or just above (rows 1, 2: rejected) its exact threshold r'(x)/q'(x)
+    (sampled) or r'(x)/sum(r') (deterministic); node 4's children are tried with
+    u ~ 1. With zero Gumbel noise the final token is the argmax of the exact final r."""
+    rng = np.random.default_rng(11)
+    parents = np.broadcast_to(np.array([-1, 0, 0, 0, 0, 4, 4]), (B, T))
+    target = rng.normal(size=(B, T, VS))
+    draft = target + rng.normal(size=(B, T, VS)) * 0.5
+    tokens = np.zeros((B, T), np.int64)
+    for b in range(B):
+        tokens[b, 1:5] = rng.permutation(VS)[:4]
+        tokens[b, 5:] = rng.permutation(VS)[:2]
+        draft[b, 0, tokens[b, 1:4]] += 3.0  # the draft over-proposes these: q > r
+        draft[b, 4, tokens[b, 5:]] += 3.0
+    target = np.asarray(jax.nn.log_softmax(jnp.asarray(target, jnp.float32), -1))
+    draft = np.asarray(jax.nn.log_softmax(jnp.asarray(draft, jnp.float32), -1))
+
+    def exact_walk(b, node, rejected):  # float64 (r, q) at node after rejecting `rejected`
+        r, q = np.exp(target[b, node].astype(np.float64)), np.exp(draft[b, node].astype(np.float64))
+        for x in rejected:
+            if sampled:
+                res = np.maximum(r - q, 0.0)
+                r = res / res.sum() if res.sum() > 0 else r
+                q[x] = 0.0
+                q = q / q.sum()
+            else:
+                r[x] = 0.0
+        return r, q
+
+    def threshold(r, q, x):
+        return r[x] / q[x] if sampled else r[x] / r.sum()
+
+    u = np.full((B, T), 1.0 - 1e-7)
+    want_next = np.zeros(B, np.int64)
+    for b in range(B):
+        r, q = exact_walk(b, 0, tokens[b, 1:4])
+        assert all(threshold(*exact_walk(b, 0, tokens[b, 1:i]), tokens[b, i]) < 0.99 for i in range(1, 4))
+        assert all(threshold(*exact_walk(b, 4, tokens[b, 5:i]), tokens[b, i]) < 0.99 for i in range(5, 7))
+        u[b, 4] = threshold(r, q, tokens[b, 4]) * (1 - 1e-3 if b == 0 else 1 + 1e-3)
+        final = exact_walk(b, 4, tokens[b, 5:]) if b == 0 else exact_walk(b, 0, tokens[b, 1:5])
+        want_next[b] = np.argmax(final[0])
+    args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32), jnp.asarray(target),
+            jnp.asarray(draft) if sampled else None, jnp.asarray(u, jnp.float32), jnp.zeros((B, VS), jnp.float32))
+    for impl in (jax.jit(sv._reference), _pallas_blocks_of_4):
+        path, n_acc, next_token = impl(*args)
+        np.testing.assert_array_equal(n_acc, [1, 0, 0])
+        np.testing.assert_array_equal(path[:, 0], [4, -1, -1])
+        np.testing.assert_array_equal(next_token, want_next)
+
+
+def test_pallas_matches_reference_at_qwen_vocabulary():
+    """V = 151936 (Qwen2.5) in blocks of 2048, the last overlapping: rows with a few
+    likely tokens over a flat floor, drafts from the target's likely tokens so that
+    walks go deep and meet rejections with real residuals."""
+    b, t, v, n_likely = 2, 6, 151936, 4
+    rng = np.random.default_rng(5)
+    parents = np.array([[-1, 0, 0, 1, 3, 3], [-1, 0, 1, 2, 0, -1]], np.int32)
+    likely = rng.integers(0, v, (n_likely,))
+
+    def rows():
+        x = np.full((b, t, v), -4.0, np.float32) + rng.normal(size=(b, t, v)).astype(np.float32)
+        x[..., likely] += 12.0 + 2.0 * rng.normal(size=(b, t, n_likely))
+        return jax.nn.log_softmax(jnp.asarray(x), axis=-1)
+
+    target, draft = rows(), rows()
+    tokens = jnp.asarray(rng.choice(likely, (b, t)), jnp.int32)
+    accepted = rejected = 0
+    for draft_logp in (draft, None):
+        for seed in range(3):
+            key = jax.random.key(seed)
+            want = sv.verify(tokens, parents, target, draft_logp, key, impl="reference")
+            got = sv.verify(tokens, parents, target, draft_logp, key, impl="pallas")
+            for w, g in zip(want, got):
+                np.testing.assert_array_equal(g, w)
+            accepted += int(want[1].sum())
+            rejected += int(np.sum(np.asarray(want[1]) < 3))
+    assert accepted >= 6 and rejected >= 2
 
 
 @pytest.mark.skipif(sv._pltriton is None, reason="no Pallas Triton backend")

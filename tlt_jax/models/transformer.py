@@ -22,8 +22,11 @@ Three entry points share one attention and one KV-cache layout:
   * `decode`   T >= 1 new tokens per sequence with explicit positions and an optional
                [B, T, T] mask among them (a draft tree is verified this way).
 `prefill` is `decode` from an empty cache with the causal mask, so the two cannot
-disagree. The output projection is exposed (`lm_head_weight`) so that losses project
-blockwise; logits are formed only on request, for the tokens asked for.
+disagree. Attention is `tlt_jax.models.attention`: with the causal mask (forward,
+prefill, causal decode) `attention_impl="auto"` tiles long sequences (online softmax,
+or cuDNN on a GPU) instead of forming [B, H, T, S] scores. The output projection is
+exposed (`lm_head_weight`) so that losses project blockwise; logits are formed only on
+request, for the tokens asked for.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tlt_jax.models.attention import CausalMask, attention
 from tlt_jax.models.config import ModelConfig
 
 Params = dict
@@ -230,19 +234,6 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
     return x_BTHD * cos + rotated * sin
 
 
-def attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS):
-    """Grouped-query attention; softmax in float32. mask_BTS: True where visible."""
-    b, t, h, dh = q_BTHD.shape
-    kv = k_BSKD.shape[2]
-    q = q_BTHD.reshape(b, t, kv, h // kv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(dh)
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
-    return out.reshape(b, t, h, dh)
-
-
 def _qkv(layer, x_BTD, positions_BT, config, inv_freq):
     c = config
     dt = c.jnp_dtype
@@ -291,7 +282,8 @@ def _inputs(params, config, tokens_BT, inputs_BTD):
 
 def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
             positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
-            layer_ids: Sequence[int] = (), remat: bool = False, inputs_BTD: jax.Array | None = None):
+            layer_ids: Sequence[int] = (), remat: bool = False, inputs_BTD: jax.Array | None = None,
+            attention_impl: str = "auto"):
     """Full-sequence forward (training).
 
     Args:
@@ -302,6 +294,8 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
       remat: rematerialise each layer in the backward pass.
       inputs_BTD: input vectors in place of the token embeddings (tokens_BT None): the
         drafter feeds its fused features through the same layers this way.
+      attention_impl: `attention.attention`'s impl; "auto" keeps long sequences off
+        [B, H, T, T] scores.
     Returns:
       h_BTD, the final-normed hidden states (what the LM head reads), and, when
       layer_ids is non-empty, a [len(layer_ids), B, T, D] stack of layer outputs.
@@ -311,9 +305,7 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
     b, t = x.shape[:2]
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    if segment_ids_BT is not None:
-        mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+    mask = CausalMask(segment_ids_BT=segment_ids_BT)
     inv_freq = rope_inv_freq(c)
     selected = jnp.asarray(layer_ids, jnp.int32)
 
@@ -321,7 +313,7 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
         x, collected = carry
         layer, index = xs
         q, k, v = _qkv(layer, x, positions_BT, c, inv_freq)
-        x = _attn_out_and_mlp(layer, x, attention(q, k, v, mask_BTS), c)
+        x = _attn_out_and_mlp(layer, x, attention(q, k, v, mask, impl=attention_impl), c)
         if layer_ids:
             collected = jnp.where((selected == index)[:, None, None, None], x[None], collected)
         return (x, collected), None
@@ -387,7 +379,8 @@ def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None
 
 def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array | None,
            positions_BT: jax.Array, *, mask_BTW: jax.Array | None = None,
-           return_logits: bool = False, layer_ids: Sequence[int] = (), inputs_BTD: jax.Array | None = None):
+           return_logits: bool = False, layer_ids: Sequence[int] = (), inputs_BTD: jax.Array | None = None,
+           attention_impl: str = "auto"):
     """Runs T >= 1 new tokens per sequence against the cache.
 
     Slots from lengths[b] on are scratch: mask_BTW [B, T, W] (W >= T, default the causal
@@ -401,31 +394,44 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
     nothing proportional to the cache is copied. With per-layer weights
     (`unstack_layers`) the layer loop is unrolled instead of scanned: longer compiles,
     no per-step weight copies on the GPU. inputs_BTD replaces the token embeddings
-    (tokens_BT None).
+    (tokens_BT None). attention_impl: `attention.attention`'s impl for the default
+    causal mask (an explicit mask_BTW is always dense; "auto" is dense for short T).
 
     Returns (h_BTD, cache) — h final-normed — or (logits_BTV float32, h_BTD, cache)
     with return_logits; with layer_ids the layer stack [n, B, T, D] is appended.
     """
+    return _decode(params, config, cache, tokens_BT, positions_BT, mask_BTW, return_logits, layer_ids, inputs_BTD,
+                   attention_impl, from_empty=False)
+
+
+def _decode(params, config, cache, tokens_BT, positions_BT, mask_BTW, return_logits, layer_ids, inputs_BTD,
+            attention_impl, from_empty):
+    """decode; from_empty: the cache holds nothing (prefill), so with the causal mask the
+    new tokens attend to their own T slots only."""
     c = config
     x = _inputs(params, c, tokens_BT, inputs_BTD)
     b, t = x.shape[:2]
     s = cache.max_length
-    if mask_BTW is None:
-        mask_BTW = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    w = mask_BTW.shape[2]
-    if mask_BTW.shape != (b, t, w) or w < t:
-        raise ValueError(f"mask_BTW has shape {mask_BTW.shape}; expected ({b}, {t}, W) with W >= {t}.")
     start_B = cache.lengths
-    rel_BS = jnp.arange(s, dtype=jnp.int32)[None, :] - start_B[:, None]
-    committed_BS = rel_BS < 0
-    is_scratch_BS = (rel_BS >= 0) & (rel_BS < w)
-    scratch_visible_BTS = jnp.take_along_axis(
-        mask_BTW, jnp.broadcast_to(jnp.clip(rel_BS, 0, w - 1)[:, None, :], (b, t, s)), axis=2)
-    mask_BTS = committed_BS[:, None, :] | (is_scratch_BS[:, None, :] & scratch_visible_BTS)
+    w = t if mask_BTW is None else mask_BTW.shape[2]
+    if mask_BTW is None:
+        # Slot s is visible to new token t iff s <= start + t: the committed slots and
+        # the causal ones among the new tokens.
+        mask = CausalMask() if from_empty else CausalMask(offset_B=start_B)
+    else:
+        if mask_BTW.shape != (b, t, w) or w < t:
+            raise ValueError(f"mask_BTW has shape {mask_BTW.shape}; expected ({b}, {t}, W) with W >= {t}.")
+        rel_BS = jnp.arange(s, dtype=jnp.int32)[None, :] - start_B[:, None]
+        committed_BS = rel_BS < 0
+        is_scratch_BS = (rel_BS >= 0) & (rel_BS < w)
+        scratch_visible_BTS = jnp.take_along_axis(
+            mask_BTW, jnp.broadcast_to(jnp.clip(rel_BS, 0, w - 1)[:, None, :], (b, t, s)), axis=2)
+        mask = committed_BS[:, None, :] | (is_scratch_BS[:, None, :] & scratch_visible_BTS)
     slots_BT = start_B[:, None] + (w - t) + jnp.arange(t, dtype=jnp.int32)[None, :]
     rows_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     inv_freq = rope_inv_freq(c)
     selected = jnp.asarray(layer_ids, jnp.int32)
+    keys = t if from_empty and mask_BTW is None else s
 
     def layer_fn(carry, xs):
         x, k_all, v_all, collected = carry
@@ -433,7 +439,8 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
         q, k, v = _qkv(layer, x, positions_BT, c, inv_freq)
         k_all = k_all.at[index, rows_B1, slots_BT].set(k.astype(k_all.dtype), mode="drop")
         v_all = v_all.at[index, rows_B1, slots_BT].set(v.astype(v_all.dtype), mode="drop")
-        attn = attention(q, k_all[index].astype(q.dtype), v_all[index].astype(q.dtype), mask_BTS)
+        attn = attention(q, k_all[index][:, :keys].astype(q.dtype), v_all[index][:, :keys].astype(q.dtype), mask,
+                         impl=attention_impl)
         x = _attn_out_and_mlp(layer, x, attn, c)
         if isinstance(index, int):  # the unrolled loop knows which layer it is at
             if index in layer_ids:
@@ -456,16 +463,18 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.A
 
 
 def prefill(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.Array,
-            lengths_B: jax.Array, *, return_logits: bool = False):
+            lengths_B: jax.Array, *, return_logits: bool = False, attention_impl: str = "auto"):
     """Writes right-padded prompts into an emptied cache; lengths become lengths_B.
 
     Returns the final-normed hidden state of each prompt's last token, h_BD (and its
-    float32 logits_BV first with return_logits), and the cache.
+    float32 logits_BV first with return_logits), and the cache. attention_impl as in
+    `forward`.
     """
     b, t = tokens_BT.shape
     empty = KVCache(cache.k, cache.v, jnp.zeros((b,), jnp.int32))
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    h_BTD, cache = decode(params, config, empty, tokens_BT, positions_BT)
+    h_BTD, cache = _decode(params, config, empty, tokens_BT, positions_BT, None, False, (), None, attention_impl,
+                           from_empty=True)
     cache = KVCache(cache.k, cache.v, lengths_B.astype(jnp.int32))
     h_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     if return_logits:
