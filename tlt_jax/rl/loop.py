@@ -248,7 +248,7 @@ class RLLoop:
             "entropy": float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1)),
             "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
             "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
-            "rollout_logp_gap": float(last["rollout_logp_gap"]),
+            "rollout_logp_gap": float(np.mean([u["rollout_logp_gap"] for u in updates])),
             "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
             "skipped_updates": skipped, "reward_failures": failures,
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
