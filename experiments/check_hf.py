@@ -1,6 +1,9 @@
 r"""Parity of our forward with transformers' on a Hugging Face checkpoint.
 
-  python -m experiments.check_hf --hf_dir /path/to/ckpt [--prompt TEXT] [--atol 1e-4]
+  python -m experiments.check_hf --hf_dir=/path/to/ckpt [--prompt=TEXT] [--atol=1e-4]
+  python -m experiments.check_hf --hf_dir=assets/sft_tiny
+  python -m experiments.make_random_hf --out=/tmp/qwen2_tiny --family=qwen2 && \
+      python -m experiments.check_hf --hf_dir=/tmp/qwen2_tiny
 
 Loads the checkpoint twice in float32 — with `tlt_jax.models.hf_io` and with
 `transformers` (torch, CPU) — runs both on the same tokens (the directory's tokenizer
@@ -14,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from tlt_jax import launch
 from tlt_jax.models import hf_io
@@ -65,6 +68,7 @@ def compare(hf_dir: str, prompt: str, num_tokens: int, atol: float) -> dict:
 def main(argv):
     del argv
     launch.maybe_initialize_distributed()
+    launch.check_checkpoint_dir(_HF_DIR.value, "--hf_dir")
     result = compare(_HF_DIR.value, _PROMPT.value, _NUM_TOKENS.value, _ATOL.value)
     if jax.process_index() == 0:
         print(json.dumps(result), flush=True)
@@ -72,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main)

@@ -18,11 +18,13 @@ import os
 
 import numpy as np
 from absl import app, flags
+from matplotlib.figure import Figure
 
 from tlt_jax import metrics
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "label:glob of run directories, one group per flag.")
-_OUT = flags.DEFINE_string("out", "runs/compare_runs.json", "JSON result; the plot goes beside it (.png).")
+_OUT = flags.DEFINE_string("out", "runs/compare_runs.json", "JSON result; the plot goes beside it (.png).",
+                           allow_override=True)  # tests import several launchers into one process
 flags.mark_flag_as_required("runs")
 
 PER_STEP = ("reward_mean", "response_length_mean")
@@ -99,12 +101,9 @@ def compare(groups: dict[str, dict]) -> dict:
     return out
 
 
-def plot(groups: dict[str, dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+def plot(groups: dict[str, dict], path: str) -> Figure:
+    fig = Figure(figsize=(15, 4), layout="constrained")
+    axes = fig.subplots(1, 3)
     for label, g in groups.items():
         acc = g["eval_accuracy"]
         line, = axes[0].plot(g["eval_steps"], acc.mean(0), marker="o", label=f"{label} ({g['seeds']} seeds)")
@@ -119,9 +118,8 @@ def plot(groups: dict[str, dict], path: str) -> None:
         ax.set_title(title + ": mean, band = min-max over seeds", fontsize=9)
         ax.set_xlabel("RL step")
         ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main(argv):

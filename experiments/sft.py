@@ -1,15 +1,21 @@
-r"""Supervised warm start on the synthetic reasoning traces.
+r"""Supervised warm start on the synthetic reasoning traces: trains the small model the main job
+starts from, evaluates it greedily and writes it in the Hugging Face format to <run_dir>/hf.
 
-  python -m experiments.sft --config=configs/sft.py:tiny [--config.run_dir=runs/sft]
+  python -m experiments.sft --config=configs/sft.py:tiny      # assets/sft_tiny is its runs/sft_tiny/hf
+  python -m experiments.sft --config=configs/sft.py:long_tail
+
+Presets: tiny, gpu, long_tail (configs/sft.py). A rerun with the same run_dir resumes from
+its last checkpoint. Prints the final metrics (loss, eval_accuracy) as one JSON line.
 """
 import json
 
 from ml_collections import config_flags
 
-from tlt_jax import launch
+from tlt_jax import launch, metrics
 from tlt_jax.rl.sft import train_sft
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft.py:tiny", "SFT config.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft.py:tiny", "SFT config file:preset; override any "
+                                          "field with --config.<field>=<value>.")
 
 
 def main(argv):
@@ -17,7 +23,10 @@ def main(argv):
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
     launch.prepare_run_dir(config.run_dir, config)
-    print(json.dumps(train_sft(config)))
+    result = train_sft(config)
+    metrics.report(f"SFT: eval accuracy {result.get('eval_accuracy', float('nan')):.3f} after {config.steps} steps; "
+                   f"the model is in {config.run_dir}/hf")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

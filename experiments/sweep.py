@@ -1,4 +1,5 @@
-r"""Runs a config's sweep: one launcher process per point.
+r"""Runs a config's sweep: one launcher process per point, each with its own run directory
+and log (<sweep_dir>/<point>.log); writes <sweep_dir>/sweep.json with each point's exit status.
 
 A config file that can be swept defines, beside `get_config(arg)`, a
 `get_sweep(arg) -> list[dict]` of override dicts (dotted keys; `configs.common.grid`
@@ -8,6 +9,7 @@ builds products). Each point runs as
 
   python -m experiments.sweep --launcher=experiments.generate \
       --config=configs/generate.py:tiny --sweep_dir=runs/sweep --parallel=2
+  python -m experiments.sweep --launcher=experiments.train_rl --config=configs/rl.py:tiny --dry_run
 """
 import importlib.util
 import json
@@ -16,7 +18,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
+
+from tlt_jax import launch
 
 _LAUNCHER = flags.DEFINE_string("launcher", None, "Module of the launcher to run, e.g. experiments.train_rl.")
 _CONFIG = flags.DEFINE_string("config", None, "Config file and argument, path.py:arg.")
@@ -71,14 +75,15 @@ def main(argv):
             name, cmd = pending.pop(0)
             log = open(os.path.join(_SWEEP_DIR.value, f"{name}.log"), "w")
             running.append((name, cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-            logging.info("started %s", name)
+            print(f"started {name}", file=sys.stderr, flush=True)
         for item in list(running):
             name, cmd, proc, log = item
             if proc.poll() is not None:
                 log.close()
                 running.remove(item)
                 results[name] = dict(returncode=proc.returncode, command=cmd)
-                logging.info("finished %s (exit %d), %d left", name, proc.returncode, len(pending) + len(running))
+                print(f"finished {name} (exit {proc.returncode}), {len(pending) + len(running)} left", file=sys.stderr,
+                      flush=True)
         time.sleep(0.2)
     with open(os.path.join(_SWEEP_DIR.value, "sweep.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -89,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main, shared_help=launch.VERBOSITY_HELP)

@@ -1,27 +1,36 @@
-r"""Offline drafter training against a frozen target, then its acceptance in speculative rollouts.
+r"""Offline drafter training against a frozen target (the drafter's warm start), then its
+acceptance in speculative rollouts.
 
   python -m experiments.train_drafter --config=configs/drafter.py:tiny [--config.run_dir=runs/drafter]
       [--config.target_dir=/path/to/hf_checkpoint] [--config.acceptance.num_prompts=0]
 
 Writes metrics.jsonl, tensorboard/, drafter_curves.png, checkpoints/ (a rerun resumes) and
-the drafter export <run_dir>/drafter; prints the final metrics as one JSON line.
+the drafter export <run_dir>/drafter (for experiments.generate --drafter and the RL config's
+tlt.drafter.init); prints the final metrics as one JSON line.
 """
 import json
 
 from ml_collections import config_flags
 
-from tlt_jax import launch
+from tlt_jax import launch, metrics
 from tlt_jax.drafter_training.trainer import train_drafter
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/drafter.py:tiny", "Drafter training config.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/drafter.py:tiny", "Drafter config file:preset; "
+                                          "override any field with --config.<field>=<value>.")
 
 
 def main(argv):
     del argv
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
+    launch.check_checkpoint_dir(config.target_dir, "--config.target_dir")
     launch.prepare_run_dir(config.run_dir, config)
-    print(json.dumps(train_drafter(config)))
+    result = train_drafter(config)
+    line = f"Drafter after {result['steps']} steps: eval top-1 agreement with the target {result['eval_top1_agree']:.3f}"
+    if "acceptance" in result:
+        line += f", acceptance length {result['acceptance']['acceptance_length']:.2f} in speculative rollouts"
+    metrics.report(line + f"; the export is {config.run_dir}/drafter")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,26 @@
-r"""GRPO training on verifiable reasoning tasks: the main job (TLT on; --config.tlt.enabled=False
-is the baseline).
+r"""The main job: GRPO on verifiable reasoning tasks with TLT (speculative rollouts in the long
+tail, the drafter trained on the spot in idle gaps); --config.tlt.enabled=False is the baseline.
 
-  python -m experiments.train_rl --config=configs/rl.py:tiny
+Writes metrics.jsonl, tensorboard/, plots (reward.png, time_split.png, tlt.png, ...), checkpoints,
+the policy (hf/) and the drafter (drafter/) to --config.run_dir; prints the result as one JSON
+line. Run again with the same run_dir, it resumes (a finished run: its recorded result).
+
+  python -m experiments.train_rl --config=configs/rl.py:tiny                 # CPU, minutes
+  python -m experiments.train_rl --config=configs/rl.py:tiny --config.tlt.enabled=False --config.run_dir=runs/base
   python -m experiments.train_rl --config=configs/rl.py:qwen2.5-1.5b --config.mesh.tensor=2 \
       --coordinator_address=host0:1234 --num_processes=2 --process_id=0
+
+Presets: tiny, tiny-speculate-always, qwen2.5-0.5b, qwen2.5-1.5b (configs/rl.py; docs/tlt.md).
 """
 import json
 
 from ml_collections import config_flags
 
 from tlt_jax import launch
-from tlt_jax.rl.train import check_config, train_rl
+from tlt_jax.rl.train import check_config, recorded_result, train_rl
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl.py:tiny", "RL config file:preset; override any "
+                                          "field with --config.<field>=<value>.")
 
 
 def main(argv):
@@ -20,7 +28,8 @@ def main(argv):
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
     check_config(config)  # a bad flag must not rewrite the run directory's config.json
-    launch.prepare_run_dir(config.run_dir, config)
+    if recorded_result(config.run_dir, config.steps) is None:  # nor a rerun of a finished run
+        launch.prepare_run_dir(config.run_dir, config)
     print(json.dumps(train_rl(config)))
 
 

@@ -1,5 +1,8 @@
-"""Launchers: overrides, clear flag errors, the sweep runner, multi-host flags, the drafter export."""
+"""Launchers: overrides, clear flag and config errors, a quiet console, the compilation cache,
+the sweep runner, multi-host flags, the drafter export."""
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +52,40 @@ def test_bad_override_is_a_flag_error(override, message):
     assert "Traceback" not in out.stderr
 
 
+def test_bad_config_value_is_one_line_and_leaves_the_run_directory_alone(tmp_path):
+    recorded = '{"rollout": {"max_tokens": 96}}'
+    (tmp_path / "config.json").write_text(recorded)
+    out = _run("experiments.train_rl", "--config=configs/rl.py:tiny", f"--config.run_dir={tmp_path}",
+               "--config.rollout.max_tokens=-5")
+    assert out.returncode == 1
+    assert "rollout.max_tokens must be >= 1, got -5" in out.stderr and "Traceback" not in out.stderr
+    assert (tmp_path / "config.json").read_text() == recorded
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]
+
+    out = _run("experiments.train_rl", "--config=configs/rl.py:tiny", f"--config.run_dir={tmp_path}",
+               "--config.rollout.max_tokens=-5", "--verbosity=1")
+    assert out.returncode == 1 and "Traceback" in out.stderr
+
+
+def test_missing_checkpoint_is_one_line_naming_the_flag():
+    out = _run("experiments.check_hf", "--hf_dir=/missing")
+    assert out.returncode == 1
+    assert "--hf_dir='/missing' does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_compilation_cache_is_filled_unless_turned_off(tmp_path):
+    args = ("experiments.generate", "--config=configs/generate.py:tiny", "--config.model.num_layers=1",
+            "--config.max_new_tokens=2", "--config.batch_size=1")
+    out = _run(*args, f"--compilation_cache_dir={tmp_path / 'cache'}")
+    assert out.returncode == 0, out.stderr
+    assert len(os.listdir(tmp_path / "cache")) > 1
+    assert "Prompt: token ids [1, 2, 3, 4]" in out.stderr and "greedy" in out.stderr
+
+    out = _run(*args, f"--compilation_cache_dir={tmp_path / 'off'}", "--nocompilation_cache")
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "off").exists()
+
+
 def test_partial_multihost_flags_are_refused():
     out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--num_processes=2")
     assert out.returncode != 0
@@ -60,6 +97,8 @@ def test_train_drafter_writes_a_loadable_drafter(tmp_path):
                "--config.steps=2", "--config.data.num_train=64", "--config.data.num_eval=8", "--config.batch_size=8",
                "--config.eval_every=2", "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0")
     assert out.returncode == 0, out.stderr
+    # Library INFO logs (orbax writes ~40 lines per checkpoint save) stay off by default.
+    assert not [line for line in out.stderr.splitlines() if re.match(r"I\d{4} ", line)], out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and 0 <= summary["eval_top1_agree"] <= 1
     assert load_drafter(tmp_path / "drafter")[0].num_layers == 1

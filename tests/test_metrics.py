@@ -121,6 +121,45 @@ def test_plots_write_pngs(tmp_path):
         metrics.plot_length_histogram([], tmp_path / "empty.png")
 
 
+def test_plots_read_like_a_report(tmp_path):
+    """Readable labels, a std band inside the reward's range, a compile-heavy first step
+    that does not flatten the other bars, the rollout shown named and its speculation shaded."""
+    records = [{"step": s, "reward_mean": 0.9, "reward_std": 0.3, "time_rollout_s": 5.0, "time_learner_s": 2.0}
+               for s in range(1, 11)]
+    records[0]["time_learner_s"] = 120.0  # the first step compiles
+    figure = metrics.plot_curves(records, ["reward_mean"], tmp_path / "reward.png", title="GRPO",
+                                 bounds={"reward_mean": (0.0, 1.0)})
+    ax = figure.axes[0]
+    band = ax.collections[0].get_paths()[0].vertices
+    assert band[:, 1].max() <= 1.0 and band[:, 1].min() == pytest.approx(0.6)
+    assert ax.get_ylabel() == metrics.label("reward_mean") != "reward_mean"
+
+    figure = metrics.plot_time_split(records, ["time_rollout_s", "time_learner_s"], tmp_path / "split.png")
+    ax = figure.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rollout", "learner update"]
+    assert ax.get_title() and ax.get_ylim()[1] < 20  # the 125 s bar is cut, not the scale
+    assert any(t.get_text() == "125 s" for t in ax.texts)
+
+    from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
+    timeline = RolloutTimeline([GroupTimeline(0, 4, start=0.0, end=3.0, chunks=[
+        Chunk(0.0, 2.0, [4, 4, 2, 1], [4, 4, 2, 1]),
+        SpecChunk(2.0, 3.0, [1], [3], committed_per_sequence=[3])])], origin=0.0)
+    figure = metrics.plot_rollout_timeline(timeline, tmp_path / "timeline.png", title="Rollout of RL step 7")
+    ax = figure.axes[0]
+    assert ax.get_title().startswith("Rollout of RL step 7: 14 tokens")
+    assert "speculative decoding" in [t.get_text() for t in ax.get_legend().get_texts()]
+    figure = metrics.plot_length_histogram([3, 5, 40], tmp_path / "lengths.png", title="RL step 7")
+    assert figure.axes[0].get_title() == "RL step 7"
+    for name in ("reward.png", "split.png", "timeline.png", "lengths.png"):
+        _assert_png(tmp_path / name)
+
+
+def test_label_names_metrics_for_people():
+    assert metrics.label("time_weight_sync_s") == "weight sync"
+    assert metrics.label("time/idle") == "idle"
+    assert metrics.label("eval/accuracy") == "eval accuracy"
+
+
 def test_progress_bar_shows_chosen_metrics():
     out = io.StringIO()
     with metrics.ProgressBar(total=3, keys=["reward/mean", "loss"], file=out, mininterval=0) as bar:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax import sampling, sharding
+from tlt_jax import metrics, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
@@ -111,7 +111,7 @@ def test_cache_full_and_update_params(params, tmp_path):
     engine.update_params(jax.tree.map(jnp.zeros_like, params))
     r = engine.generate([[1, 2]], 1, sampling.SamplingParams(temperature=0.0, max_tokens=3), jax.random.PRNGKey(0))
     assert r.tokens[0].tolist() == [0] and r.finish_reason == ["eos"]  # all-zero logits: argmax 0 = eos
-    r.timeline.plot(str(tmp_path / "timeline.png"))
+    metrics.plot_rollout_timeline(r.timeline, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 

@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per step, TensorBoard, PNG plots, a progress bar.
+"""Run metrics: one JSON line per step, TensorBoard, PNG plots, a progress bar, the lines a
+person reads.
 
 `<run_dir>/metrics.jsonl` is the record of a run: one JSON object per step,
 `{"step": 12, "wall_time": 1712345678.9, "reward/mean": 0.41, ...}`, flushed as it is
@@ -9,12 +10,15 @@ the records after k from both (`truncate_after`), so no step has two values. In 
 multi-host run only process 0 writes; the writer is a no-op elsewhere.
 
 The plot helpers draw on a bare `matplotlib.figure.Figure` (Agg canvas, no pyplot
-state), so they are safe to call from a training loop or a background thread.
+state), so they are safe to call from a training loop or a background thread; each
+writes a PNG and returns its figure (a notebook shows it inline). Axes and legends
+read `label(key)`, not raw metric names.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -160,24 +164,72 @@ class MetricsWriter:
         self.close()
 
 
+_LABELS = {
+    "reward_mean": "reward (mean ± std)",
+    "accuracy": "train accuracy",
+    "eval_accuracy": "eval accuracy (greedy)",
+    "loss": "loss",
+    "kl": "KL (nats)",
+    "eval_kl": "eval KL (nats)",
+    "top1_agree": "top-1 agreement",
+    "eval_top1_agree": "eval top-1 agreement",
+    "lr": "learning rate",
+    "acceptance_length": "acceptance length",
+    "speculative_token_share": "speculative token share",
+    "rollout_tokens_per_s": "rollout tokens/s",
+    "drafter_version": "drafter version",
+    "spot/steps": "drafter steps in gaps",
+    "spot/hidden_share": "drafter time hidden",
+    "time_rollout_s": "rollout",
+    "time_reward_s": "reward scoring",
+    "time_learner_s": "learner update",
+    "time_weight_sync_s": "weight sync",
+}
+
+
+def label(key: str) -> str:
+    """A metric's name as a person reads it on an axis or legend: 'time_rollout_s' ->
+    'rollout', 'eval/accuracy' -> 'eval accuracy'."""
+    if key in _LABELS:
+        return _LABELS[key]
+    words = key.replace("/", " ").replace("_", " ").split()
+    if words and words[0] == "time":
+        words = words[1:]
+    if words and words[-1] == "s":
+        words = words[:-1]
+    return " ".join(words) or key
+
+
+def report(message: str) -> None:
+    """A line for the person running the job (a warm start's accuracy, a resumption, the
+    result): on stderr between the progress bars, without log prefixes, process 0 only."""
+    if jax.process_index() == 0:
+        tqdm_auto.tqdm.write(message, file=sys.stderr)
+        sys.stderr.flush()
+
+
 def _std_key(key: str) -> str | None:
     """'reward/mean' -> 'reward/std', 'loss_mean' -> 'loss_std'; None if not a mean."""
     return key[: -len("mean")] + "std" if key.endswith("mean") else None
 
 
 def plot_curves(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
-                path: str | os.PathLike, title: str | None = None) -> None:
+                path: str | os.PathLike, title: str | None = None,
+                bounds: Mapping[str, tuple[float, float]] | None = None) -> Figure:
     """One panel per key against step, written as a PNG.
 
     A key ending in "mean" gets a +-1 std band when the matching "std" key is recorded
-    (e.g. "reward/mean" with "reward/std"). Metrics recorded on some steps only (eval
-    accuracy) are plotted at the steps that have them, with markers when sparse.
+    (e.g. "reward/mean" with "reward/std"), clipped to `bounds[key]` (the range the
+    metric's samples can take: a reward in [0, 1] has no mass outside it). Metrics
+    recorded on some steps only (eval accuracy) are plotted at the steps that have them,
+    with markers when sparse.
     """
+    bounds = bounds or {}
     figure = Figure(figsize=(7, 2.4 * len(keys)), layout="constrained")
     axes = figure.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
         rows = [r for r in records if key in r]
-        ax.set_ylabel(key)
+        ax.set_ylabel(label(key))
         ax.grid(alpha=0.3)
         if not rows:
             ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center", va="center")
@@ -188,16 +240,19 @@ def plot_curves(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
         std_key = _std_key(key)
         if std_key is not None and all(std_key in r for r in rows):
             std = np.array([r[std_key] for r in rows], dtype=np.float64)
-            ax.fill_between(steps, values - std, values + std, alpha=0.25, label="±1 std")
-            ax.legend(loc="best")
+            low, high = bounds.get(key, (-np.inf, np.inf))
+            ax.fill_between(steps, np.clip(values - std, low, high), np.clip(values + std, low, high), alpha=0.25,
+                            label="±1 std" + (f", clipped to [{low:g}, {high:g}]" if key in bounds else ""))
+            ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step")
     if title:
         figure.suptitle(title)
     figure.savefig(path, dpi=100)
+    return figure
 
 
 def plot_length_histogram(lengths: Iterable[int], path: str | os.PathLike, bins: int = 50,
-                          title: str | None = None) -> None:
+                          title: str | None = None) -> Figure:
     """Response-length histogram on a log count axis, so the long tail stays visible.
 
     p50, p90 and the maximum are marked: the gap between p90 and max is the tail that
@@ -218,14 +273,18 @@ def plot_length_histogram(lengths: Iterable[int], path: str | os.PathLike, bins:
     ax.legend(loc="upper right")
     ax.set_title(title or f"response lengths (n={lengths.size})")
     figure.savefig(path, dpi=100)
+    return figure
 
 
 def plot_time_split(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
-                    path: str | os.PathLike, title: str | None = None) -> None:
+                    path: str | os.PathLike, title: str | None = None, outlier_factor: float = 3.0) -> Figure:
     """Stacked bars of where each step's time went, e.g. keys = ("time/rollout",
     "time/reward", "time/learner", "time/weight_sync", "time/idle") in seconds.
 
     Steps that record none of the keys are left out; a key missing from a step counts 0.
+    A step taking over `outlier_factor` times the median step (the first, which compiles;
+    one slowed by other work on the machine) would flatten the others: the axis stops
+    above the rest, and such a bar is cut there with its total written on it.
     """
     rows = [r for r in records if any(k in r for k in keys)]
     if not rows:
@@ -237,14 +296,51 @@ def plot_time_split(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
     bottom = np.zeros(len(rows))
     for key in keys:
         seconds = np.array([r.get(key, 0.0) for r in rows], dtype=np.float64)
-        ax.bar(steps, seconds, width=width, bottom=bottom, label=key)
+        ax.bar(steps, seconds, width=width, bottom=bottom, label=label(key))
         bottom += seconds
+    outliers = bottom > outlier_factor * np.median(bottom)
     ax.set_xlabel("step")
+    if outliers.any() and not outliers.all():
+        top = 1.15 * bottom[~outliers].max()
+        ax.set_ylim(0, top)
+        for step, total in zip(steps[outliers], bottom[outliers]):
+            ax.annotate(f"{total:.3g} s", (step, 0.98 * top), ha="center", va="top", fontsize="x-small", rotation=90,
+                        bbox=dict(boxstyle="square,pad=0.1", facecolor="white", alpha=0.8, lw=0))
+        ax.set_xlabel(f"step (bars over {top:.3g} s are cut, their totals written on them)")
     ax.set_ylabel("seconds")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or "where each step's time went")
     figure.savefig(path, dpi=100)
+    return figure
+
+
+def plot_rollout_timeline(timeline, path: str | os.PathLike, title: str | None = None) -> Figure:
+    """Active sequences over the seconds of one rollout (a `rollout.timeline.RolloutTimeline`),
+    one line per data-parallel group, speculative chunks shaded: the long tail, and where
+    the tuner switched speculation on. `title` says which rollout (e.g. the RL step)."""
+    figure = Figure(figsize=(8, 3.5), layout="constrained")
+    ax = figure.subplots()
+    shaded = False
+    for g in timeline.groups:
+        steps = g.steps()
+        if steps:
+            ax.step([t - timeline.origin for t, _, _ in steps], [a for _, a, _ in steps], where="mid",
+                    label=f"group {g.group}")
+        for chunk in g.chunks:
+            if chunk.kind == "speculative":
+                ax.axvspan(chunk.start - timeline.origin, chunk.end - timeline.origin, color="tab:orange",
+                           alpha=0.2, lw=0, label=None if shaded else "speculative decoding")
+                shaded = True
+        ax.axvline(g.end - timeline.origin, color="grey", lw=0.5, ls=":")
+    ax.set_xlabel("seconds since rollout start")
+    ax.set_ylabel("active sequences")
+    s = timeline.summary()
+    ax.set_title(f"{title or 'rollout'}: {s['tokens']} tokens, group idle {s['group_idle_fraction']:.0%}, "
+                 f"slot idle {s['slot_idle_fraction']:.0%}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize="small")
+    figure.savefig(path, dpi=100)
+    return figure
 
 
 class ProgressBar:

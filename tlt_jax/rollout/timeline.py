@@ -102,27 +102,3 @@ class RolloutTimeline:
                     speculative_tokens=sum(committed),
                     acceptance_length=sum(committed) / len(committed) if committed else 0.0,
                     draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec))
-
-    def plot(self, path: str) -> None:
-        """Active sequences over time, one line per group."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for g in self.groups:
-            steps = g.steps()
-            if steps:
-                ax.step([t - self.origin for t, _, _ in steps], [a for _, a, _ in steps], where="mid",
-                        label=f"group {g.group}")
-            ax.axvline(g.end - self.origin, color="grey", lw=0.5, ls=":")
-        ax.set_xlabel("seconds since rollout start")
-        ax.set_ylabel("active sequences")
-        s = self.summary()
-        ax.set_title(f"rollout: {s['tokens']} tokens, group idle {s['group_idle_fraction']:.0%}, "
-                     f"slot idle {s['slot_idle_fraction']:.0%}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize="small")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
