@@ -28,21 +28,41 @@ chunked_xla  token blocks of `tokens` rows in a lax.scan; each block's logits ov
                3 projections (z, dh, dW).
              - per-token cotangent: forward keeps lse and zid (N (K+1) 4 bytes,
                0.1 GiB at 256k) and the backward recomputes z: 4 projections.
-             Transient: the block, bn V (4 + 2) bytes (f32 logits, dz in the
-             parameter dtype: 0.73 GiB at tokens=1024), plus the dW accumulator
-             across token blocks:
+             Within a block, dz, dh and the dW update go `vocab` columns at a
+             time (BlockSizes.vocab; the same matmuls split along V, so no extra
+             projection): dz is formed per tile from z, and the tile's dW update is
+             added into the accumulator in place. With one tile (the GPU default)
+             this is the plain block; the H200 run's own XLA temp for it, 1.74 GiB
+             at tokens=1024 with bf16, holds a single [D, V] f32 buffer, so XLA:GPU
+             forms `acc + h^T dz` without a second one (XLA:CPU does not: 3.2 GiB).
+             Transient: the f32 block z, bn V 4 bytes (0.49 GiB at tokens=1024,
+             0.12 GiB at 256), a dz tile (bn vocab b bytes) and a [D, vocab] dW
+             update, plus the dW accumulator across token blocks:
              dw_accum="float32" (default): D V 4 bytes = 1.47 GiB when w is bf16
-               (nothing when w is f32: the accumulator is the output), ~2.2 GiB in
-               all at tokens=1024: MISSES the 1 GiB bar, for accuracy.
+               (nothing when w is f32: the accumulator is the output). XLA temp on
+               CPU at the CPU defaults (256 tokens x 4096 columns): 1.72 GiB (bf16)
+               / 0.18 GiB (f32) at 8k tokens, within the 2.0 / 0.75 GiB bars.
              dw_accum="param": accumulate in w's dtype (the accumulator becomes the
-               gradient output): ~0.75 GiB at tokens=1024: meets the bar, but dW gets
-               one bf16 rounding per token block (Liger-kernel style). Measured
-               (experiments/dw_accum_error.py): relative dW error 8.2e-3 over 64
-               blocks and 1.6e-2 over 256, against 1.8e-3 with float32 (rounding
-               the exact dW to bf16 once: 1.7e-3). Hence not the default.
+               gradient output), but dW gets one bf16 rounding per token block
+               (Liger-kernel style). Measured (experiments/dw_accum_error.py):
+               relative dW error 8.2e-3 over 64 blocks and 1.6e-2 over 256, against
+               1.8e-3 with float32 (rounding the exact dW to bf16 once: 1.7e-3).
+               Hence not the default.
              Every block also reads and writes the dW accumulator (2 D V b bytes),
              about 10% (bf16) / 20% (f32) of the block's dW matmul at tokens=1024,
              so GPU blocks are large; tokens=2048 halves that for twice the block.
+             Vocabulary tiles do not change that traffic; each tile adds a
+             read-modify-write of the f32 [bn, D] dh sum (12 MB at 1024 x 3072) and
+             a scatter of the block's K ids (most dropped), and on the GPU an
+             unfused `acc[:, tile] += dW_tile` would add a write and read of the
+             tile's update: hence one tile there until a GPU run says otherwise.
+             On CPU, XLA computes 16-bit floats in f32 (float normalization), a
+             dynamic slice included, so 16-bit h and w are sliced as their bit
+             pattern there (`_loop_view`), which costs one 16-bit copy of an array
+             that is a parameter of the compiled function: W's (D V 2 bytes; in the
+             benchmark it lands in the dW output's buffer) and h's (N D 2 bytes,
+             1.5 GiB at 256k: the CPU's only N-dependent term). An h computed inside
+             the function is written in that form by its producer: nothing extra.
              With bf16 w, dz is rounded once to bf16 for the matmuls, as dense XLA
              does (the K sparse entries too: they are written as exact f32 values).
 pallas       `pl.pallas_call` kernels, one source: interpret mode on CPU, Triton
@@ -68,10 +88,10 @@ pallas       `pl.pallas_call` kernels, one source: interpret mode on CPU, Triton
              exists as the tiled kernel to measure and tune, not as the default.
 dense        (in tlt_jax.losses) the reference: materialises [N, V] logits.
 
-No engine meets both bars at once with bf16 w and f32 dW accumulation: a 3-projection
-pass must sum dW over token blocks (a full [D, V] accumulator), and a vocab-outer
-order that avoids it needs lse first (a 4th projection) and then sums dh over vocab
-(an [N, D] accumulator). `dw_accum="param"` is the documented way through.
+A 3-projection pass must sum dW over token blocks (a full [D, V] accumulator, f32 by
+default); a vocab-outer order that avoids it needs lse first (a 4th projection) and then
+sums dh over vocab (an [N, D] accumulator). The temp bars (DESIGN.md section 5) count
+the f32 accumulator in: `python -m experiments.bench_kl --memory_only` checks them.
 
 Padding: N is padded to a multiple of `tokens` (and for pallas D to `depth`, V to
 `vocab`) when needed, which copies h (or W); pick block sizes that divide the real
@@ -112,7 +132,8 @@ class BlockSizes:
     """Tiling of the fused loss; None picks a per-backend default.
 
     tokens: rows per token block (chunked_xla, pallas).
-    vocab: vocabulary tile (pallas).
+    vocab: vocabulary tile (pallas); for chunked_xla, the columns of dz per dh / dW
+      update within a token block (None on the GPU: the whole vocabulary).
     depth: D chunk summed inside a pallas z tile (pallas).
     dw_accum: "float32" or "param" (chunked_xla): dtype that sums dW over token blocks.
     num_warps, num_stages: Triton compiler parameters (pallas on GPU).
@@ -141,7 +162,7 @@ class BlockSizes:
 # re-reads and re-writes the dW accumulator (see module docstring).
 _DEFAULTS = {
     ("chunked_xla", "gpu"): dict(tokens=1024),
-    ("chunked_xla", "cpu"): dict(tokens=256),
+    ("chunked_xla", "cpu"): dict(tokens=256, vocab=4096),
     ("pallas", "gpu"): dict(tokens=64, vocab=128, depth=64, num_warps=4, num_stages=2),
     ("pallas", "cpu"): dict(tokens=64, vocab=128, depth=64),
 }
@@ -168,6 +189,7 @@ def resolve_block_sizes(
             filled[key] = val
     if engine == "chunked_xla":
         filled["tokens"] = min(filled["tokens"], _round_up(n, 8))
+        filled["vocab"] = min(filled["vocab"] or v, v)
     else:  # Triton tiles are powers of two >= 16 (tl.dot's minimum).
         for key, size in (("tokens", n), ("vocab", v), ("depth", d)):
             filled[key] = min(filled[key], max(16, _next_pow2(size)))
@@ -238,6 +260,34 @@ def _xla_logits(h_bD, w_DV, temperature):
     return _scale_logits(jnp.dot(h_bD, w_DV, preferred_element_type=jnp.float32), temperature)
 
 
+# The CPU backend computes 16-bit float ops in float32 (XLA's float normalization), a
+# dynamic slice included, and hoists the widening of a loop-invariant operand out of
+# the loop: a float32 copy of the whole array (W's 1.47 GiB at D=3072, V=128256; h's
+# N D 4 bytes). On CPU, 16-bit arrays are therefore sliced inside loops as their bit
+# pattern; other backends slice them as they are.
+def _loop_view(x):
+    if x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating) and jax.default_backend() == "cpu":
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_view(x, dtype):
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def _cols(x_RC, start, size):
+    """Columns [start, start + size) of x_RC; start may be traced."""
+    if isinstance(start, int):
+        return x_RC if (start, size) == (0, x_RC.shape[1]) else x_RC[:, start : start + size]
+    return _from_view(lax.dynamic_slice_in_dim(_loop_view(x_RC), start, size, axis=1), x_RC.dtype)
+
+
+def _set_cols(x_RC, start, cols_RS):
+    if isinstance(start, int) and cols_RS.shape == x_RC.shape:
+        return cols_RS
+    return _from_view(lax.dynamic_update_slice_in_dim(_loop_view(x_RC), _loop_view(cols_RS), start, axis=1), x_RC.dtype)
+
+
 def _xla_stats(z_bV, ids_bK, with_ez, top_k=0) -> RowStats:
     lse_b = jax.nn.logsumexp(z_bV, axis=1)
     zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, z_bV.shape[1]), axis=1)
@@ -246,33 +296,56 @@ def _xla_stats(z_bV, ids_bK, with_ez, top_k=0) -> RowStats:
     return RowStats(lse_b, zid_bK, ez_b, *top)
 
 
-def _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs: Coefs, temperature, acc_dtype):
-    """dz for one block from (*), then dh_b [bn, D] and the block's dW [D, V] in acc_dtype.
+def _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs: Coefs, temperature, dw_acc_DV, vocab):
+    """dz for one block from (*), then dh_b [bn, D] and dw_acc_DV += h_b^T dz, both
+    `vocab` columns of dz at a time (fewer: one tile).
 
     dz goes to the parameter dtype (both matmuls run at its rate, as dense XLA does)
-    without an f32 [bn, V] cotangent buffer: the dense part is rounded once, and the K
-    entries are overwritten by their exact f32 value, rounded once.
+    without an f32 cotangent buffer: the dense part is rounded once, and the K entries
+    are overwritten by their exact f32 value, rounded once. Vocabulary tiles bound what
+    the block needs besides z to a [bn, vocab] dz tile and a [D, vocab] dW update, added
+    into the accumulator in place; the matmuls are the same (split along V).
     """
 
     def dense(z):
         alpha = coefs.alpha[:, None]
         return alpha if coefs.beta is None else alpha + coefs.beta[:, None] * z
 
-    n_vocab = z_bV.shape[1]
-    dz_bV = _scale_logits(jnp.exp(z_bV - lse_b[:, None]) * dense(z_bV), temperature)
+    (bn, n_vocab), acc_dtype = z_bV.shape, dw_acc_DV.dtype
     zid_bK = jnp.take_along_axis(z_bV, _gather_ids(ids_bK, n_vocab), axis=1)
-    at_ids_bK = jnp.exp(zid_bK - lse_b[:, None]) * dense(zid_bK) + coefs.sparse
-    rows_b1 = jnp.arange(z_bV.shape[0])[:, None]
-    dz_bV = (
-        dz_bV.astype(w_DV.dtype)
-        .at[rows_b1, _scatter_ids(ids_bK, n_vocab)]
-        .set(_scale_logits(at_ids_bK, temperature).astype(w_DV.dtype), mode="drop")
-    )
-    dh_bD = lax.dot_general(dz_bV, w_DV, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
-        h_bD.dtype
-    )
-    dw_DV = lax.dot_general(h_bD, dz_bV, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-    return dh_bD, dw_DV
+    at_ids_bK = _scale_logits(jnp.exp(zid_bK - lse_b[:, None]) * dense(zid_bK) + coefs.sparse, temperature)
+    at_ids_bK = at_ids_bK.astype(w_DV.dtype)
+    ids_bK = _scatter_ids(ids_bK, n_vocab)
+    rows_b1 = jnp.arange(bn)[:, None]
+
+    def tile(start, owned_from, dw_acc_DV):
+        """Columns [start, start + vocab) of which those >= owned_from are this tile's (the
+        last tile is shifted left to stay in bounds; its overlap gets zero cotangent)."""
+        z_bT = _cols(z_bV, start, vocab)
+        dz_bT = _scale_logits(jnp.exp(z_bT - lse_b[:, None]) * dense(z_bT), temperature)
+        if vocab < n_vocab and n_vocab % vocab:
+            dz_bT = jnp.where(start + jnp.arange(vocab) >= owned_from, dz_bT, 0.0)
+        local_bK = jnp.where((ids_bK >= owned_from) & (ids_bK < start + vocab), ids_bK - start, vocab)
+        dz_bT = dz_bT.astype(w_DV.dtype).at[rows_b1, local_bK].set(at_ids_bK, mode="drop")
+        w_DT = _cols(w_DV, start, vocab)
+        dh_bD = lax.dot_general(dz_bT, w_DT, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        dw_DT = lax.dot_general(h_bD, dz_bT, (((0,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+        return dh_bD, _set_cols(dw_acc_DV, start, _cols(dw_acc_DV, start, vocab) + dw_DT)
+
+    if vocab >= n_vocab:
+        vocab = n_vocab
+        dh_bD, dw_acc_DV = tile(0, 0, dw_acc_DV)
+        return dh_bD.astype(h_bD.dtype), dw_acc_DV
+
+    def body(j, carry):
+        dh_bD, dw_acc_DV = carry
+        owned_from = j * vocab
+        dh_t, dw_acc_DV = tile(jnp.minimum(owned_from, n_vocab - vocab), owned_from, dw_acc_DV)
+        return dh_bD + dh_t, dw_acc_DV
+
+    init = (jnp.zeros(h_bD.shape, jnp.float32), dw_acc_DV)
+    dh_bD, dw_acc_DV = lax.fori_loop(0, -(-n_vocab // vocab), body, init)
+    return dh_bD.astype(h_bD.dtype), dw_acc_DV
 
 
 def _acc_dtype(w_DV, blocks: BlockSizes):
@@ -284,9 +357,10 @@ def _xla_row_stats(h_ND, w_DV, ids_NK, temperature, with_ez, blocks, top_k=0) ->
 
     def one(args):
         h_bD, ids_bK = args
+        h_bD = _from_view(h_bD, h_ND.dtype)
         return _xla_stats(_xla_logits(h_bD, w_DV, temperature), ids_bK, with_ez, top_k)
 
-    stats = lax.map(one, (_to_blocks(h_ND, blocks.tokens), _to_blocks(ids_NK, blocks.tokens)))
+    stats = lax.map(one, (_to_blocks(_loop_view(h_ND), blocks.tokens), _to_blocks(ids_NK, blocks.tokens)))
     return jax.tree.map(lambda x: _from_blocks(x, n), stats)
 
 
@@ -298,12 +372,13 @@ def _xla_scan(h_ND, w_DV, ids_NK, rows, block_coefs, temperature, blocks):
     def body(carry, xs):
         dw_acc, value = carry
         h_bD, ids_bK, rows_b = xs
+        h_bD = _from_view(h_bD, h_ND.dtype)
         z_bV = _xla_logits(h_bD, w_DV, temperature)
         value_b, lse_b, coefs_b = block_coefs(z_bV, ids_bK, rows_b)
-        dh_bD, dw_DV = _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs_b, temperature, acc_dtype)
-        return (dw_acc + dw_DV, value + value_b), dh_bD
+        dh_bD, dw_acc = _xla_block_grads(z_bV, h_bD, w_DV, ids_bK, lse_b, coefs_b, temperature, dw_acc, blocks.vocab)
+        return (dw_acc, value + value_b), dh_bD
 
-    xs = (_to_blocks(h_ND, bn), _to_blocks(ids_NK, bn), jax.tree.map(lambda x: _to_blocks(x, bn), rows))
+    xs = (_to_blocks(_loop_view(h_ND), bn), _to_blocks(ids_NK, bn), jax.tree.map(lambda x: _to_blocks(x, bn), rows))
     init = (jnp.zeros(w_DV.shape, acc_dtype), jnp.zeros((), jnp.float32))
     (dw_acc, value), dh_blocks = lax.scan(body, init, xs)
     return value, _from_blocks(dh_blocks, n), dw_acc.astype(w_DV.dtype)

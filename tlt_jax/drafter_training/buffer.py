@@ -257,6 +257,10 @@ class DrafterBuffer:
         what compiling a drafter step needs before any data exists."""
         return {k: np.zeros((batch_size,) + shape, dtype) for k, (shape, dtype) in self._fields.items()}
 
+    def field_specs(self) -> dict:
+        """name -> (shape, dtype) of each row field: `sample(b)[name]` is (b, *shape) of dtype."""
+        return dict(self._fields)
+
     def sample(self, batch_size: int) -> dict:
         """[batch_size, ...] arrays of every row field: rows drawn uniformly, without
         replacement when at least batch_size rows are held, else with. The draw is a

@@ -219,11 +219,21 @@ class DrafterTrainer:
     def step(self, state: TrainState, target_params, batch: dict, noise_key: jax.Array):
         """One guarded update on `self.batch` output; returns (state, {"loss", "kl",
         "feature_loss", "top1_agree", "count", "grad_norm", "skipped"})."""
+        step = self.step_fn(state.params, target_params, batch)
+        # Host rows as arrays on the mesh first: with several processes jit takes no numpy
+        # input with a non-trivial sharding, even one this process alone holds.
+        batch = jax.device_put(batch, self._batch_shardings(batch))
+        return step(state, {"target": target_params, "batch": batch, "key": noise_key})
+
+    def step_fn(self, drafter_params, target_params, batch: dict):
+        """The jitted update of `step`: (state, {"target", "batch", "key"}) -> (state,
+        metrics), the state donated. Its arguments may be jax.ShapeDtypeStructs (`.lower`
+        then compiles it abstractly)."""
         if self._step is None:
-            st_sh = state_shardings(self.optimizer, state.params, self.drafter_shardings(state.params), self.mesh)
+            st_sh = state_shardings(self.optimizer, drafter_params, self.drafter_shardings(drafter_params), self.mesh)
             self._step = jit_train_step(lambda p, inputs: self._loss(p, inputs, noise=True), self.optimizer, st_sh,
                                         self._input_shardings(target_params, batch, True), self.mesh, has_aux=True)
-        return self._step(state, {"target": target_params, "batch": batch, "key": noise_key})
+        return self._step
 
     def evaluate(self, drafter_params, target_params, batch: dict) -> dict:
         """drafter_loss's (loss and) metrics on a batch, without noise."""

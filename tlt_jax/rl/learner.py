@@ -3,7 +3,8 @@
 One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
 gradients over micro-batches of `micro_batch_size` rows (a `lax.scan`, so one compiled
 body whatever the batch). Every jitted function takes explicit shardings on the mesh:
-parameters by the logical axis rules, rows over (data, fsdp).
+parameters by the logical axis rules, rows over (data, fsdp). Rows come from the host,
+the same on every process, and are placed on the mesh first, each process its shards.
 
 A batch is a dict of R packed rows of S tokens (`loop.build_batch`): each row holds
 several samples (prompt then answer), kept apart by segment ids, so that attention never
@@ -156,22 +157,34 @@ class Learner:
             self._steps[key] = sharding.jit_sharded(
                 fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh),
                 out_shardings=(row_sh, row_sh) if with_entropy else row_sh)
-        return self._steps[key](params, tokens_nT, positions_nT, segment_ids_nT)
+        return self._steps[key](params, *self._rows(tokens_nT, positions_nT, segment_ids_nT))
+
+    def _rows(self, *rows_nT):
+        """Host rows (the same on every process) as arrays over (data, fsdp)."""
+        return [jax.device_put(x, sharding.batch_sharding(self.mesh, np.ndim(x))) for x in rows_nT]
 
     def logprobs_and_drafter_data(self, params, tokens_nT, positions_nT, segment_ids_nT, *, top_k: int,
                                   feature_layers=()):
         """`logprobs(..., with_entropy=True)` and, from the same forward, the DrafterData."""
+        step = self.drafter_data_step(params, tokens_nT, top_k=top_k, feature_layers=feature_layers)
+        return step(params, *self._rows(tokens_nT, positions_nT, segment_ids_nT))
+
+    def drafter_data_step(self, params, tokens_nT, *, top_k: int, feature_layers=()):
+        """The jitted old-policy pass of `logprobs_and_drafter_data` for rows shaped like
+        tokens_nT: (params, tokens, positions, segment_ids) -> its outputs. params and
+        tokens_nT may be jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
         key = ("drafter_data", top_k, tuple(feature_layers), tokens_nT.shape)
         if key not in self._steps:
             fn = lambda p, t, pos, seg: old_policy_outputs(
                 p, self.model_config, t, pos, seg, temperature=self.config.temperature, top_k=top_k,
                 feature_layers=feature_layers)
-            out_shapes = jax.eval_shape(fn, params, tokens_nT, positions_nT, segment_ids_nT)
+            rows = jax.ShapeDtypeStruct(tokens_nT.shape, jnp.int32)
+            out_shapes = jax.eval_shape(fn, params, rows, rows, rows)
             out_sh = jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), out_shapes)
             row_sh = sharding.batch_sharding(self.mesh, 2)
             self._steps[key] = sharding.jit_sharded(
                 fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh), out_shardings=out_sh)
-        return self._steps[key](params, tokens_nT, positions_nT, segment_ids_nT)
+        return self._steps[key]
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -233,12 +246,20 @@ class Learner:
         results = []
         for i in range(k):
             minibatch = {name: v[i * size:(i + 1) * size] for name, v in batch.items()}
-            key = ("update", tuple(sorted((name, np.shape(v)) for name, v in minibatch.items())))
-            if key not in self._steps:
-                st_sh = self.state_shardings(state.params)
-                self._steps[key] = sharding.jit_sharded(
-                    self._update_fn, in_shardings=(st_sh, self._batch_shardings(minibatch)),
-                    out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
-            state, metrics = self._steps[key](state, minibatch)
+            step = self.update_step(state.params, minibatch)
+            # Host rows (the same on every process) as arrays over (data, fsdp).
+            state, metrics = step(state, jax.device_put(minibatch, self._batch_shardings(minibatch)))
             results.append(metrics)
         return state, [jax.device_get(m) for m in results]
+
+    def update_step(self, params, minibatch: dict):
+        """The jitted update of `update` for minibatches shaped like this one: (state,
+        minibatch) -> (state, metrics), the state donated. params and minibatch may be
+        jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
+        key = ("update", tuple(sorted((name, np.shape(v)) for name, v in minibatch.items())))
+        if key not in self._steps:
+            st_sh = self.state_shardings(params)
+            self._steps[key] = sharding.jit_sharded(
+                self._update_fn, in_shardings=(st_sh, self._batch_shardings(minibatch)),
+                out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
+        return self._steps[key]

@@ -1,0 +1,416 @@
+"""Will my run fit? Per-device memory of the project's jitted steps at real model shapes,
+from XLA's compile-time buffer assignment: no weights are allocated, any backend serves
+(simulated CPU devices stand in for the mesh).
+
+  python -m experiments.plan_memory --presets=qwen2.5-1.5b --mesh=1x1x1 --seq_lens=8192,32768
+  python -m experiments.plan_memory --mesh=1x8x1 --device_memory_gb=80 --out=/tmp/plan.json
+
+For each model preset, step, mesh (DATAxFSDPxTENSOR, one of them may be -1) and sequence
+length, the step is compiled from jax.ShapeDtypeStructs at a few micro-batch sizes, and
+the largest micro-batch whose per-device memory (arguments + outputs + temp - aliased,
+i.e. what the executable holds at its peak) fits --device_memory_gb is reported with its
+breakdown. The steps, as the code runs them:
+
+  learner        Learner.update_step: one GRPO update of micro_batch rows (the train
+                 state donated; more micro-batches per update add only their inputs)
+  learner_remat  the same with per-layer rematerialisation (LearnerConfig.remat)
+  old_logp       Learner.drafter_data_step: the old-policy pass with the drafter's data
+                 (hidden states, top-K), micro_batch rows per call
+  drafter        DrafterTrainer.step_fn: one drafter update on micro_batch buffer rows
+  decode         _Group.chunk_step: one plain decode chunk of a rollout group, micro_batch
+                 KV-cache slots of seq_len tokens each
+  distill        DistillTrainer.step_fn: one update of the student from a top-100 teacher
+                 cache, micro_batch rows, per-layer rematerialisation
+
+Micro-batches are multiples of the data-parallel size (data x fsdp; for decode, the
+slots of one rollout group: fsdp). The search compiles the smallest micro-batch and
+twice it, extrapolates the line through them and checks the prediction and its
+neighbour, bisecting when the line misleads: about four compiles per case, each
+(shape, micro-batch) compiled once. Memory is XLA's buffer assignment on the backend
+that compiles (by default CPU): allocator slack, cuDNN/cuBLAS workspaces and fragmentation
+on a GPU come on top; the GPU run is the check.
+
+On the CPU backend the numbers are an upper bound for 16-bit models: XLA:CPU computes
+16-bit floats in float32, so a bf16 array that a loop slices or updates in place (scanned
+layer weights, activations stacked for the backward pass, the KV cache of a decode loop)
+is held as a float32 copy besides it. A decode chunk's temp there is about twice its bf16
+KV cache; a GPU updates the cache in place. `--backend=gpu` on a GPU machine compiles
+with the GPU's own buffer assignment (its real devices form the mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+GB = 1e9
+STEPS = ("learner", "learner_remat", "old_logp", "drafter", "decode", "distill")
+DISTILL_TOP_K = 100  # the teacher cache's K at real scale (the paper's)
+DEFAULT_PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-3b")
+MAX_MICRO_BATCH = 4096  # the search stops here (reported as "at least")
+
+
+def parse_mesh(text: str) -> tuple[int, int, int]:
+    """'1x8x1' -> (data, fsdp, tensor); one entry may be -1 (the rest of the devices)."""
+    try:
+        sizes = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"--mesh={text!r}: expected DATAxFSDPxTENSOR, positive sizes or one -1, e.g. 1x8x1.")
+    return sizes
+
+
+def _devices_needed(meshes, devices):
+    if devices:
+        return devices
+    if any(-1 in m for m in meshes):
+        raise ValueError("A mesh axis of -1 needs --devices (the number of simulated devices it fills).")
+    return max(math.prod(m) for m in meshes)
+
+
+# ------------------------------------------------------------------------------------
+# One compile.
+# ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    preset: str
+    step: str
+    mesh: tuple[int, int, int]  # resolved (data, fsdp, tensor)
+    seq_len: int
+
+
+def granule(case: Case) -> int:
+    data, fsdp, _ = case.mesh
+    return fsdp if case.step == "decode" else data * fsdp
+
+
+def _abstract_params(model_config):
+    import jax
+
+    from tlt_jax.models import transformer as tfm
+
+    return jax.eval_shape(lambda: tfm.init_params(model_config, jax.random.PRNGKey(0)))
+
+
+def _abstract_state(optimizer, params):
+    import jax
+    import jax.numpy as jnp
+
+    from tlt_jax.train_state import TrainState
+
+    return TrainState(params, jax.eval_shape(optimizer.init, params), jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def _lowered(case: Case, model_config, mesh, batch: int):
+    """The step of `case` at `batch` rows (slots), lowered from abstract arguments."""
+    import jax
+    import jax.numpy as jnp
+
+    s = case.seq_len
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    params = _abstract_params(model_config)
+    if case.step in ("learner", "learner_remat"):
+        from tlt_jax.rl.learner import Learner, LearnerConfig
+
+        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step == "learner_remat"),
+                          mesh)
+        minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+        minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
+        minibatch.update({name: spec((batch, s - 1), jnp.float32)
+                          for name in ("rollout_logp", "advantages", "old_logp")})
+        step = learner.update_step(params, minibatch)
+        return step.lower(_abstract_state(learner.optimizer, params), minibatch)
+    if case.step == "old_logp":
+        from tlt_jax.drafter_training.online import OnlineDrafterConfig
+        from tlt_jax.rl.learner import Learner, LearnerConfig
+
+        learner = Learner(model_config, LearnerConfig(), mesh)
+        rows = spec((batch, s), jnp.int32)
+        step = learner.drafter_data_step(params, rows, top_k=OnlineDrafterConfig().top_k)
+        return step.lower(params, rows, rows, rows)
+    if case.step == "drafter":
+        from tlt_jax.drafter_training.buffer import DrafterBuffer
+        from tlt_jax.drafter_training.online import OnlineDrafterConfig
+        from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
+        from tlt_jax.models import drafter as drafter_lib
+
+        c = OnlineDrafterConfig()
+        dcfg = drafter_lib.DrafterConfig()
+        trainer = DrafterTrainer(model_config, dcfg, c.optimizer, mesh, top_k=c.top_k, feature_weight=c.feature_weight,
+                                 kl_weight=c.kl_weight, feature_noise=c.feature_noise)
+        drafter_params = jax.eval_shape(lambda: drafter_lib.init_drafter(model_config, dcfg, jax.random.PRNGKey(0)))
+        fields = DrafterBuffer(s, model_config.hidden_size, c.top_k, max_bytes=1 << 62,
+                               feature_dtype=model_config.jnp_dtype).field_specs()
+        rows = {name: spec((batch, *shape), dtype) for name, (shape, dtype) in fields.items()}
+        target = shared_target_params(params)
+        step = trainer.step_fn(drafter_params, target, rows)
+        return step.lower(_abstract_state(trainer.optimizer, drafter_params),
+                          {"target": target, "batch": rows, "key": key})
+    if case.step == "decode":
+        from tlt_jax import sampling
+        from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+
+        prompt = min(1024, s // 2)
+        engine = RolloutEngine(model_config, params, mesh,
+                               RolloutConfig(num_slots=batch, max_prompt_length=prompt, max_length=s))
+        group = engine.groups[0]
+        sp = sampling.SamplingParams(max_tokens=s - prompt)
+        state = jax.eval_shape(lambda: group.empty_state(sp))
+        step = group.chunk_step(None, speculative=False)
+        return step.lower(engine._param_shapes, None, state, key, spec((), jnp.bool_), spec((), jnp.int32), sp)
+    if case.step == "distill":
+        from tlt_jax.distill.train import DistillTrainer
+        from tlt_jax.train_state import OptimizerConfig
+
+        k = min(DISTILL_TOP_K, model_config.vocab_size)
+        trainer = DistillTrainer(model_config, OptimizerConfig(), mesh, temperature=1.0, tail=False, top_k=k,
+                                 remat=True)
+        rows = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+        rows["mask"] = spec((batch, s - 1), jnp.bool_)
+        # As the teacher cache stores them (CacheMeta: int32 ids, bfloat16 logp by default).
+        rows["ids"] = spec((batch, s, k), jnp.int32)
+        rows["logp"] = spec((batch, s, k), jnp.bfloat16)
+        return trainer.step_fn(params, rows).lower(_abstract_state(trainer.optimizer, params), rows)
+    raise ValueError(f"Unknown step {case.step!r}; steps: {', '.join(STEPS)}.")
+
+
+def measure(case: Case, model_config, mesh, batch: int) -> dict:
+    """Per-device bytes of the compiled step: args, out, temp, alias and their total."""
+    t0 = time.perf_counter()
+    mem = _lowered(case, model_config, mesh, batch).compile().memory_analysis()
+    out = dict(
+        args=mem.argument_size_in_bytes,
+        out=mem.output_size_in_bytes,
+        temp=mem.temp_size_in_bytes,
+        alias=mem.alias_size_in_bytes,
+    )
+    out["total"] = out["args"] + out["out"] + out["temp"] - out["alias"]
+    out["compile_s"] = time.perf_counter() - t0
+    return out
+
+
+# ------------------------------------------------------------------------------------
+# The search.
+# ------------------------------------------------------------------------------------
+
+
+def largest_fitting(measure_at, unit: int, limit: float, cap: int = MAX_MICRO_BATCH) -> dict:
+    """The largest multiple b of `unit` (<= cap) with measure_at(b)["total"] <= limit.
+
+    Memory is close to affine in b, so few sizes are compiled: the smallest and twice
+    it give a line; its prediction is compiled; when that lands on the line and the line
+    puts the next size over the limit by a clear margin, the search stops, otherwise it
+    bisects (or doubles) on compiled sizes. Returns {"batch": b or None, "at":
+    measure_at(b) (of the smallest b when none fits), "capped": cap itself fits,
+    "probes": the sizes compiled}."""
+    probes = {}
+
+    def total(b):
+        if b not in probes:
+            probes[b] = measure_at(b)
+        return probes[b]["total"]
+
+    def result(batch, capped=False):
+        return dict(batch=batch, at=probes[batch or unit], capped=capped, probes=sorted(probes))
+
+    cap = max(unit, cap // unit * unit)
+    if total(unit) > limit:
+        return result(None)
+    if unit == cap:
+        return result(unit, capped=True)
+    if total(2 * unit) > limit:
+        return result(unit)
+    t1, slope = total(unit), (total(2 * unit) - total(unit)) / unit
+    line = lambda b: t1 + slope * (b - unit)
+    lo, hi = 2 * unit, None  # lo fits; hi (None: not known yet) does not
+    guess = cap if slope <= 0 else min(cap, max(lo, int((limit - t1) / slope) // unit * unit + unit))
+    if guess > lo:
+        if total(guess) <= limit:
+            lo = guess
+        else:
+            hi = guess
+    on_line = abs(total(lo) - line(lo)) <= 1e-3 * total(lo)
+    if hi is None and lo < cap and on_line and line(lo + unit) > limit * 1.01:
+        hi = lo + unit  # over the limit by the line through three compiled sizes
+    step = unit
+    while hi is None and lo < cap:  # off the line: walk up, doubling
+        nxt = min(lo + step, cap)
+        if total(nxt) <= limit:
+            lo, step = nxt, 2 * step
+        else:
+            hi = nxt
+    while hi is not None and hi - lo > unit:
+        mid = min(max((lo + hi) // 2 // unit * unit, lo + unit), hi - unit)
+        if total(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return result(lo, capped=hi is None)
+
+
+def plan_case(case: Case, model_config, mesh, limit: float, cache: dict, cap: int = MAX_MICRO_BATCH) -> dict:
+    def measure_at(b):
+        key = (case, b)
+        if key not in cache:
+            cache[key] = measure(case, model_config, mesh, b)
+        return cache[key]
+
+    found = largest_fitting(measure_at, granule(case), limit, cap)
+    row = dict(dataclasses.asdict(case), unit=granule(case), limit_gb=limit / GB, micro_batch=found["batch"],
+               capped=found["capped"], probes=found["probes"], **{f"{k}_gb": v / GB for k, v in found["at"].items()
+                                                                   if k != "compile_s"})
+    row["tokens"] = None if found["batch"] is None else found["batch"] * case.seq_len
+    row["smallest_total_gb"] = measure_at(granule(case))["total"] / GB  # one micro-batch of `unit` rows
+    row["compile_s"] = sum(cache[(case, b)]["compile_s"] for b in found["probes"])
+    return row
+
+
+def describe(row: dict) -> str:
+    """One line for a planned case: the fit, or why there is none."""
+    mesh = "x".join(map(str, row["mesh"]))
+    head = f"{row['preset']} {row['step']} mesh={mesh} seq_len={row['seq_len']}:"
+    if row["micro_batch"] is None:
+        return (f"{head} does not fit in {row['limit_gb']:g} GB at any micro-batch: the smallest "
+                f"({row['unit']}) needs {_gb(row['total_gb'])} GB per device (args {_gb(row['args_gb'])}, temp "
+                f"{_gb(row['temp_gb'])})")
+    at_least = "at least " if row["capped"] else ""
+    return (f"{head} micro-batch {at_least}{row['micro_batch']} ({row['tokens']} tokens): {_gb(row['total_gb'])} GB "
+            f"per device (args {_gb(row['args_gb'])}, temp {_gb(row['temp_gb'])}, out {_gb(row['out_gb'])}, aliased "
+            f"{_gb(row['alias_gb'])})")
+
+
+def _gb(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def print_table(rows):
+    cols = ("preset", "step", "mesh", "seq_len", "micro-batch", "tokens", "args GB", "temp GB", "out GB", "total GB",
+            "GB at unit", "compiles")
+    lines = []
+    for r in rows:
+        none = r["micro_batch"] is None
+        lines.append((r["preset"], r["step"], "x".join(map(str, r["mesh"])), str(r["seq_len"]),
+                      "none" if none else ((">=" if r["capped"] else "") + str(r["micro_batch"])),
+                      "-" if none else str(r["tokens"]), *(_gb(r[f"{k}_gb"]) for k in ("args", "temp", "out", "total")),
+                      _gb(r["smallest_total_gb"]), str(len(r["probes"]))))
+    widths = [max(len(c), *(len(x[i]) for x in lines)) for i, c in enumerate(cols)]
+    fmt = lambda vals: "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    print(fmt(cols))
+    for line in lines:
+        print(fmt(line))
+    print("per device; micro-batch: rows per update or pass (decode: KV-cache slots per rollout group), the "
+          "largest that fits, and its memory; GB at unit: the total at the smallest micro-batch (the data-parallel "
+          "size); none: even that does not fit; GB = 1e9 bytes")
+
+
+# ------------------------------------------------------------------------------------
+# Driver.
+# ------------------------------------------------------------------------------------
+
+
+def _arg_parser():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="comma list of configs/models.py presets")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
+    ap.add_argument("--mesh", action="append", default=None,
+                    help="DATAxFSDPxTENSOR (repeatable; default 1x1x1: one device)")
+    ap.add_argument("--devices", type=int, default=0, help="devices (default: the largest mesh); on CPU simulated")
+    ap.add_argument("--backend", default="cpu", help="backend that compiles (cpu: simulated devices; gpu: real ones)")
+    ap.add_argument("--seq_lens", default="4096,32768", help="comma list of sequence lengths (decode: KV length)")
+    ap.add_argument("--device_memory_gb", type=float, default=141.0, help="memory per device, GB (H200: 141)")
+    ap.add_argument("--max_micro_batch", type=int, default=MAX_MICRO_BATCH, help="the search's upper end")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    return ap
+
+
+def main(argv=None):
+    args = _arg_parser().parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:
+        sys.stderr.write(f"Error: {' '.join(str(e).split())}\n")
+        sys.exit(1)
+
+
+def run(args, cache: dict | None = None) -> list[dict]:
+    """Plans every (preset, mesh, step, seq_len) of args; `cache` ((Case, batch) ->
+    measure) may carry compiles over from an earlier call. Returns the rows."""
+    presets = [p for p in args.presets.split(",") if p]
+    steps = [s for s in args.steps.split(",") if s]
+    seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
+    meshes = [parse_mesh(m) for m in (args.mesh or ["1x1x1"])]
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        raise ValueError(f"Unknown steps {unknown}; steps: {', '.join(STEPS)}.")
+    if any(s < 4 for s in seq_lens):
+        raise ValueError(f"--seq_lens={args.seq_lens}: every sequence length must be >= 4.")
+    n_devices = _devices_needed(meshes, args.devices)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # read when jax first starts a backend
+        # Nothing here runs, so LLVM need not optimise: buffer assignment, all that is
+        # read, comes before it (the same sizes, a third less compile time).
+        flags += (f" --xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0"
+                  " --xla_llvm_disable_expensive_passes=true")
+        os.environ["XLA_FLAGS"] = flags.strip()
+    import jax
+
+    from configs.models import model_config as preset_config
+    from tlt_jax import sharding
+    from tlt_jax.models.config import from_config_dict
+
+    configs = {p: from_config_dict(preset_config(p)) for p in presets}  # unknown presets fail here, first
+    devices = jax.devices(args.backend)
+    if len(devices) < n_devices:
+        hint = f"; start it with XLA_FLAGS=--xla_force_host_platform_device_count={n_devices}" \
+            if args.backend == "cpu" else ""
+        raise ValueError(f"{n_devices} devices wanted but this process has {len(devices)} {args.backend} "
+                         f"devices{hint}.")
+    resolved = []
+    for m in meshes:
+        # A mesh without -1 takes the first prod(m) devices; one with -1 fills them all.
+        count = n_devices if -1 in m or math.prod(m) > n_devices else math.prod(m)
+        shape = sharding.mesh_shape_from_config(dict(zip(sharding.MESH_AXES, m)), count)
+        resolved.append((shape, sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)), devices[:count])))
+    limit = args.device_memory_gb * GB
+    cache = {} if cache is None else cache
+    rows, t0 = [], time.perf_counter()
+    for seq_len in seq_lens:  # every preset at the first length first: a cut run is still a table
+        for preset in presets:
+            for shape, mesh in resolved:
+                for step in steps:
+                    row = plan_case(Case(preset, step, shape, seq_len), configs[preset], mesh, limit, cache,
+                                    args.max_micro_batch)
+                    rows.append(row)
+                    print(f"[{time.perf_counter() - t0:6.0f}s] {describe(row)}", flush=True)
+                    _write(args, rows, t0, final=False)
+    rows.sort(key=lambda r: (presets.index(r["preset"]), r["mesh"], steps.index(r["step"]), r["seq_len"]))
+    print_table(rows)
+    _write(args, rows, t0, final=True)
+    return rows
+
+
+def _write(args, rows, t0, final):
+    if not args.out:
+        return
+    import jax
+
+    from tlt_jax import metrics
+
+    metrics.write_json(args.out, dict(backend=jax.default_backend(), jax_version=jax.__version__,
+                                      python=sys.version.split()[0], device_memory_gb=args.device_memory_gb,
+                                      complete=final, wall_s=time.perf_counter() - t0, results=rows), indent=1)
+    if final:
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""experiments.plan_memory: the micro-batch search, every step compiled from abstract
+shapes at the tiny preset, and its named input errors."""
+import json
+
+import pytest
+
+from experiments import plan_memory as pm
+
+
+def _affine(intercept, slope, calls):
+    def measure_at(b):
+        calls.append(b)
+        return {"total": intercept + slope * b}
+
+    return measure_at
+
+
+@pytest.mark.parametrize("unit,limit,cap,want,capped", [
+    (2, 100, 4096, 30, False),  # 10 + 3b <= 100
+    (2, 101, 4096, 30, False),
+    (1, 100, 4096, 30, False),
+    (8, 1000, 64, 64, True),  # the cap fits
+    (2, 17, 64, 2, False),  # only the smallest fits
+    (2, 5, 64, None, False),  # nothing fits
+])
+def test_search_finds_largest_fit_in_few_compiles(unit, limit, cap, want, capped):
+    calls = []
+    found = pm.largest_fitting(_affine(10, 3, calls), unit, limit, cap)
+    assert (found["batch"], found["capped"]) == (want, capped)
+    assert len(calls) == len(set(calls)) <= 3  # each size once; the line needs no fourth
+    assert found["at"]["total"] == 10 + 3 * (want or unit)
+
+
+def test_search_off_the_line_still_exact():
+    # A jump in memory past 20 rows: the line through 2 and 4 misleads, bisection corrects.
+    calls = []
+    found = pm.largest_fitting(lambda b: calls.append(b) or {"total": 3 * b + (50 if b >= 20 else 10)}, 2, 100)
+    assert found["batch"] == 18 and len(calls) <= 8
+
+
+def _args(tmp_path, **kw):
+    argv = ["--presets=tiny", "--mesh=1x2x1", "--seq_lens=64", f"--out={tmp_path / 'plan.json'}"]
+    argv += [f"--{k}={v}" for k, v in kw.items()]
+    return pm._arg_parser().parse_args(argv)
+
+
+def test_every_step_compiles_at_the_tiny_shape(tmp_path, capsys):
+    # A limit nothing meets: one compile per step, at the smallest micro-batch (2 rows on
+    # fsdp=2; decode: 2 slots), reported with what it needs.
+    rows = pm.run(_args(tmp_path, device_memory_gb=1e-6))
+    assert [r["step"] for r in rows] == list(pm.STEPS)
+    for r in rows:
+        assert r["micro_batch"] is None and r["probes"] == [2]
+        assert r["args_gb"] > 0 and r["temp_gb"] > 0
+        assert r["total_gb"] == pytest.approx(r["args_gb"] + r["out_gb"] + r["temp_gb"] - r["alias_gb"])
+    by_step = {r["step"]: r for r in rows}
+    # The update donates its train state: the new state is the old one's buffers.
+    assert by_step["learner"]["alias_gb"] > 0.9 * by_step["learner"]["args_gb"]
+    assert "does not fit in 1e-06 GB at any micro-batch: the smallest (2) needs" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["complete"] and len(saved["results"]) == len(pm.STEPS)
+
+
+def test_decode_search_matches_its_compiles(tmp_path):
+    cache = {}
+    first = pm.run(_args(tmp_path, steps="decode", max_micro_batch=8), cache)[0]
+    assert first["micro_batch"] == 8 and first["capped"]
+    total = {b: m["total"] for (_, b), m in cache.items()}
+    assert total[2] < total[4] < total[8]  # slots hold KV cache
+    limit = (total[4] + total[8]) / 2
+    row = pm.run(_args(tmp_path, steps="decode", max_micro_batch=8, device_memory_gb=limit / pm.GB), cache)[0]
+    b = row["micro_batch"]
+    assert b in (4, 6) and total.get(b, cache[(pm.Case("tiny", "decode", (1, 2, 1), 64), b)]["total"]) <= limit
+    nxt = cache.get((pm.Case("tiny", "decode", (1, 2, 1), 64), b + 2))
+    assert nxt is None and b == 6 or nxt["total"] > limit  # 8 over the limit, or 6 over it
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--presets=nope"], "Error: Unknown model preset 'nope'"),
+    (["--presets=tiny", "--mesh=3x1x1", "--devices=2"], "has 3 devices but 2 are available"),
+    (["--presets=tiny", "--mesh=-1x3x1", "--devices=8"], "cannot fill 8 devices"),
+    (["--presets=tiny", "--mesh=2x2"], "expected DATAxFSDPxTENSOR"),
+    (["--presets=tiny", "--steps=prefill"], "Unknown steps ['prefill']"),
+])
+def test_bad_input_is_one_named_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pm.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1
