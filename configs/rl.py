@@ -49,7 +49,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.prompts_per_step = 16
     c.advantage = "grpo"
     c.reward = "task"
-    c.reward_workers = 0
+    c.reward_workers = 0  # > 0: score in that many worker processes (slow reward functions)
+    c.reward_timeout_s = 600.0  # a batch not scored by then scores 0 and is counted (0: no deadline)
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0

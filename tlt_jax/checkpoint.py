@@ -16,10 +16,16 @@ step at or below steps already on disk (training resumed from an older step) fir
 renames the newer step directories aside (`<step>.rejected` when a restore found them
 bad, `<step>.superseded` otherwise), so orbax's step list and retention only see the
 resumed timeline, and the set-aside directories stay for inspection.
+
+A save that runs out of disk space raises `faults.DiskFullError` (from `save`, or from
+the next call that waits for a background write), naming the directory and the step a
+rerun resumes from; the unfinished step is never listed or trusted, so the steps saved
+before it stay intact and restorable.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
@@ -30,6 +36,8 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
+
+from tlt_jax import faults
 
 MANIFEST_NAME = "COMMITTED.json"
 _MANIFEST_FORMAT = 1
@@ -97,11 +105,6 @@ def verify_manifest(step_dir: pathlib.Path, step: int) -> None:
             raise CheckpointIntegrityError(f"step {step}: file {name} fails its sha256 check")
 
 
-def _sync_processes(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 class Checkpointer:
     """Asynchronous, verified checkpoints of a training state in `directory`.
 
@@ -116,12 +119,16 @@ class Checkpointer:
 
     `save` returns once the arrays are copied off the device; the write, orbax's commit
     and the manifest happen on background threads, and the next `save`/`restore`/`wait`
-    first waits for them (re-raising any error). Only process 0 writes manifests and
-    renames directories; every process verifies on restore.
+    first waits for them (re-raising any error). With several processes every process
+    calls each method (orbax writes each array's shards from the processes that hold
+    them); only process 0 writes manifests and renames directories, and every process
+    verifies on restore. `this_process_only`: the checkpoints of host data that one
+    process alone holds, written and read by it alone (the other processes never open
+    the directory).
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3,
-                 async_save: bool = True, checksum: bool = True):
+                 async_save: bool = True, checksum: bool = True, this_process_only: bool = False):
         """
         Args:
           directory: checkpoint root (a local or network filesystem: we rely on rename).
@@ -137,14 +144,24 @@ class Checkpointer:
                              "newest one can fall back to an older one (or None to keep all).")
         self.directory = pathlib.Path(directory).absolute()
         self._checksum = checksum
+        alone = this_process_only and jax.process_count() > 1
+        self._primary = alone or jax.process_index() == 0
+        self._together = jax.process_count() > 1 and not alone  # other processes save and restore with this one
+        processes = None
+        if alone:  # orbax creates no directory for a subset of processes
+            self.directory.mkdir(parents=True, exist_ok=True)
+            processes = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                           active_processes={jax.process_index()})
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True))
+                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=not alone,
+                **({"multiprocessing_options": processes} if processes else {})))
         self._committer = (concurrent.futures.ThreadPoolExecutor(1, "checkpoint-commit")
                            if async_save else None)
         self._pending: concurrent.futures.Future | None = None
         self._rejected: dict[int, str] = {}  # step -> why a restore skipped it
+        self._write_failed = False  # a save's write raised (orbax raises it again on close)
         for leftover in sorted(self.directory.glob(f"*{_ORBAX_TMP_MARKER}*")):
             logging.warning("Ignoring %s: left by a save that did not finish; orbax never "
                             "lists it as a step.", leftover)
@@ -158,15 +175,40 @@ class Checkpointer:
             pending.result()
 
     def _commit(self, step: int) -> None:
-        self._manager.wait_until_finished()  # raises if orbax's background write failed
-        if jax.process_index() == 0:
-            write_manifest(self._step_dir(step), step, checksum=self._checksum)
+        with self._writing(step):
+            self._manager.wait_until_finished()  # raises if orbax's background write failed
+            faults.maybe_kill(f"commit/{self.directory.name}", step)
+            if self._primary:
+                write_manifest(self._step_dir(step), step, checksum=self._checksum)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int):
+        """Around the parts of saving `step`: running out of space becomes a DiskFullError
+        that says where, which step a rerun resumes from, and what the failed write left
+        behind; a failure is remembered, so that `close` does not raise it a second time."""
+        def message() -> str:
+            complete = [s for s in self._manager.all_steps()
+                        if s < step and (self._step_dir(s) / MANIFEST_NAME).exists()]
+            left = sorted(str(p) for p in self.directory.glob(f"{step}{_ORBAX_TMP_MARKER}*"))
+            if self._step_dir(step).exists() and not (self._step_dir(step) / MANIFEST_NAME).exists():
+                left.append(str(self._step_dir(step)))
+            resume = (f"it resumes from step {max(complete)}, the newest complete checkpoint, which is intact"
+                      if complete else "there is no complete earlier checkpoint to resume from")
+            return (f"Out of disk space writing checkpoint step {step} to {self.directory}. Free space on that "
+                    f"disk (or move the run to a larger one) and run the same command again: {resume}."
+                    + (f" The unfinished write left {', '.join(left)}, which can be deleted." if left else ""))
+        try:
+            with faults.explain_disk_full(message):
+                yield
+        except BaseException:
+            self._write_failed = True
+            raise
 
     def _set_aside_steps_from(self, step: int) -> None:
         newer = [s for s in self._manager.all_steps() if s >= step]
         if not newer:
             return
-        if jax.process_index() == 0:
+        if self._primary:
             for s in newer:
                 reason = self._rejected.get(s)
                 base = self.directory / f"{s}.{'rejected' if reason else 'superseded'}"
@@ -178,7 +220,8 @@ class Checkpointer:
                                 s, destination, step,
                                 reason or "it is from a timeline abandoned by resuming from an "
                                           "older step")
-        _sync_processes(f"tlt_jax_checkpoint_set_aside_{step}")
+        if self._together:
+            multihost_utils.sync_global_devices(f"tlt_jax_checkpoint_set_aside_{step}")
         self._manager.reload()
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None) -> None:
@@ -192,8 +235,9 @@ class Checkpointer:
             raise ValueError(f"meta['step']={meta['step']} disagrees with step={step}")
         self._join_pending()
         self._set_aside_steps_from(step)
-        saved = self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        with self._writing(step):
+            saved = self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         if not saved:
             raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         if self._committer is None:
@@ -282,9 +326,14 @@ class Checkpointer:
         try:
             self._join_pending()
         finally:
-            self._manager.close()
-            if self._committer is not None:
-                self._committer.shutdown()
+            try:
+                self._manager.close()
+            except Exception:
+                if not self._write_failed:
+                    raise
+            finally:
+                if self._committer is not None:
+                    self._committer.shutdown()
 
     def __enter__(self) -> Checkpointer:
         return self

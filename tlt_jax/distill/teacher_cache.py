@@ -49,6 +49,8 @@ import numpy as np
 import tensorstore as ts
 from tqdm import auto as tqdm_auto
 
+from tlt_jax import faults
+
 FORMAT_VERSION = 1  # of the teacher cache (its fields and their meaning)
 STORE_VERSION = 1  # of the generic store layout
 CACHE_KIND = "teacher_topk_cache"
@@ -564,6 +566,9 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
       progress: show a tqdm progress bar over sequences.
     Returns:
       A reader of the finished cache.
+    Raises:
+      faults.DiskFullError: the disk filled up; the shards completed so far stay valid
+        and a rerun computes only the others.
     """
     num_rows, seq_len = _check_tokens(tokens_NT)
     if batch_size < 1:
@@ -573,51 +578,60 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
         raise MetadataMismatchError(
             f"meta.dataset_fingerprint is {meta.dataset_fingerprint!r} but tokens_NT hashes "
             f"to {dataset_fingerprint!r}")
-    store = ShardedArrayStore.open_or_create(
-        path, fields=meta.fields(seq_len), num_rows=num_rows,
-        metadata=meta.store_metadata(), rows_per_shard=rows_per_shard)
+    store = None
 
-    rows_M = np.concatenate([np.arange(*store.shard_bounds(s))
-                             for s in store.missing_shards] or [np.zeros((0,), np.int64)])
-    shape_TK = (seq_len, meta.top_k)
-    buffers: dict[int, dict[str, np.ndarray]] = {}  # shard -> field -> [rows, T, K]
-    filled: collections.Counter[int] = collections.Counter()
-    pending: collections.deque[_Pending] = collections.deque()
-    bar = tqdm_auto.tqdm(total=num_rows, initial=num_rows - len(rows_M), unit="seq",
-                         desc="teacher cache", disable=not progress)
-    with bar:
-        for begin in range(0, len(rows_M), batch_size):
-            rows_B = rows_M[begin:begin + batch_size]
-            padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
-            tokens_BT = np.asarray(tokens_NT[padded_B], dtype=np.int32)
-            ids_BTK, logp_BTK = teacher_fn(tokens_BT)
-            ids_BTK, logp_BTK = np.asarray(ids_BTK), np.asarray(logp_BTK)
-            for name, x in (("ids", ids_BTK), ("logp", logp_BTK)):
-                if x.shape != (batch_size, *shape_TK):
-                    raise ValueError(f"teacher_fn returned {name} of shape {x.shape}, expected "
-                                     f"{(batch_size, *shape_TK)} (batch_size, T, top_k)")
-            shard_B = rows_B // store.rows_per_shard
-            for shard in np.unique(shard_B):
-                start, stop = store.shard_bounds(shard)
-                if shard not in buffers:
-                    buffers[shard] = {"ids": np.empty((stop - start, *shape_TK), np.int32),
-                                      "logp": np.empty((stop - start, *shape_TK),
-                                                       _np_dtype(meta.logp_dtype))}
-                in_shard_B = shard_B == shard
-                local = rows_B[in_shard_B] - start
-                buffers[shard]["ids"][local] = ids_BTK[:len(rows_B)][in_shard_B]
-                buffers[shard]["logp"][local] = logp_BTK[:len(rows_B)][in_shard_B]
-                filled[shard] += len(local)
-                if filled[shard] == stop - start:
-                    # Writes run in tensorstore's threads while the teacher computes the next
-                    # batches; at most one shard is in flight, to bound host memory.
-                    pending.append(store.start_write_shard(shard, buffers.pop(shard)))
-            # Mark shards complete as soon as their data is on disk, so a kill loses little.
-            while pending and (len(pending) > 1 or pending[0].done()):
+    def disk_full() -> str:
+        kept = int(store.complete_S.sum()) if store is not None else 0
+        return (f"Out of disk space writing the teacher cache at {os.fspath(path)}. Free space on that disk (or give "
+                f"the cache a path on a larger one) and run the same command again: its {kept} complete shard(s) "
+                "are kept and only the missing ones are computed.")
+
+    with faults.explain_disk_full(disk_full):
+        store = ShardedArrayStore.open_or_create(
+            path, fields=meta.fields(seq_len), num_rows=num_rows,
+            metadata=meta.store_metadata(), rows_per_shard=rows_per_shard)
+
+        rows_M = np.concatenate([np.arange(*store.shard_bounds(s))
+                                 for s in store.missing_shards] or [np.zeros((0,), np.int64)])
+        shape_TK = (seq_len, meta.top_k)
+        buffers: dict[int, dict[str, np.ndarray]] = {}  # shard -> field -> [rows, T, K]
+        filled: collections.Counter[int] = collections.Counter()
+        pending: collections.deque[_Pending] = collections.deque()
+        bar = tqdm_auto.tqdm(total=num_rows, initial=num_rows - len(rows_M), unit="seq",
+                             desc="teacher cache", disable=not progress)
+        with bar:
+            for begin in range(0, len(rows_M), batch_size):
+                rows_B = rows_M[begin:begin + batch_size]
+                padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
+                tokens_BT = np.asarray(tokens_NT[padded_B], dtype=np.int32)
+                ids_BTK, logp_BTK = teacher_fn(tokens_BT)
+                ids_BTK, logp_BTK = np.asarray(ids_BTK), np.asarray(logp_BTK)
+                for name, x in (("ids", ids_BTK), ("logp", logp_BTK)):
+                    if x.shape != (batch_size, *shape_TK):
+                        raise ValueError(f"teacher_fn returned {name} of shape {x.shape}, expected "
+                                         f"{(batch_size, *shape_TK)} (batch_size, T, top_k)")
+                shard_B = rows_B // store.rows_per_shard
+                for shard in np.unique(shard_B):
+                    start, stop = store.shard_bounds(shard)
+                    if shard not in buffers:
+                        buffers[shard] = {"ids": np.empty((stop - start, *shape_TK), np.int32),
+                                          "logp": np.empty((stop - start, *shape_TK),
+                                                           _np_dtype(meta.logp_dtype))}
+                    in_shard_B = shard_B == shard
+                    local = rows_B[in_shard_B] - start
+                    buffers[shard]["ids"][local] = ids_BTK[:len(rows_B)][in_shard_B]
+                    buffers[shard]["logp"][local] = logp_BTK[:len(rows_B)][in_shard_B]
+                    filled[shard] += len(local)
+                    if filled[shard] == stop - start:
+                        # Writes run in tensorstore's threads while the teacher computes the next
+                        # batches; at most one shard is in flight, to bound host memory.
+                        pending.append(store.start_write_shard(shard, buffers.pop(shard)))
+                # Mark shards complete as soon as their data is on disk, so a kill loses little.
+                while pending and (len(pending) > 1 or pending[0].done()):
+                    pending.popleft().result()
+                bar.update(len(rows_B))
+            while pending:
                 pending.popleft().result()
-            bar.update(len(rows_B))
-        while pending:
-            pending.popleft().result()
     return TeacherCacheReader(path, meta)
 
 

@@ -188,10 +188,16 @@ class DistillTrainer:
 
     def step(self, state: TrainState, batch: dict):
         """One guarded update; returns (state, {"loss", "grad_norm", "skipped"})."""
+        return self.step_fn(state.params, batch)(state, batch)
+
+    def step_fn(self, params, batch: dict):
+        """The jitted update of `step`: (state, batch) -> (state, metrics), the state
+        donated. Its arguments may be jax.ShapeDtypeStructs (`.lower` then compiles it
+        abstractly)."""
         if self._step is None:
-            st_sh = state_shardings(self.optimizer, state.params, self._param_shardings(state.params), self.mesh)
+            st_sh = state_shardings(self.optimizer, params, self._param_shardings(params), self.mesh)
             self._step = jit_train_step(self.loss, self.optimizer, st_sh, self._batch_shardings(batch), self.mesh)
-        return self._step(state, batch)
+        return self._step
 
     def eval_sums(self, params, batch) -> dict:
         """Sums over the batch's target positions (its ids may hold more than top_k columns):

@@ -5,7 +5,9 @@ to the rollout engine between rollouts, checkpointed on its own cadence.
     SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
     end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
 
-One drafter, never diverging copies: its train state lives on the devices of the
+One drafter, never diverging copies: with several processes it trains on process 0
+alone, and every publish hands process 0's weights and counters to every process's
+engine (`to_engine`, collective). Its train state lives on the devices of the
 rollout group it last trained on (`placement` g; host-phase gaps, placement ALL, train
 wherever it is) and moves with it. A step reads the target's embedding, final norm and
 LM head from that group's engine copy (the current policy: the drafter follows the
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint
+from tlt_jax import checkpoint, faults, multihost
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
@@ -78,8 +80,8 @@ class OnlineDrafter:
                                     feature_dtype=target_config.jnp_dtype, keep_steps=config.keep_steps,
                                     prompt_tail=config.prompt_tail, seed=seed)
         self._trainers: dict[int, DrafterTrainer] = {}
-        self._home = 0  # the rollout group whose devices hold the train state
-        self.state = self._trainer(0).init_state(drafter_params)
+        self._home = engine.local_groups[0].index  # the rollout group whose devices hold the train state
+        self.state = self._trainer(self._home).init_state(drafter_params)
         self._noise_key = jax.random.PRNGKey(seed + 1)
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
@@ -123,6 +125,7 @@ class OnlineDrafter:
         target = shared_target_params(self.engine.groups[group].params)
         rows = self.buffer.sample(self.config.batch_size)
         self.state, out = trainer.step(self.state, target, rows, jax.random.fold_in(self._noise_key, self.steps))
+        faults.maybe_kill("drafter_step", self.steps)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         self.steps += 1
         self.skipped += int(out["skipped"])
@@ -147,22 +150,32 @@ class OnlineDrafter:
 
     def publish(self) -> bool:
         """Hands the engine the current drafter if it changed since the last publish and
-        every weight is finite (a non-finite drafter never reaches the engine)."""
-        if self.steps == self._published_steps:
+        every weight is finite (a non-finite drafter never reaches the engine). Collective
+        with several processes: process 0 decides."""
+        changed = self.steps != self._published_steps and self._finite()
+        if not multihost.broadcast_object(changed):
             return False
-        params = self.state.params
-        if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params)):
-            logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
-                            self.steps, self.version)
-            return False
-        self._hand_to_engine()
+        self.to_engine()
         self._published_steps = self.steps
         self.version += 1
         return True
 
-    def _hand_to_engine(self) -> None:
+    def _finite(self) -> bool:
+        if all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(self.state.params)):
+            return True
+        logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
+                        self.steps, self.version)
+        return False
+
+    def to_engine(self) -> None:
+        """Hands the engine the current drafter (after `restore`: the restored one). Collective
+        with several processes: every engine gets process 0's drafter, every process its
+        counters."""
         # A host copy: the engine must not alias the train state, which each step donates.
-        self.engine.update_drafter(jax.device_get(self.state.params))
+        params = multihost.broadcast_arrays(jax.device_get(self.state.params))
+        self.version, self.steps, self.skipped, self._published_steps = multihost.broadcast_object(
+            (self.version, self.steps, self.skipped, self._published_steps))
+        self.engine.update_drafter(params)
 
     # -- checkpoints
 
@@ -179,10 +192,13 @@ class OnlineDrafter:
                  "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes})
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
-        """Restores drafter checkpoint `step` (train state on its home group, buffer and
-        counters) and hands the engine its weights."""
+        """Restores drafter checkpoint `step` (train state on its home group, or on this
+        process's first group when that one is not here, buffer and counters); `to_engine`
+        then hands the engine its weights."""
         meta = ckpt.read_meta(step)
-        self._home = meta["home"]
+        groups = self.engine.groups
+        home = meta["home"]
+        self._home = home if home < len(groups) and groups[home].is_local else self.engine.local_groups[0].index
         like_train = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state,
                                   self._state_shardings(self._trainer(self._home)))
         like_buffer = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(tuple(spec[0]), np.dtype(spec[1])),
@@ -193,4 +209,3 @@ class OnlineDrafter:
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
         self._published_steps = meta["published_steps"]
-        self._hand_to_engine()

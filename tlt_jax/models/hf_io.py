@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from tlt_jax import sharding
+from tlt_jax import faults, sharding
 from tlt_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
@@ -447,6 +447,7 @@ def _write_checkpoint(path, hf_config, config, host, tensors, np_dtype, max_shar
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _fsync_dir(tmp)
+        faults.maybe_kill("hf_export")
         _swap_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

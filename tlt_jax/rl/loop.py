@@ -8,13 +8,16 @@ Every step records its time split (rollout per group, reward, learner, weight sy
 the rollout's long-tail losses (group idle, slot idle): the numbers speculation and spot
 training attack. Randomness and data are functions of (seed, step), and the checkpoint
 holds everything else, so a run killed and resumed continues exactly.
+
+With several processes every process runs each step on the same host data: the engine
+hands every process all samples, rewards are process 0's, batches are built on each host
+and enter the learner as arrays over all devices, and what the host reads back (old
+log-probs, the drafter's data) is gathered from every process.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import multiprocessing
 import time
 from typing import Callable, Sequence
 
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import sampling
+from tlt_jax import faults, multihost, sampling, sharding
 from tlt_jax.drafter_training.buffer import Packing, pack_spans
 from tlt_jax.rl import evaluation, grpo, rewards, tasks
 from tlt_jax.rl.learner import DrafterData, Learner
@@ -44,19 +47,8 @@ class RLStepConfig:
     advantage: str = "grpo"
     reward: str = "task"
     reward_workers: int = 0  # > 0: score in a process pool (slow reward functions)
+    reward_timeout_s: float = 600.0  # a batch not scored by then scores 0, counted (0: no deadline)
     max_consecutive_skips: int = 3
-
-
-def score(reward_name: str, prompts: Sequence[str], completions: Sequence[str], fields: dict,
-          pool: concurrent.futures.Executor | None = None) -> tuple[np.ndarray, int]:
-    """Rewards on the host; a sample whose reward raises or is not finite scores 0, counted."""
-    if pool is None:
-        return rewards.safe_rewards(rewards.get_reward(reward_name), prompts, completions, **fields)
-    chunks = np.array_split(np.arange(len(prompts)), getattr(pool, "_max_workers", 1))
-    jobs = [(reward_name, [prompts[i] for i in c], [completions[i] for i in c],
-             {k: [v[i] for i in c] for k, v in fields.items()}) for c in chunks if len(c)]
-    results = list(pool.map(rewards.safe_rewards_by_name, jobs))
-    return np.concatenate([r for r, _ in results]), sum(f for _, f in results)
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
@@ -121,7 +113,7 @@ def unpack_drafter_data(packing: Packing, data: DrafterData) -> DrafterData:
     row [n, S-1, ...] (numpy): the layout `OnlineDrafter.add` reads, with the tokens
     `unpack_samples(packing, batch["tokens"], S, pad_id)`. Equal to the pass over one
     sample per row at every position of each sample but its last (see DrafterData)."""
-    host = jax.device_get(data)
+    host = jax.tree.map(sharding.to_host, data)  # gathered from every process when it spans several
     width = packing.seq_len - 1
     unpack = lambda x: None if x is None else unpack_samples(packing, x, width)
     return DrafterData(unpack(host.hidden), unpack(host.ids), unpack(host.logp), unpack(host.layers))
@@ -142,15 +134,10 @@ class RLLoop:
         self.consecutive_skips = 0
         self.nonfinite_steps = 0
         self.reward_failures = 0
-        # Spawned, not forked: forking a process that runs JAX threads can deadlock. The
-        # workers import only the reward module.
-        self._pool = (concurrent.futures.ProcessPoolExecutor(
-            step_config.reward_workers, mp_context=multiprocessing.get_context("spawn"))
-            if step_config.reward_workers > 0 else None)
+        self._scorer = rewards.Scorer(step_config.reward, step_config.reward_workers, step_config.reward_timeout_s)
 
     def close(self):
-        if self._pool is not None:
-            self._pool.shutdown()
+        self._scorer.close()
         if self.tlt is not None:
             self.tlt.close()
 
@@ -180,6 +167,7 @@ class RLLoop:
             speculation = tlt.tuner
 
         def group_done(g):
+            faults.maybe_kill("rollout", step)
             if tlt is not None:
                 tlt.on_group_done(g)
             if on_group_done is not None:
@@ -194,8 +182,11 @@ class RLLoop:
         with self.gap("reward"):
             chosen = [examples[i] for i in rollouts.prompt_index]
             completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
-            reward, failures = score(cfg.reward, [e.prompt for e in chosen], completions,
-                                     tasks.reward_fields(chosen), self._pool)
+            scored = self._scorer([e.prompt for e in chosen], completions, tasks.reward_fields(chosen))
+            # Process 0's scores everywhere: a reward that times out, or draws, on one process only
+            # must not split the learner's batch between processes.
+            reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
+            faults.maybe_kill("reward", step)
             correct = np.asarray(rewards.answer_correctness([e.prompt for e in chosen], completions,
                                                             **tasks.reward_fields(chosen)))
             self.reward_failures += failures
@@ -220,11 +211,12 @@ class RLLoop:
                     unpack_drafter_data(packing, drafter_data))
         else:
             old_logp, entropy = self.learner.logprobs(state.params, *rows, with_entropy=True)
-        batch["old_logp"] = np.asarray(old_logp)
+        batch["old_logp"] = sharding.to_host(old_logp)
         t_old_logp = time.perf_counter()
         if self.ref_params is not None:
-            batch["ref_logp"] = np.asarray(self.learner.logprobs(self.ref_params, *rows))
+            batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
         state, updates = self.learner.update(state, batch)
+        faults.maybe_kill("learner", step)
         skipped = int(sum(u["skipped"] for u in updates))
         t_learner = time.perf_counter()
 
@@ -245,12 +237,12 @@ class RLLoop:
             "accuracy": float(correct.mean()),
             "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
             "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
-            "entropy": float((np.asarray(entropy) * mask).sum() / max(mask.sum(), 1)),
+            "entropy": float((sharding.to_host(entropy) * mask).sum() / max(mask.sum(), 1)),
             "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
             "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
             "rollout_logp_gap": float(np.mean([u["rollout_logp_gap"] for u in updates])),
             "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
-            "skipped_updates": skipped, "reward_failures": failures,
+            "skipped_updates": skipped, "reward_failures": failures, "reward_timeouts": scored.timed_out,
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
             "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_logp - t_batch,
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,

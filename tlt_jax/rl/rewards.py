@@ -7,13 +7,19 @@ ignores the rest, so the RL loop can pass every field to every reward. Completio
 decoded text without special tokens (no <eos>).
 
 `safe_rewards` is how the RL loop calls a reward: a sample whose score raises or is not
-finite scores 0 and is counted, without zeroing the rest of the batch.
+finite scores 0 and is counted, without zeroing the rest of the batch. `Scorer` runs it
+for the loop, in this process or in worker processes, under a per-batch deadline: a
+reward that hangs scores 0 and is counted too, and the run goes on.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import multiprocessing
 import re
+import threading
+import time
 from fractions import Fraction
 from typing import Callable, Sequence
 
@@ -150,6 +156,7 @@ REWARDS: dict[str, RewardFn] = {
     "task": task_reward,
     "gsm8k": gsm8k_correctness,
 }
+SCORE_RANGE = (0.0, 1.0)  # every reward of REWARDS scores within it (plots clip reward bands to it)
 
 
 def get_reward(name: str) -> RewardFn:
@@ -199,8 +206,112 @@ def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
     return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), failures
 
 
-def safe_rewards_by_name(job):
-    """`safe_rewards` for (reward name, prompts, completions, fields): what a reward
-    worker process runs (a top-level function of a module without JAX, cheap to spawn)."""
-    name, prompts, completions, fields = job
-    return safe_rewards(get_reward(name), prompts, completions, **fields)
+_START_TIMEOUT_S = 300.0  # for the workers of a new pool to be up
+
+
+def _wait_for_all(barrier, timeout_s: float) -> None:
+    """Where the workers of a new pool and the process that started it meet."""
+    try:
+        barrier.wait(timeout_s)
+    except threading.BrokenBarrierError:  # a worker that replaced a dead one meets no one
+        pass
+
+
+def _score_job(job) -> tuple[np.ndarray, int]:
+    """`safe_rewards` for (reward name or function, prompts, completions, fields): what a
+    scoring thread or worker process runs (a worker imports only this module, no JAX)."""
+    reward, prompts, completions, fields = job
+    return safe_rewards(get_reward(reward) if isinstance(reward, str) else reward, prompts, completions, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """A batch's rewards as the RL loop gets them from `Scorer`."""
+
+    scores: np.ndarray  # [B] float32; 0 where a sample failed
+    failures: int  # samples scored 0: their reward raised, was not finite, or not in time
+    timed_out: int  # of those, the samples whose scoring passed the batch's deadline
+
+
+class Scorer:
+    """Scores batches with one reward: `safe_rewards` in this process (workers=0) or split
+    over `workers` spawned processes, within `timeout_s` seconds per batch (0: no deadline).
+
+    What has not finished by the deadline (the batch inline, or a worker's part of it)
+    scores 0 and is counted (`Scores.timed_out`), and the next batch is scored as usual.
+    Worker processes past the deadline are terminated and a fresh pool serves the next
+    batch; a pool starts at once and waits for its workers to be up, so the deadline
+    counts scoring, not start-up. Inline, the call is left running on a daemon thread
+    (Python cannot stop a thread), which is enough for a reward that waits (on I/O, a
+    lock, a sleep); a reward that can hang while it computes belongs in workers.
+
+    reward: a name of `REWARDS`, or a reward function (with workers: a module-level one,
+    as it is pickled by reference).
+    """
+
+    def __init__(self, reward: str | RewardFn, workers: int = 0, timeout_s: float = 0.0):
+        if workers < 0:
+            raise ValueError(f"reward_workers={workers} must be >= 0 (0: score in the training process).")
+        if not timeout_s >= 0:
+            raise ValueError(f"reward_timeout_s={timeout_s} must be >= 0 (0: no deadline).")
+        self.reward, self.workers, self.timeout_s = reward, workers, timeout_s
+        self._pool = self._start_pool() if workers else None  # replaced after a deadline passes
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], fields: dict) -> Scores:
+        """Scores [B] for B samples; `fields` are per-sample sequences of length B."""
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+        parts = np.array_split(np.arange(len(completions)), max(self.workers, 1))
+        jobs = [(self.reward, [prompts[i] for i in part], [completions[i] for i in part],
+                 {k: [v[i] for i in part] for k, v in fields.items()}) for part in parts if len(part)]
+        results = self._in_workers(jobs, deadline) if self.workers else [self._inline(job, deadline) for job in jobs]
+        scores, failures, timed_out = [np.zeros((0,), np.float32)], 0, 0
+        for job, result in zip(jobs, results):
+            if result is None:
+                n = len(job[2])
+                scores.append(np.zeros((n,), np.float32))
+                failures, timed_out = failures + n, timed_out + n
+            else:
+                scores.append(result[0])
+                failures += result[1]
+        if timed_out:
+            logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
+                           getattr(self.reward, "__name__", self.reward), timed_out, len(completions), self.timeout_s)
+        return Scores(np.concatenate(scores), failures, timed_out)
+
+    @staticmethod
+    def _inline(job, deadline: float | None):
+        if deadline is None:
+            return _score_job(job)
+        out = []
+        thread = threading.Thread(target=lambda: out.append(_score_job(job)), name="reward", daemon=True)
+        thread.start()
+        thread.join(max(deadline - time.monotonic(), 0.0))
+        return out[0] if out else None
+
+    def _start_pool(self):
+        # Spawned, not forked: forking a process that runs JAX threads can deadlock.
+        context = multiprocessing.get_context("spawn")
+        ready = context.Barrier(self.workers + 1)
+        pool = context.Pool(self.workers, initializer=_wait_for_all, initargs=(ready, _START_TIMEOUT_S))
+        _wait_for_all(ready, _START_TIMEOUT_S)
+        return pool
+
+    def _in_workers(self, jobs, deadline: float | None):
+        pending = [self._pool.apply_async(_score_job, (job,)) for job in jobs]
+        results = []
+        for p in pending:
+            try:
+                results.append(p.get(None if deadline is None else max(deadline - time.monotonic(), 0.0)))
+            except multiprocessing.TimeoutError:
+                results.append(None)
+        if any(r is None for r in results):
+            self._pool.terminate()  # the hung workers with it
+            self._pool.join()
+            self._pool = self._start_pool()
+        return results
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None

@@ -132,5 +132,6 @@ def train_sft(config, *, progress: bool = True) -> dict:
                                  writer=writer, bar=bar)
     save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer, overwrite=True)
     records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    metrics.plot_curves(records, ["loss", "eval_accuracy"], os.path.join(run_dir, "sft_curves.png"))
+    metrics.plot_curves(records, ["loss", "eval_accuracy"], os.path.join(run_dir, "sft_curves.png"),
+                        title=f"SFT ({run_dir})")
     return record

@@ -15,12 +15,18 @@ and the events of a step (`RLLoop.step` calls them in this order):
     gap(name)                host phases (reward scoring, batch building, checkpoint writes)
     add(...)                 the old-policy pass's DrafterData into the buffer
     end()                    owed catch-up steps, the new drafter to the engine, metrics
+
+With several processes the drafter trains on process 0 alone (its rollout groups' gaps
+and the host phases; its buffer holds the whole batch's data), and each version it
+publishes reaches every process's engine; every process decodes with the same tuner,
+process 0's, which has heard every group's chunks (`after_rollout`).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 
+from tlt_jax import multihost
 from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.drafter_training.spot import ALL, SpotConfig, SpotTrainer
 from tlt_jax.rollout import tuner as tuner_lib
@@ -30,8 +36,8 @@ class TLT:
     def __init__(self, tuner: tuner_lib.BucketedEpsilonGreedy, drafter: OnlineDrafter | None,
                  spot_config: SpotConfig):
         self.tuner, self.drafter = tuner, drafter
-        self.spot = None
-        if drafter is not None:
+        self.spot = None  # where the drafter trains: process 0
+        if drafter is not None and multihost.is_leader():
             self.spot = SpotTrainer(drafter.train_step, spot_config, has_data=drafter.has_data)
             self.spot.start()
         self._lock = threading.Lock()
@@ -60,8 +66,10 @@ class TLT:
 
     def after_rollout(self) -> None:
         if self.spot is not None:
-            for group in self._groups_done[:-1]:
+            for group in self._groups_done:  # the last one's never opened, unless other processes' groups ran
                 self.spot.close_gap(f"group{group}")
+        if multihost.is_multiprocess():
+            self.tuner.load_state_dict(multihost.broadcast_object(self.tuner.state_dict()))
 
     @contextlib.contextmanager
     def gap(self, name: str):
@@ -73,18 +81,20 @@ class TLT:
             yield
 
     def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data) -> None:
-        if self.drafter is not None:
+        if self.spot is not None:
             self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data)
             self.spot.notify_data()
 
     def end(self) -> dict:
         """Catch-up steps, the drafter to the engine; the step's TLT metrics."""
         out = {}
-        if self.spot is not None:
-            self.spot.catch_up()
+        if self.drafter is not None:
+            if self.spot is not None:
+                self.spot.catch_up()
             self.drafter.publish()
-            stats = self.spot.end_rl_step()
-            out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+            if self.spot is not None:
+                stats = self.spot.end_rl_step()
+                out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
                         "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows})
         report = self.tuner.report()

@@ -4,6 +4,13 @@ Resuming: the checkpoint holds the train state (policy and optimizer), the refer
 policy, the RNG key, the data position, the step and the config; a run killed at any
 point and started again with the same run_dir continues exactly where the last good
 checkpoint left it.
+
+Several processes (`jax.distributed`, the launchers' --coordinator_address, --num_processes
+and --process_id): every process runs this same function. Each rollout group lies on one
+process's devices (the mesh's data axis a multiple of the number of processes); the
+learner and the checkpoints span them all (orbax writes each process's shards). Process 0
+writes the metrics, plots, exports and the drafter's own checkpoints (its drafter trains
+there). The checkpoint directory must be one filesystem that every process sees.
 """
 from __future__ import annotations
 
@@ -11,12 +18,13 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, metrics, sampling, sharding
+from tlt_jax import checkpoint, metrics, multihost, sampling, sharding
 from tlt_jax.models.hf_io import load_hf, save_hf
-from tlt_jax.rl import grpo, tasks
+from tlt_jax.rl import grpo, rewards, tasks
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.drafter_training import io as drafter_io
@@ -31,6 +39,7 @@ from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import OptimizerConfig
 
 _TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time", "tuner/", "spot/")
+RESULT_FILENAME = "result.json"  # the summary of a finished run, returned again when it is run again
 
 
 def _warm_start(config):
@@ -41,7 +50,7 @@ def _warm_start(config):
         config.sft.run_dir = os.path.join(config.run_dir, "sft")
         sft_dir = os.path.join(config.sft.run_dir, "hf")
         if not os.path.exists(os.path.join(sft_dir, "config.json")):
-            logging.info("No SFT checkpoint at %r: training one into %s", config.sft_dir, config.sft.run_dir)
+            metrics.report(f"No SFT checkpoint at {config.sft_dir!r}: training one into {config.sft.run_dir}")
             train_sft(config.sft)
     model_cfg, params = load_hf(sft_dir)
     return model_cfg, params, load_tokenizer(sft_dir)
@@ -81,9 +90,51 @@ def _restore_drafter(drafter: OnlineDrafter, ckpt: checkpoint.Checkpointer, rl_s
                     rl_step)
 
 
+def _prefixed(prefix: str, build):
+    """build(), with a ValueError's message prefixed by the config section it checks
+    ("rollout." before a message that starts with the field's name)."""
+    try:
+        return build()
+    except ValueError as e:
+        raise ValueError(f"{prefix}{e}") from e
+
+
+def _check_mesh(mesh_config) -> None:
+    """The mesh fills every process's devices, and each rollout group (a slice of its data
+    axis) lies on one process."""
+    given = " ".join(f"mesh.{k}={v}" for k, v in mesh_config.items())
+    processes = jax.process_count()
+    where = f" ({processes} processes with {jax.local_device_count()} each)" if processes > 1 else ""
+    try:
+        mesh = sharding.make_mesh(mesh_config)
+    except ValueError as e:
+        raise ValueError(f"{given}: {str(e).rstrip('.')}{where}.") from e
+    if processes > 1 and mesh.shape["data"] % processes:
+        raise ValueError(f"{given}: the {mesh.shape['data']} rollout group(s) of the data axis must each lie on "
+                         f"one process's devices{where}; make mesh.data a multiple of {processes}.")
+
+
 def check_config(config) -> None:
-    """Raises ValueError naming the field for TLT settings that cannot run, before anything
+    """Raises ValueError naming the field for settings that cannot run, before anything
     is loaded or written (the launcher calls it before touching the run directory)."""
+    for name in ("steps", "eval_every", "checkpoint_every", "prompts_per_step", "num_samples"):
+        if config[name] < 1:
+            raise ValueError(f"{name}={config[name]} must be >= 1.")
+    r = config.rollout
+    _prefixed("rollout.", lambda: sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                                                         max_tokens=r.max_tokens))
+    _prefixed("rollout.", lambda: RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
+                                               max_length=r.max_prompt_length + r.max_tokens,
+                                               steps_per_sync=r.steps_per_sync))
+    samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
+    if k < 1 or samples % k:
+        raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
+                         f"{samples} samples.")
+    if config.advantage not in grpo.ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage={config.advantage!r}; choose from {sorted(grpo.ADVANTAGE_ESTIMATORS)}.")
+    if config.reward not in rewards.REWARDS:
+        raise ValueError(f"reward={config.reward!r}; choose from {sorted(rewards.REWARDS)}.")
+    _check_mesh(config.mesh)
     if not config.tlt.enabled:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
@@ -104,6 +155,14 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     `stop_after` ends the process's work after that many steps (tests of resumption)."""
     check_config(config)
     run_dir = config.run_dir
+    finished = recorded_result(run_dir, config.steps)
+    if finished is not None:
+        metrics.report(f"{run_dir} holds a finished run of {config.steps} steps; its recorded result follows "
+                       "(a new run needs a new --config.run_dir, more steps a larger --config.steps).")
+        _report_result(finished)
+        return finished
+    metrics.report(f"RL run in {run_dir}: {config.steps} steps, TLT {'on' if config.tlt.enabled else 'off'}, "
+                   f"warm start {config.sft_dir or '(trained first)'}")
     os.makedirs(run_dir, exist_ok=True)
     model_cfg, params, tokenizer = _warm_start(config)
     mesh = sharding.make_mesh(config.mesh)
@@ -132,46 +191,54 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
                             advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
+                            reward_timeout_s=config.reward_timeout_s,
                             max_consecutive_skips=config.max_consecutive_skips)
     tlt = None
     if tlt_on:
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
-        logging.info("Compiled plain decode and %d strategies in %.1f s, the drafter step in %.1f s",
-                     len(tuner.strategies), engine.warm_up(sp, tuner), online.warm_up())
+        decode_s = engine.warm_up(sp, tuner)
+        drafter_s = online.warm_up() if tlt.spot is not None else 0.0  # where the drafter trains
+        metrics.report(f"Compiled plain decode and {len(tuner.strategies)} drafting strategies in {decode_s:.1f} s, "
+                       f"the drafter step in {drafter_s:.1f} s")
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
                   eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt)
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
-    # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their cadence.
-    drafter_ckpt = (checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"), max_to_keep=2)
-                    if tlt is not None else None)
+    # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
+    # cadence, written by the process where it trains.
+    drafter_ckpt = (checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"), max_to_keep=2,
+                                            this_process_only=True)
+                    if tlt is not None and tlt.spot is not None else None)
     start, data_position, sft_eval = 0, 0, None
 
     def saved_tree():
-        tree = {"train": state, "key": loop.key}
+        # The key as one array of the mesh: each process holds its own copy of it.
+        tree = {"train": state, "key": jax.device_put(np.asarray(loop.key), sharding.replicated(mesh))}
         if loop.ref_params is not None:
             tree["ref"] = loop.ref_params
         return tree
 
     restored, meta = ckpt.resume(saved_tree())
     if meta:
-        state, loop.key, loop.ref_params = restored["train"], restored["key"], restored.get("ref")
+        state, loop.key, loop.ref_params = restored["train"], jnp.asarray(np.asarray(restored["key"])), restored.get("ref")
         start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         engine.update_params(state.params)
         if tlt is not None and meta.get("tlt") is None:
             logging.warning("Resuming a run saved with TLT off: the tuner and drafter start fresh.")
         elif tlt is not None:
             tlt.load_state_dict(meta["tlt"])
-            _restore_drafter(tlt.drafter, drafter_ckpt, start)
-        logging.info("Resumed RL at step %d (data position %d)", start, data_position)
+            if drafter_ckpt is not None:
+                _restore_drafter(tlt.drafter, drafter_ckpt, start)
+            tlt.drafter.to_engine()
+        metrics.report(f"Resumed {run_dir} at step {start} of {config.steps}")
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
     if sft_eval is None:
         sft_eval = loop.evaluate(0)
         writer.write(0, {"eval_accuracy": sft_eval["eval_accuracy"], "eval_length_mean": sft_eval["eval_length_mean"]})
-        logging.info("SFT checkpoint: eval accuracy %.3f", sft_eval["eval_accuracy"])
+        metrics.report(f"SFT checkpoint: eval accuracy {sft_eval['eval_accuracy']:.3f}")
 
     def save(step):
         with loop.gap("checkpoint"):
@@ -186,7 +253,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             drafter_ckpt.save(step, tree, meta)
 
     bar = metrics.ProgressBar(config.steps, ["reward_mean", "accuracy", "eval_accuracy"], initial=start, desc="rl",
-                              disable=not progress)
+                              disable=not progress or not multihost.is_leader())
     record, rollouts, last_eval = {}, None, None
     end = config.steps if stop_after is None else min(config.steps, start + stop_after)
     try:
@@ -198,7 +265,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             writer.write(step + 1, record)
             bar.update(record)
             loop.check_finite(step + 1)
-            if tlt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
+            if drafter_ckpt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
                 save_drafter(step + 1)
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 save(step + 1)
@@ -211,35 +278,76 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         writer.close()
         loop.close()
 
-    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    metrics.plot_curves(records, ["reward_mean", "accuracy", "eval_accuracy"], os.path.join(run_dir, "reward.png"))
+    leader = multihost.is_leader()  # it writes the metrics, plots and result
+    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if leader else []
+    if leader:
+        _plot(run_dir, records, rollouts, end, tlt is not None)
+    if end == config.steps and (config.save_hf or tlt is not None):
+        policy = jax.tree.map(sharding.to_host, state.params)  # gathered from every process
+        if config.save_hf:
+            save_hf(os.path.join(run_dir, "hf"), model_cfg, policy, tokenizer=tokenizer, overwrite=True)
+        if tlt is not None:
+            # The trained drafter, a free by-product, as an export that decodes on its own
+            # (`experiments.generate --target=<run_dir>/hf --drafter=<run_dir>/drafter`); it
+            # trained on process 0.
+            drafter_params = multihost.broadcast_arrays(jax.device_get(tlt.drafter.state.params))
+            drafter_io.save_drafter(os.path.join(run_dir, "drafter"), drafter_params, dcfg, model_cfg,
+                                    tc.fingerprint_arrays(policy), step=end)
+    # A run resumed at its last step evaluates nothing: its final eval is on record.
+    final_eval = last_eval or next((r for r in reversed(records) if r["step"] == end and "eval_accuracy" in r), {})
+    summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
+               "final_eval_accuracy": final_eval.get("eval_accuracy"),
+               "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
+               "run_dir": run_dir}
+    if tlt is not None:
+        summary["tlt"] = tlt_summary(records, tlt.drafter.version)
+    summary = multihost.broadcast_object(summary)  # process 0 read the records
+    if end == config.steps and leader:
+        metrics.write_json(os.path.join(run_dir, RESULT_FILENAME), summary)
+    _report_result(summary)
+    return summary
+
+
+def _plot(run_dir: str, records, rollouts, end: int, tlt_on: bool) -> None:
+    """The run's plots, from its metrics records and the last step's rollouts."""
+    metrics.plot_curves(records, ["reward_mean", "accuracy", "eval_accuracy"], os.path.join(run_dir, "reward.png"),
+                        title=f"GRPO reward and accuracy ({run_dir})", bounds={"reward_mean": rewards.SCORE_RANGE})
     metrics.plot_time_split([r for r in records if "time_rollout_s" in r],
                             ["time_rollout_s", "time_reward_s", "time_learner_s", "time_weight_sync_s"],
-                            os.path.join(run_dir, "time_split.png"))
+                            os.path.join(run_dir, "time_split.png"), title="Where each RL step's time went")
     if rollouts is not None:
-        metrics.plot_length_histogram(rollouts.lengths, os.path.join(run_dir, "response_lengths.png"))
-        rollouts.timeline.plot(os.path.join(run_dir, "rollout_timeline.png"))
-    if tlt is not None:
+        metrics.plot_length_histogram(rollouts.lengths, os.path.join(run_dir, "response_lengths.png"),
+                                      title=f"Response lengths of RL step {end} (n={len(rollouts.lengths)})")
+        metrics.plot_rollout_timeline(rollouts.timeline, os.path.join(run_dir, "rollout_timeline.png"),
+                                      title=f"Rollout of RL step {end}")
+    if tlt_on:
         metrics.plot_curves(records, ["acceptance_length", "speculative_token_share", "rollout_tokens_per_s",
                                       "drafter_version", "spot/steps", "spot/hidden_share"],
                             os.path.join(run_dir, "tlt.png"), title="TLT: speculation and the spot-trained drafter")
         tuner_lib.plot_arm_choices([r for r in records if any(k.startswith("tuner/") for k in r)],
                                    os.path.join(run_dir, "tuner_arms.png"))
-    if end == config.steps and config.save_hf:
-        save_hf(os.path.join(run_dir, "hf"), model_cfg, jax.device_get(state.params), tokenizer=tokenizer,
-                overwrite=True)
-    if tlt is not None and end == config.steps:
-        # The trained drafter, a free by-product, as an export that decodes on its own
-        # (`experiments.generate --target=<run_dir>/hf --drafter=<run_dir>/drafter`).
-        drafter_io.save_drafter(os.path.join(run_dir, "drafter"), jax.device_get(tlt.drafter.state.params), dcfg,
-                                model_cfg, tc.fingerprint_arrays(jax.device_get(state.params)), step=end)
-    summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
-               "final_eval_accuracy": (last_eval or {}).get("eval_accuracy"),
-               "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
-               "run_dir": run_dir}
-    if tlt is not None:
-        summary["tlt"] = tlt_summary(records, tlt.drafter.version)
-    return summary
+
+
+def recorded_result(run_dir: str, steps: int) -> dict | None:
+    """The recorded summary of a run in run_dir that finished `steps` steps, else None."""
+    path = os.path.join(run_dir, RESULT_FILENAME)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        result = json.load(f)
+    return result if result.get("steps") == steps else None
+
+
+def _report_result(summary: dict) -> None:
+    final = summary["final_eval_accuracy"]
+    line = (f"Eval accuracy {'n/a' if final is None else f'{final:.3f}'} after {summary['steps']} steps "
+            f"(SFT checkpoint {summary['sft_eval_accuracy']:.3f})")
+    if "tlt" in summary:
+        t = summary["tlt"]
+        line += (f"; TLT: {t['speculative_token_share']:.0%} of rollout tokens speculative, mean acceptance "
+                 f"length {t['acceptance_length_mean']:.2f}, drafter version {t['drafter_version']}, "
+                 f"{t['rollout_tokens_per_s_median']:.0f} rollout tokens/s")
+    metrics.report(line + f". Metrics, plots and exports in {summary['run_dir']}")
 
 
 def tlt_summary(records, drafter_version: int) -> dict:

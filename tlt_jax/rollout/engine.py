@@ -15,6 +15,11 @@ ran in or on its neighbours (callers that name their prompts, `prompt_ids`, get 
 same answers for a prompt alone or in any batch). One decode step commits a per-slot number of tokens
 (`tokens_per_step`), so speculative steps plug into the same bookkeeping.
 
+Several processes (`jax.distributed`): each rollout group lies on one process's devices
+and that process alone drives it; the groups' results, timelines and the chunks the
+speculation policy heard are then exchanged between processes as host data, so every
+process returns the same `Rollouts` and its policy has heard every group's chunks.
+
 Speculation (`generate(..., speculation=...)`): before each chunk the host asks the
 speculation policy for a strategy given the number of active sequences; with one, the
 chunk runs speculative steps (draft, then verify and commit) in place of plain decode
@@ -38,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax import sampling, sharding
+from tlt_jax import multihost, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.config import ModelConfig
@@ -162,6 +167,8 @@ class _Group:
 
     def __init__(self, index: int, mesh: Mesh, engine: "RolloutEngine"):
         self.index, self.mesh, self.engine = index, mesh, engine
+        self.processes = sorted({d.process_index for d in mesh.devices.flat})
+        self.is_local = self.processes == [jax.process_index()]  # this process drives it
         cfg = engine.model_config
         self.param_shardings = sharding.param_shardings(cfg, engine._param_shapes, mesh)
         b = engine.rollout_config.num_slots
@@ -329,6 +336,13 @@ class _Group:
         fewer than `floor` sequences are active (the speculation policy chooses anew for
         the smaller batch). Returns (state, steps run, active slots per step [n], tokens
         committed per step and slot [n, B])."""
+        step = self.chunk_step(strategy, state.spec is not None)
+        return step(self.params, self.drafter_params, state, key, refill_wanted, np.int32(floor), sp)
+
+    def chunk_step(self, strategy: spec_lib.Strategy | None, speculative: bool):
+        """The jitted device loop of `run_chunk`: (params, drafter_params, state, key,
+        refill_wanted, floor, sp) -> (state, steps, active, kept), the state donated. Its
+        arguments may be jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
         rc = self.engine.rollout_config
         n_steps = rc.steps_per_sync if strategy is None else rc.spec_steps_per_sync
         b = rc.num_slots
@@ -360,12 +374,10 @@ class _Group:
             return state, i, active, kept
 
         rep = sharding.replicated(self.mesh)
-        speculative = state.spec is not None
         shardings = self._shardings(speculative)
         name = ("chunk", speculative, strategy)
-        step = self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep, rep),
+        return self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep, rep),
                          (shardings, rep, rep, rep), static_argnums=(6,), donate_argnums=(2,))
-        return step(self.params, self.drafter_params, state, key, refill_wanted, np.int32(floor), sp)
 
     def _draft(self, params, drafter_params, state, key, strategy, sp):
         """Drafts a tree for every slot (traced): (state, DraftTree)."""
@@ -517,6 +529,17 @@ def _gather_rows(arrays, index):
     return jax.tree.map(lambda a: a[index], arrays)
 
 
+def _part_on(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The part of `x` on `sharding`'s devices as an array laid out by `sharding`, sharing
+    x's buffers: x must already hold, on those devices, the shards `sharding` places there."""
+    shards = [s.data for s in x.addressable_shards if s.device in sharding.device_set]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+
+def _abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
 def _bucket(n: int, cap: int) -> int:
     """Next power of two (at most cap): few distinct shapes, few compilations."""
     return min(cap, 1 << max(0, n - 1).bit_length())
@@ -537,8 +560,7 @@ class RolloutEngine:
         # split evenly, or the query weights (split by query head unfused) would be copied
         # whole to every device.
         self._fuse = rollout_config.fused_projections and model_config.num_kv_heads % mesh.shape["tensor"] == 0
-        self._layout = jax.jit(self._engine_layout)
-        self._param_shapes = jax.eval_shape(self._layout, params)
+        self._param_shapes = jax.eval_shape(self._engine_layout, params)
         if (drafter_config is None) != (drafter_params is None):
             raise ValueError("Pass both drafter_config and drafter_params, or neither.")
         self.drafter = None
@@ -548,9 +570,23 @@ class RolloutEngine:
             self._drafter_shapes = jax.eval_shape(lambda p: p, drafter_params)
         self.groups = [_Group(g, Mesh(mesh.devices[g:g + 1], mesh.axis_names), self)
                        for g in range(mesh.devices.shape[0])]
-        self.update_params(params)
-        if drafter_params is not None:
-            self.update_drafter(drafter_params)
+        spanning = [g for g in self.groups if len(g.processes) > 1]
+        if spanning:
+            raise ValueError(
+                f"Rollout group {spanning[0].index} spans the devices of processes {spanning[0].processes}; each "
+                "rollout group (one slice of the mesh's data axis) must lie on one process: make the data axis a "
+                f"multiple of the number of processes ({jax.process_count()}).")
+        self.local_groups = [g for g in self.groups if g.is_local]
+        # The weights in decode's layout on the whole mesh, a copy per data slice: each
+        # group's copy is then the part on its devices, taken without a transfer.
+        self._layout = jax.jit(self._engine_layout, out_shardings=jax.tree.map(
+            lambda s: NamedSharding(mesh, s.spec), self.groups[0].param_shardings))
+        # jax.ShapeDtypeStruct weights build an engine that only compiles (memory planning:
+        # `_Group.chunk_step(...).lower(...)`); it holds no weights and cannot generate.
+        if not _abstract(params):
+            self.update_params(params)
+            if drafter_params is not None:
+                self.update_drafter(drafter_params)
 
     @property
     def num_groups(self) -> int:
@@ -567,17 +603,17 @@ class RolloutEngine:
         return tfm.fuse_projections(params, cfg) if self._fuse else params
 
     def update_params(self, params) -> None:
-        """Takes new weights (any sharding: they are resharded onto each group's mesh)."""
+        """Takes new weights (any sharding on the engine's mesh, or host arrays)."""
         params = self._layout(params)
-        for group in self.groups:
-            group.params = jax.device_put(params, group.param_shardings)
+        for group in self.local_groups:
+            group.params = jax.tree.map(_part_on, params, group.param_shardings)
 
     def update_drafter(self, drafter_params) -> None:
         """Takes new drafter weights (between rollouts, as the spot trainer improves them)."""
         if self.drafter is None:
             raise ValueError("This engine was built without a drafter; pass drafter_config and drafter_params.")
         drafter_lib.check_drafter_params(drafter_params, self.model_config, self.drafter.config)
-        for group in self.groups:
+        for group in self.local_groups:
             group.drafter_params = jax.device_put(drafter_params, group.drafter_shardings)
 
     def warm_up(self, sampling_params: sampling.SamplingParams, speculation: spec_lib.Speculation) -> float:
@@ -589,7 +625,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         rc, sp = self.rollout_config, sampling_params
         key = jax.random.PRNGKey(0)
-        for group in self.groups:
+        for group in self.local_groups:
             state = group.empty_state(sp, speculative=True)
             for strategy in (None, *speculation.strategies):
                 if strategy is not None and rc.time_spec_phases:
@@ -633,9 +669,12 @@ class RolloutEngine:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
-        `on_group_done(g)` fires as each group finishes, while others may still decode.
-        `speculation` picks a strategy (or none) before each chunk from the number of
-        active sequences; the samples' distribution is the same either way.
+        `on_group_done(g)` fires as each group finishes, while others may still decode
+        (with several processes: each of this process's groups). `speculation` picks a
+        strategy (or none) before each chunk from the number of active sequences; the
+        samples' distribution is the same either way. With several processes every
+        process passes the same arguments (the call is collective) and gets every
+        group's samples and timeline; its `speculation` has heard every group's chunks.
         `prompt_ids` name the prompts (default: their positions): sample s of the prompt
         named i draws from the key of request i * num_samples + s, so a prompt gives the
         same answers alone or in any batch, under the same key and name.
@@ -655,21 +694,24 @@ class RolloutEngine:
                     for p, prompt in enumerate(prompts) for s in range(num_samples)]
         shares = np.array_split(np.arange(len(prompts)), self.num_groups)
         results: dict = {}
+        policy = _Recorded(speculation) if speculation is not None and multihost.is_multiprocess() else speculation
 
-        def run(group, share):
-            share = set(share.tolist())
+        def run(group):
+            share = set(shares[group.index].tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
-            group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, speculation)
+            group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy)
             if on_group_done is not None:
                 on_group_done(group.index)
 
         if prompts:
-            if self.num_groups == 1:
-                run(self.groups[0], shares[0])
+            if len(self.local_groups) == 1:
+                run(self.local_groups[0])
             else:
-                with concurrent.futures.ThreadPoolExecutor(self.num_groups) as pool:
-                    for f in [pool.submit(run, g, s) for g, s in zip(self.groups, shares)]:
+                with concurrent.futures.ThreadPoolExecutor(len(self.local_groups)) as pool:
+                    for f in [pool.submit(run, g) for g in self.local_groups]:
                         f.result()
+            if multihost.is_multiprocess():
+                self._exchange(results, timeline, policy)
         ids = sorted(results)
         return Rollouts(
             prompt_index=np.asarray([i // num_samples for i in ids], np.int32),
@@ -677,3 +719,42 @@ class RolloutEngine:
             tokens=[results[i][0] for i in ids], logprobs=[results[i][1] for i in ids],
             finish_reason=[results[i][2] for i in ids], group=np.asarray([results[i][3] for i in ids], np.int32),
             timeline=timeline)
+
+    def _exchange(self, results: dict, timeline: RolloutTimeline, policy: _Recorded | None) -> None:
+        """Completes `results` and `timeline` with the other processes' groups (their times
+        shifted to this process's clock, by each process's start of the call), and tells
+        `policy` the chunks they heard."""
+        multihost.wait_for_all("rollout")  # on the host: the devices stay free for the drafter meanwhile
+        mine = {"results": results, "timelines": [timeline.groups[g.index] for g in self.local_groups],
+                "heard": policy.heard if policy is not None else [], "origin": timeline.origin}
+        for process, theirs in enumerate(multihost.allgather_objects(mine)):
+            if process == jax.process_index():
+                continue
+            results.update(theirs["results"])
+            for group in theirs["timelines"]:
+                timeline.groups[group.group] = _shifted(group, timeline.origin - theirs["origin"])
+            for chunk in theirs["heard"]:
+                policy.inner.observe(*chunk)
+
+
+class _Recorded:
+    """A Speculation that also records what it heard (to tell other processes)."""
+
+    def __init__(self, inner: spec_lib.Speculation):
+        self.inner, self.heard = inner, []
+        self.strategies = inner.strategies
+
+    def strategy_for(self, num_active):
+        return self.inner.strategy_for(num_active)
+
+    def chunk_floor(self, num_active):
+        return self.inner.chunk_floor(num_active)
+
+    def observe(self, strategy, num_active, tokens, seconds):
+        self.inner.observe(strategy, num_active, tokens, seconds)
+        self.heard.append((strategy, num_active, tokens, seconds))
+
+
+def _shifted(group: GroupTimeline, dt: float) -> GroupTimeline:
+    chunks = [dataclasses.replace(c, start=c.start + dt, end=c.end + dt) for c in group.chunks]
+    return dataclasses.replace(group, start=group.start + dt, end=group.end + dt, chunks=chunks)

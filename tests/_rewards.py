@@ -1,0 +1,23 @@
+"""Reward functions of the tests that score in worker processes: a module the workers
+import fast (no JAX), as they unpickle a reward function by importing its module."""
+import time
+
+
+def hang_on_marker(prompts, completions, **_):
+    """A reward that never returns for a batch holding the completion "hang"."""
+    if "hang" in completions:
+        time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+_batches = []
+
+
+def hang_on_second_batch(prompts, completions, **fields):
+    """The task reward, except that the second batch it is given never returns."""
+    from tlt_jax.rl import rewards
+
+    _batches.append(len(completions))
+    if len(_batches) == 2:
+        time.sleep(3600)
+    return rewards.task_reward(prompts, completions, **fields)
