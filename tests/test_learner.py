@@ -5,6 +5,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tlt_jax import sharding
@@ -174,6 +175,51 @@ def test_unpacked_drafter_data_equals_the_pass_over_one_sample_per_row():
         np.testing.assert_allclose(x[read], held["alone"][name][read], rtol=0, atol=1e-5, err_msg=name)
 
 
+def _perturbed(params, seed, scale=0.05):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+
+
+def _grpo_problem(cfg: grpo.GRPOConfig, temperature: float):
+    """(params, reference objective, one-per-row old / ref / rollout log-probs): the GRPO
+    objective of SAMPLES written out per sample over one sample per row (clipped ratio,
+    truncated importance weight, k3 KL, the aggregation), at params a step away from the
+    old policy so that ratios and clipping are live."""
+    old_params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
+    params = _perturbed(old_params, 5)
+    ref_params = tfm.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
+    alone = _one_per_row(*SAMPLES)
+    tokens = jnp.asarray(alone["tokens"])
+    lp = lambda p: token_logprobs(p, CFG, tokens, temperature=temperature)
+    old, ref = np.asarray(lp(old_params)), np.asarray(lp(ref_params))
+    rollout = old + np.random.RandomState(0).normal(0, 0.3, old.shape).astype(np.float32)
+    mask, adv = alone["loss_mask"], alone["advantages"]
+    lo, hi = 1 - cfg.clip_eps, 1 + cfg.clip_eps_high
+
+    def objective(p):
+        logp = lp(p)
+        ratio = jnp.exp(logp - old)
+        tis = jnp.minimum(jnp.exp(old - rollout), cfg.tis_cap)
+        per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv) * tis
+        per_token = per_token + cfg.kl_coef * (jnp.exp(ref - logp) - (ref - logp) - 1)
+        per_seq = jnp.sum(per_token * mask, 1)
+        lengths = np.maximum(mask.sum(1), 1)  # sample 7 has an empty answer: no tokens, still a sequence
+        return {"token_mean": per_seq.sum() / mask.sum(), "seq_mean": jnp.mean(per_seq / lengths),
+                "seq_sum_const": per_seq.sum() / (len(mask) * (T - 1))}[cfg.aggregation]
+
+    return params, objective, (old, ref, rollout)
+
+
+def _packed_batch(logps, **kw):
+    """SAMPLES as the learner's packed batch, with the one-per-row log-probs moved in."""
+    old, ref, rollout = logps
+    batch, packing = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, **kw)
+    batch.update(old_logp=_to_packed(packing, old), ref_logp=_to_packed(packing, ref),
+                 rollout_logp=np.where(batch["loss_mask"], _to_packed(packing, rollout), 0))
+    return batch
+
+
 @pytest.mark.parametrize("aggregation", sorted(grpo.AGGREGATIONS))
 def test_packed_loss_and_gradient_equal_one_sample_per_row(aggregation):
     """The minibatch loss and its gradient over packed rows (padding rows, an all-padding
@@ -181,40 +227,42 @@ def test_packed_loss_and_gradient_equal_one_sample_per_row(aggregation):
     row: clipped ratio, truncated importance weight, k3 KL, and the aggregation."""
     cfg = grpo.GRPOConfig(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, tis_cap=1.5, aggregation=aggregation)
     learner = Learner(CFG, LearnerConfig(micro_batch_size=2, temperature=0.9, grpo=cfg), _mesh((1, 1, 1)))
-    old_params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
-    leaves, treedef = jax.tree.flatten(old_params)
-    keys = jax.random.split(jax.random.PRNGKey(5), len(leaves))
-    params = jax.tree.unflatten(treedef, [p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
-    ref_params = tfm.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
-    alone = _one_per_row(*SAMPLES)
-    tokens = jnp.asarray(alone["tokens"])
-    lp = lambda p: token_logprobs(p, CFG, tokens, temperature=0.9)
-    old, ref = np.asarray(lp(old_params)), np.asarray(lp(ref_params))
-    rollout = old + np.random.RandomState(0).normal(0, 0.3, old.shape).astype(np.float32)
-    mask, adv = alone["loss_mask"], alone["advantages"]
-
-    def reference(p):
-        logp = lp(p)
-        ratio = jnp.exp(logp - old)
-        tis = jnp.minimum(jnp.exp(old - rollout), 1.5)
-        per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 0.8, 1.28) * adv) * tis
-        per_token = per_token + 0.1 * (jnp.exp(ref - logp) - (ref - logp) - 1)
-        per_seq = jnp.sum(per_token * mask, 1)
-        lengths = np.maximum(mask.sum(1), 1)  # sample 7 has an empty answer: no tokens, still a sequence
-        return {"token_mean": per_seq.sum() / mask.sum(), "seq_mean": jnp.mean(per_seq / lengths),
-                "seq_sum_const": per_seq.sum() / (len(mask) * (T - 1))}[aggregation]
-
+    params, reference, logps = _grpo_problem(cfg, 0.9)
     want_loss, want_grads = jax.value_and_grad(reference)(params)
-    batch, packing = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, minibatch_rows=lambda r: 10)
+    batch = _packed_batch(logps, minibatch_rows=lambda r: 10)
     assert not batch["segment_ids"][5:].any()  # 5 rows of padding, the last two micro-batches of 2 rows
-    batch.update(old_logp=_to_packed(packing, old), ref_logp=_to_packed(packing, ref),
-                 rollout_logp=np.where(batch["loss_mask"], _to_packed(packing, rollout), 0))
     loss, metrics, grads = jax.jit(learner.loss_and_grads)(params, batch)
     assert 0 < float(metrics["clip_fraction"]) < 1
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, atol=1e-6)
     # To 1e-5 of each weight's largest gradient entry (float32 sums of entries up to ~10).
     jax.tree_util.tree_map_with_path(lambda path, g, w: np.testing.assert_allclose(
         g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=str(path)), grads, want_grads)
+
+
+def test_update_applies_the_full_batch_gradient_whatever_the_split_and_mesh():
+    """The gradient an update hands the optimizer is the minibatch's full-batch GRPO
+    gradient, scale included (AdamW and clipping would hide a wrong scale in the step
+    itself), whatever the micro-batch count and the mesh. It is read back from the
+    optimizer: with b1 = 0 and no clipping, AdamW's first moment after one update is
+    exactly the gradient it was given."""
+    cfg = grpo.GRPOConfig(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, tis_cap=1.5)
+    params, reference, logps = _grpo_problem(cfg, 0.9)
+    want_loss, want = jax.value_and_grad(reference)(params)
+    want_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(want))))
+    opt = OptimizerConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=1e30)
+    # (mesh, micro-batch rows) -> micro-batches of the padded minibatch: 5, 1 and 4.
+    for shape, micro, count in (((1, 1, 1), 1, 5), ((1, 1, 1), 8, 1), ((2, 2, 2), 2, 4)):
+        learner = Learner(CFG, LearnerConfig(optimizer=opt, micro_batch_size=micro, temperature=0.9, grpo=cfg),
+                          _mesh(shape))
+        batch = _packed_batch(logps, minibatch_rows=learner.minibatch_rows)
+        assert len(batch["tokens"]) // min(micro, len(batch["tokens"])) == count
+        state, metrics = learner.update(learner.init_state(params), batch)
+        assert int(state.step) == 1 and metrics[0]["skipped"] == 0
+        np.testing.assert_allclose(metrics[0]["loss"], float(want_loss), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(metrics[0]["grad_norm"], want_norm, rtol=1e-5)
+        got = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+        jax.tree_util.tree_map_with_path(lambda path, g, w: np.testing.assert_allclose(
+            g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{shape} x{count} {path}"), got, want)
 
 
 def test_padding_rows_add_exactly_zero():

@@ -13,7 +13,7 @@ from tlt_jax import losses
 # Odd sizes with small explicit blocks so several token blocks, vocab tiles and D
 # chunks (and their padding) are exercised.
 N, D, V = 37, 24, 203
-BLOCKS = {"dense": None, "chunked_xla": {"tokens": 16}, "pallas": {"tokens": 16, "vocab": 64, "depth": 16}}
+BLOCKS = {"dense": None, "chunked_xla": {"tokens": 16, "vocab": 64}, "pallas": {"tokens": 16, "vocab": 64, "depth": 16}}
 IMPLS = tuple(BLOCKS)
 
 
@@ -130,7 +130,7 @@ def test_param_dtype_dw_accumulation_bf16():
     grad = jax.jit(
         jax.grad(
             lambda h, w, accum: losses.linear_topk_kl(
-                h, w, ids, logp, reduction="sum", impl="chunked_xla", block_sizes={"tokens": 8, "dw_accum": accum}
+                h, w, ids, logp, reduction="sum", impl="chunked_xla", block_sizes={"tokens": 8, "vocab": 64, "dw_accum": accum}
             ),
             argnums=(0, 1),
         ),
@@ -146,8 +146,11 @@ def test_param_dtype_dw_accumulation_bf16():
         assert _rel_err(dh, th.grad) < 1e-2 and _rel_err(dw, tw.grad) < 2e-2
 
 
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "logp_only"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_logprob_and_entropy_match_log_softmax(impl):
+def test_logprob_and_entropy_match_log_softmax(impl, with_entropy):
+    """Values and gradients of h and w against float64; without entropy this is the
+    gradient GRPO and SFT train through (its own backward branch)."""
     h, w, _, _, _ = _inputs(seed=3, k=1, dtype=jnp.float32, masked=False)
     targets = np.random.default_rng(4).integers(0, V, size=N).astype(np.int32)
     targets[[2, 9]] = [-1, V]  # padding: logp 0, no gradient
@@ -155,9 +158,10 @@ def test_logprob_and_entropy_match_log_softmax(impl):
     c_lp, c_ent = np.random.default_rng(5).normal(size=(2, N)).astype(np.float32)
 
     def objective(h, w):
-        logp, ent = losses.linear_logprob(
-            h, w, targets, temperature=temperature, with_entropy=True, impl=impl, block_sizes=BLOCKS[impl]
+        out = losses.linear_logprob(
+            h, w, targets, temperature=temperature, with_entropy=with_entropy, impl=impl, block_sizes=BLOCKS[impl]
         )
+        logp, ent = out if with_entropy else (out, jnp.zeros(N))
         return jnp.sum(logp * c_lp + ent * c_ent), (logp, ent)
 
     (_, (logp, ent)), (dh, dw) = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(h, w)
@@ -170,12 +174,14 @@ def test_logprob_and_entropy_match_log_softmax(impl):
         torch.gather(logq, 1, torch.tensor(np.clip(targets, 0, V - 1), dtype=torch.long)[:, None])[:, 0],
         torch.zeros(N, dtype=torch.float64),
     )
-    ref_ent = -(logq.exp() * logq).sum(1)
+    ref_ent = -(logq.exp() * logq).sum(1) if with_entropy else torch.zeros(N, dtype=torch.float64)
     (ref_lp * _t64(c_lp) + ref_ent * _t64(c_ent)).sum().backward()
 
     np.testing.assert_allclose(np.asarray(logp), ref_lp.detach().numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent), ref_ent.detach().numpy(), rtol=1e-5, atol=1e-5)
     assert _rel_err(dh, th.grad) < 2e-5 and _rel_err(dw, tw.grad) < 2e-5
+    if not with_entropy:
+        assert not np.asarray(dh)[[2, 9]].any()  # padding rows: no log-prob, no gradient
 
 
 def test_logprob_without_entropy_is_kl_with_k1():

@@ -1,13 +1,11 @@
 """Pieces of one RL step: the learner's packed batch layout, its unpacking, and reward
 scoring in a process pool."""
-import concurrent.futures
-import multiprocessing
 
 import numpy as np
 import pytest
 
 from tlt_jax.drafter_training import buffer
-from tlt_jax.rl import evaluation, loop, tasks
+from tlt_jax.rl import evaluation, loop, rewards, tasks
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 
@@ -69,17 +67,18 @@ def test_unpack_samples_inverts_the_packing():
     np.testing.assert_array_equal(got[[0, 2], :3, 0], [[0, 1, 2], [20, 21, 0]])
 
 
-def test_scoring_in_a_process_pool_equals_scoring_inline():
+def test_scoring_in_worker_processes_equals_scoring_inline():
     examples = tasks.make_split(tasks.get_task("addition", max_digits=4), "train", 12, seed=3)
     completions = [e.solution if i % 3 else e.solution.replace("answer: ", "answer: 9") for i, e in enumerate(examples)]
     prompts = [e.prompt for e in examples]
     fields = tasks.reward_fields(examples)
-    inline, failures = loop.score("task", prompts, completions, fields)
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pooled, pooled_failures = loop.score("task", prompts, completions, fields, pool)
-    np.testing.assert_array_equal(inline, pooled)
-    assert failures == pooled_failures == 0
-    np.testing.assert_allclose(inline, [0.1 if i % 3 == 0 else 1.0 for i in range(12)], rtol=1e-6)
+    inline = rewards.Scorer("task")(prompts, completions, fields)
+    scorer = rewards.Scorer("task", workers=2)
+    pooled = scorer(prompts, completions, fields)
+    scorer.close()
+    np.testing.assert_array_equal(inline.scores, pooled.scores)
+    assert inline.failures == pooled.failures == inline.timed_out == pooled.timed_out == 0
+    np.testing.assert_allclose(inline.scores, [0.1 if i % 3 == 0 else 1.0 for i in range(12)], rtol=1e-6)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
