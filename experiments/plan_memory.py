@@ -49,6 +49,7 @@ import time
 
 GB = 1e9
 STEPS = ("learner", "learner_remat", "old_logp", "drafter", "decode", "distill")
+ATTENTION_STEPS = ("learner", "learner_remat", "old_logp")  # those that take --attention_impl
 DISTILL_TOP_K = 100  # the teacher cache's K at real scale (the paper's)
 DEFAULT_PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-3b")
 MAX_MICRO_BATCH = 4096  # the search stops here (reported as "at least")
@@ -84,6 +85,7 @@ class Case:
     step: str
     mesh: tuple[int, int, int]  # resolved (data, fsdp, tensor)
     seq_len: int
+    attention_impl: str = "auto"  # the learner's and old-logp pass's attention (LearnerConfig.attention_impl)
 
 
 def granule(case: Case) -> int:
@@ -120,8 +122,8 @@ def _lowered(case: Case, model_config, mesh, batch: int):
     if case.step in ("learner", "learner_remat"):
         from tlt_jax.rl.learner import Learner, LearnerConfig
 
-        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step == "learner_remat"),
-                          mesh)
+        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step == "learner_remat",
+                                                      attention_impl=case.attention_impl), mesh)
         minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
         minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
         minibatch.update({name: spec((batch, s - 1), jnp.float32)
@@ -132,7 +134,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         from tlt_jax.drafter_training.online import OnlineDrafterConfig
         from tlt_jax.rl.learner import Learner, LearnerConfig
 
-        learner = Learner(model_config, LearnerConfig(), mesh)
+        learner = Learner(model_config, LearnerConfig(attention_impl=case.attention_impl), mesh)
         rows = spec((batch, s), jnp.int32)
         step = learner.drafter_data_step(params, rows, top_k=OnlineDrafterConfig().top_k)
         return step.lower(params, rows, rows, rows)
@@ -276,7 +278,7 @@ def plan_case(case: Case, model_config, mesh, limit: float, cache: dict, cap: in
 def describe(row: dict) -> str:
     """One line for a planned case: the fit, or why there is none."""
     mesh = "x".join(map(str, row["mesh"]))
-    head = f"{row['preset']} {row['step']} mesh={mesh} seq_len={row['seq_len']}:"
+    head = f"{row['preset']} {row['step']} mesh={mesh} seq_len={row['seq_len']} attention={row['attention_impl']}:"
     if row["micro_batch"] is None:
         return (f"{head} does not fit in {row['limit_gb']:g} GB at any micro-batch: the smallest "
                 f"({row['unit']}) needs {_gb(row['total_gb'])} GB per device (args {_gb(row['args_gb'])}, temp "
@@ -292,17 +294,17 @@ def _gb(x: float) -> str:
 
 
 def print_table(rows):
-    cols = ("preset", "step", "mesh", "seq_len", "micro-batch", "tokens", "args GB", "temp GB", "out GB", "total GB",
+    cols = ("preset", "step", "mesh", "seq_len", "attention", "micro-batch", "tokens", "args GB", "temp GB", "out GB", "total GB",
             "GB at unit", "compiles")
     lines = []
     for r in rows:
         none = r["micro_batch"] is None
-        lines.append((r["preset"], r["step"], "x".join(map(str, r["mesh"])), str(r["seq_len"]),
+        lines.append((r["preset"], r["step"], "x".join(map(str, r["mesh"])), str(r["seq_len"]), r["attention_impl"],
                       "none" if none else ((">=" if r["capped"] else "") + str(r["micro_batch"])),
                       "-" if none else str(r["tokens"]), *(_gb(r[f"{k}_gb"]) for k in ("args", "temp", "out", "total")),
                       _gb(r["smallest_total_gb"]), str(len(r["probes"]))))
     widths = [max(len(c), *(len(x[i]) for x in lines)) for i, c in enumerate(cols)]
-    fmt = lambda vals: "  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    fmt = lambda vals: "  ".join(v.ljust(w) if i < 5 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
     print(fmt(cols))
     for line in lines:
         print(fmt(line))
@@ -326,6 +328,9 @@ def _arg_parser():
     ap.add_argument("--devices", type=int, default=0, help="devices (default: the largest mesh); on CPU simulated")
     ap.add_argument("--backend", default="cpu", help="backend that compiles (cpu: simulated devices; gpu: real ones)")
     ap.add_argument("--seq_lens", default="4096,32768", help="comma list of sequence lengths (decode: KV length)")
+    ap.add_argument("--attention_impl", default="auto",
+                    help="comma list of the learner's attention impls (auto, dense, blockwise, cudnn): "
+                         "dense,auto shows what blockwise attention buys")
     ap.add_argument("--device_memory_gb", type=float, default=141.0, help="memory per device, GB (H200: 141)")
     ap.add_argument("--max_micro_batch", type=int, default=MAX_MICRO_BATCH, help="the search's upper end")
     ap.add_argument("--out", default=None, help="JSON output path")
@@ -347,10 +352,15 @@ def run(args, cache: dict | None = None) -> list[dict]:
     presets = [p for p in args.presets.split(",") if p]
     steps = [s for s in args.steps.split(",") if s]
     seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
+    impls = [i for i in args.attention_impl.split(",") if i]
     meshes = [parse_mesh(m) for m in (args.mesh or ["1x1x1"])]
     unknown = sorted(set(steps) - set(STEPS))
     if unknown:
         raise ValueError(f"Unknown steps {unknown}; steps: {', '.join(STEPS)}.")
+    from tlt_jax.models.attention import IMPLS
+
+    if set(impls) - set(IMPLS):
+        raise ValueError(f"--attention_impl={args.attention_impl}: choose from {', '.join(IMPLS)}.")
     if any(s < 4 for s in seq_lens):
         raise ValueError(f"--seq_lens={args.seq_lens}: every sequence length must be >= 4.")
     n_devices = _devices_needed(meshes, args.devices)
@@ -387,12 +397,15 @@ def run(args, cache: dict | None = None) -> list[dict]:
         for preset in presets:
             for shape, mesh in resolved:
                 for step in steps:
-                    row = plan_case(Case(preset, step, shape, seq_len), configs[preset], mesh, limit, cache,
-                                    args.max_micro_batch)
-                    rows.append(row)
-                    print(f"[{time.perf_counter() - t0:6.0f}s] {describe(row)}", flush=True)
-                    _write(args, rows, t0, final=False)
-    rows.sort(key=lambda r: (presets.index(r["preset"]), r["mesh"], steps.index(r["step"]), r["seq_len"]))
+                    # Only the learner's steps take the attention impl.
+                    for impl in impls if step in ATTENTION_STEPS else ["auto"]:
+                        row = plan_case(Case(preset, step, shape, seq_len, impl), configs[preset], mesh, limit,
+                                        cache, args.max_micro_batch)
+                        rows.append(row)
+                        print(f"[{time.perf_counter() - t0:6.0f}s] {describe(row)}", flush=True)
+                        _write(args, rows, t0, final=False)
+    rows.sort(key=lambda r: (presets.index(r["preset"]), r["mesh"], steps.index(r["step"]), r["seq_len"],
+                             r["attention_impl"]))
     print_table(rows)
     _write(args, rows, t0, final=True)
     return rows

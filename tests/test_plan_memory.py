@@ -75,12 +75,24 @@ def test_decode_search_matches_its_compiles(tmp_path):
     assert nxt is None and b == 6 or nxt["total"] > limit  # 8 over the limit, or 6 over it
 
 
+def test_blockwise_attention_frees_what_dense_scores_take(tmp_path):
+    # Rows of 1536 tokens (three 512-token blocks): dense attention holds [rows, heads, T, T]
+    # float32 scores (and more of their size) per layer, blockwise a tile of them.
+    rows = pm.run(_args(tmp_path, steps="learner_remat,old_logp", seq_lens=1536, attention_impl="dense,auto",
+                        device_memory_gb=1e-6))
+    temp = {(r["step"], r["attention_impl"]): r["temp_gb"] * pm.GB for r in rows}
+    scores = 4 * 1535 * 1535 * 4  # a device's row (of 2 over fsdp=2): 4 heads x (T-1)^2 float32
+    for step in ("learner_remat", "old_logp"):
+        assert temp[(step, "dense")] - temp[(step, "auto")] > scores, (step, temp)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--presets=nope"], "Error: Unknown model preset 'nope'"),
     (["--presets=tiny", "--mesh=3x1x1", "--devices=2"], "has 3 devices but 2 are available"),
     (["--presets=tiny", "--mesh=-1x3x1", "--devices=8"], "cannot fill 8 devices"),
     (["--presets=tiny", "--mesh=2x2"], "expected DATAxFSDPxTENSOR"),
     (["--presets=tiny", "--steps=prefill"], "Unknown steps ['prefill']"),
+    (["--presets=tiny", "--attention_impl=flash"], "--attention_impl=flash: choose from auto, dense"),
 ])
 def test_bad_input_is_one_named_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

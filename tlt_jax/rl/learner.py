@@ -45,18 +45,19 @@ class LearnerConfig:
     temperature: float = 1.0  # the rollout sampling temperature: log-probs of that distribution
     remat: bool = True
     logprob_impl: str = "auto"
+    attention_impl: str = "auto"  # `attention.attention`'s impl: "dense" forms [n, heads, T, T] scores
     grpo: grpo.GRPOConfig = grpo.GRPOConfig()
 
 
 def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, with_entropy=False,
-                   impl="auto", remat=False, positions_nT=None, segment_ids_nT=None):
+                   impl="auto", remat=False, positions_nT=None, segment_ids_nT=None, attention_impl="auto"):
     """Log-prob of each next token, [n, T-1] float32 (and the entropy, with_entropy),
     projected blockwise: no [n, T, V] logits exist. Packed rows pass positions and
     segment ids (the last position of a segment then predicts the next one's first
     token: callers mask it)."""
     cut = lambda x: None if x is None else x[:, :-1]
     h = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=cut(positions_nT),
-                    segment_ids_BT=cut(segment_ids_nT), remat=remat)
+                    segment_ids_BT=cut(segment_ids_nT), remat=remat, attention_impl=attention_impl)
     n, t, d = h.shape
     out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config),
                                 tokens_nT[:, 1:].reshape(-1), temperature=temperature,
@@ -82,14 +83,15 @@ class DrafterData:
 
 
 def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, segment_ids_nT, *,
-                       temperature=1.0, top_k: int, feature_layers=()):
+                       temperature=1.0, top_k: int, feature_layers=(), attention_impl="auto"):
     """One target forward for the GRPO old-policy pass and the drafter's data:
     (logp [n, T-1], entropy [n, T-1], DrafterData), of rows packed as `token_logprobs`'.
     The log-probs, the entropy and the top-K come out of the same blockwise projection
     (`losses.linear_logprob_topk`), so no [n, T, V] logits exist and the log-probs equal
     `token_logprobs`'."""
     out = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=positions_nT[:, :-1],
-                      segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers))
+                      segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers),
+                      attention_impl=attention_impl)
     h, layers = out if feature_layers else (out, None)
     n, t, d = h.shape
     logp, entropy, ids, top_logp = losses.linear_logprob_topk(
@@ -152,7 +154,8 @@ class Learner:
             cfg = self.config
             fn = lambda p, t, pos, seg: token_logprobs(p, self.model_config, t, temperature=cfg.temperature,
                                                        with_entropy=with_entropy, impl=cfg.logprob_impl,
-                                                       positions_nT=pos, segment_ids_nT=seg)
+                                                       positions_nT=pos, segment_ids_nT=seg,
+                                                       attention_impl=cfg.attention_impl)
             row_sh = sharding.batch_sharding(self.mesh, 2)
             self._steps[key] = sharding.jit_sharded(
                 fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh),
@@ -177,7 +180,7 @@ class Learner:
         if key not in self._steps:
             fn = lambda p, t, pos, seg: old_policy_outputs(
                 p, self.model_config, t, pos, seg, temperature=self.config.temperature, top_k=top_k,
-                feature_layers=feature_layers)
+                feature_layers=feature_layers, attention_impl=self.config.attention_impl)
             rows = jax.ShapeDtypeStruct(tokens_nT.shape, jnp.int32)
             out_shapes = jax.eval_shape(fn, params, rows, rows, rows)
             out_sh = jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), out_shapes)
@@ -192,7 +195,7 @@ class Learner:
         cfg = self.config
         logp = token_logprobs(params, self.model_config, mb["tokens"], temperature=cfg.temperature,
                               impl=cfg.logprob_impl, remat=cfg.remat, positions_nT=mb["positions"],
-                              segment_ids_nT=mb["segment_ids"])
+                              segment_ids_nT=mb["segment_ids"], attention_impl=cfg.attention_impl)
         return grpo.policy_loss(logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
                                 mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
 
