@@ -115,7 +115,7 @@ def plot(groups: dict[str, dict], path: str) -> Figure:
                             alpha=0.15)
     titles = ("Held-out accuracy (greedy)", "Reward per step", "Mean response length per step (tokens)")
     for ax, title in zip(axes, titles):
-        ax.set_title(title + ": mean, band = min-max over seeds", fontsize=9)
+        ax.set_title(title + "\nmean; band: min-max over seeds", fontsize=9)
         ax.set_xlabel("RL step")
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=100)
