@@ -27,6 +27,20 @@ _PRESETS = {
                         rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                           original_max_position_embeddings=8192),
                         param_dtype="bfloat16", dtype="bfloat16"),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+                       qkv_bias=True, tie_embeddings=False, max_position_embeddings=32768,
+                       param_dtype="bfloat16", dtype="bfloat16"),
+    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                        qkv_bias=True, tie_embeddings=False, max_position_embeddings=32768,
+                        param_dtype="bfloat16", dtype="bfloat16"),
+    "llama3.3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                         num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, tie_embeddings=False, max_position_embeddings=131072,
+                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         param_dtype="bfloat16", dtype="bfloat16"),
 }
 
 PRESET_NAMES = tuple(_PRESETS)

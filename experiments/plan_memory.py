@@ -258,13 +258,15 @@ def largest_fitting(measure_at, unit: int, limit: float, cap: int = MAX_MICRO_BA
     return result(lo, capped=hi is None)
 
 
-def plan_case(case: Case, model_config, mesh, limit: float, cache: dict, cap: int = MAX_MICRO_BATCH) -> dict:
-    def measure_at(b):
-        key = (case, b)
-        if key not in cache:
-            cache[key] = measure(case, model_config, mesh, b)
-        return cache[key]
+def measure_cached(case: Case, model_config, mesh, batch: int, cache: dict) -> dict:
+    """`measure`, compiled once per (case, batch) in `cache`."""
+    if (case, batch) not in cache:
+        cache[(case, batch)] = measure(case, model_config, mesh, batch)
+    return cache[(case, batch)]
 
+
+def plan_case(case: Case, model_config, mesh, limit: float, cache: dict, cap: int = MAX_MICRO_BATCH) -> dict:
+    measure_at = lambda b: measure_cached(case, model_config, mesh, b, cache)
     found = largest_fitting(measure_at, granule(case), limit, cap)
     row = dict(dataclasses.asdict(case), unit=granule(case), limit_gb=limit / GB, micro_batch=found["batch"],
                capped=found["capped"], probes=found["probes"], **{f"{k}_gb": v / GB for k, v in found["at"].items()
@@ -318,6 +320,46 @@ def print_table(rows):
 # ------------------------------------------------------------------------------------
 
 
+def configs_of(presets) -> dict:
+    """{preset: ModelConfig}; unknown presets fail here, before any compile."""
+    from configs.models import model_config as preset_config
+    from tlt_jax.models.config import from_config_dict
+
+    return {p: from_config_dict(preset_config(p)) for p in presets}
+
+
+def compile_devices(n_devices: int, backend: str) -> list:
+    """At least `n_devices` devices of `backend` to compile for; on CPU they are simulated,
+    which must be asked for before jax first starts a backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # read when jax first starts a backend
+        # Nothing here runs, so LLVM need not optimise: buffer assignment, all that is
+        # read, comes before it (the same sizes, a third less compile time).
+        flags += (f" --xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0"
+                  " --xla_llvm_disable_expensive_passes=true")
+        os.environ["XLA_FLAGS"] = flags.strip()
+    import jax
+
+    devices = jax.devices(backend)
+    if len(devices) < n_devices:
+        hint = f"; start it with XLA_FLAGS=--xla_force_host_platform_device_count={n_devices}" \
+            if backend == "cpu" else ""
+        raise ValueError(f"{n_devices} devices wanted but this process has {len(devices)} {backend} "
+                         f"devices{hint}.")
+    return devices
+
+
+def resolve_mesh(mesh: tuple[int, int, int], devices: list):
+    """(resolved (data, fsdp, tensor), Mesh): a mesh without -1 takes the first prod(mesh)
+    devices; one with -1 fills them all."""
+    from tlt_jax import sharding
+
+    n = len(devices)
+    count = n if -1 in mesh or math.prod(mesh) > n else math.prod(mesh)
+    shape = sharding.mesh_shape_from_config(dict(zip(sharding.MESH_AXES, mesh)), count)
+    return shape, sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)), devices[:count])
+
+
 def _arg_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -364,32 +406,9 @@ def run(args, cache: dict | None = None) -> list[dict]:
     if any(s < 4 for s in seq_lens):
         raise ValueError(f"--seq_lens={args.seq_lens}: every sequence length must be >= 4.")
     n_devices = _devices_needed(meshes, args.devices)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # read when jax first starts a backend
-        # Nothing here runs, so LLVM need not optimise: buffer assignment, all that is
-        # read, comes before it (the same sizes, a third less compile time).
-        flags += (f" --xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0"
-                  " --xla_llvm_disable_expensive_passes=true")
-        os.environ["XLA_FLAGS"] = flags.strip()
-    import jax
-
-    from configs.models import model_config as preset_config
-    from tlt_jax import sharding
-    from tlt_jax.models.config import from_config_dict
-
-    configs = {p: from_config_dict(preset_config(p)) for p in presets}  # unknown presets fail here, first
-    devices = jax.devices(args.backend)
-    if len(devices) < n_devices:
-        hint = f"; start it with XLA_FLAGS=--xla_force_host_platform_device_count={n_devices}" \
-            if args.backend == "cpu" else ""
-        raise ValueError(f"{n_devices} devices wanted but this process has {len(devices)} {args.backend} "
-                         f"devices{hint}.")
-    resolved = []
-    for m in meshes:
-        # A mesh without -1 takes the first prod(m) devices; one with -1 fills them all.
-        count = n_devices if -1 in m or math.prod(m) > n_devices else math.prod(m)
-        shape = sharding.mesh_shape_from_config(dict(zip(sharding.MESH_AXES, m)), count)
-        resolved.append((shape, sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)), devices[:count])))
+    configs = configs_of(presets)
+    devices = compile_devices(n_devices, args.backend)
+    resolved = [resolve_mesh(m, devices[:n_devices]) for m in meshes]
     limit = args.device_memory_gb * GB
     cache = {} if cache is None else cache
     rows, t0 = [], time.perf_counter()

@@ -25,6 +25,15 @@ def test_every_preset_builds_a_model_config():
         models.model_config("gpt-5")
 
 
+@pytest.mark.parametrize("name,published", [
+    ("qwen2.5-0.5b", 0.494e9), ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-7b", 7.62e9), ("qwen2.5-32b", 32.8e9),
+    ("llama3.3-70b", 70.6e9),
+])
+def test_real_presets_have_their_published_parameter_counts(name, published):
+    # The counts the model cards state: a wrong hidden, MLP or vocabulary size misses them.
+    assert from_config_dict(models.model_config(name)).num_params() == pytest.approx(published, rel=0.01)
+
+
 def test_generate_with_override_and_sweep_dry_run():
     out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--config.model.num_layers=1",
                "--config.max_new_tokens=4", "--config.batch_size=2", "--strategy=ngram-d2-b1")
