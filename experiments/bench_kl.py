@@ -504,25 +504,23 @@ def run_memory(args):
 
 
 def _write_memory(args, results, start, final):
-    if not args.out:
-        return
-    import jax
+    if args.out:
+        _write_json(args.out, dict(mode="memory_only", shapes={k: {f: v for f, v in s.items() if f != "ns"}
+                                                               for k, s in MEMORY_SHAPES.items()}),
+                    results, start, final)
+
+
+def _write_json(path, head: dict, results, start, final):
+    """The results so far, with provenance; partial results survive an outer kill."""
+    import jax  # provenance only; the driver never touches a device
 
     from tlt_jax import metrics
 
-    meta = dict(
-        mode="memory_only",
-        backend=jax.default_backend(),
-        shapes={k: {f: v for f, v in s.items() if f != "ns"} for k, s in MEMORY_SHAPES.items()},
-        jax_version=jax.__version__,
-        python=sys.version.split()[0],
-        complete=final,
-        wall_s=time.perf_counter() - start,
-        results=results,
-    )
-    metrics.write_json(args.out, meta, indent=1)
+    metrics.write_json(path, dict(head, backend=jax.default_backend(), jax_version=jax.__version__,
+                                  python=sys.version.split()[0], complete=final, wall_s=time.perf_counter() - start,
+                                  results=results), indent=1)
     if final:
-        print(f"wrote {args.out}")
+        print(f"wrote {path}")
 
 
 # ------------------------------------------------------------------------------------
@@ -716,25 +714,10 @@ def main(argv=None):
 
 
 def _write(args, results, start, final):
-    if not args.out:
-        return
-    import jax  # provenance only; the driver never touches a device
-
-    from tlt_jax import metrics
-
-    preset = PRESETS[args.preset]
-    meta = dict(
-        preset=args.preset,
-        shapes={k: preset[k] for k in ("d", "v", "k")},
-        jax_version=jax.__version__,
-        python=sys.version.split()[0],
-        complete=final,
-        wall_s=time.perf_counter() - start,
-        results=results,
-    )
-    metrics.write_json(args.out, meta, indent=1)
-    if final:
-        print(f"wrote {args.out}")
+    if args.out:
+        preset = PRESETS[args.preset]
+        _write_json(args.out, dict(preset=args.preset, shapes={k: preset[k] for k in ("d", "v", "k")}), results,
+                    start, final)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from tlt_jax import metrics, sampling, sharding
+from tlt_jax import launch, metrics, sampling, sharding
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
@@ -194,4 +194,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main)

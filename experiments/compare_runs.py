@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 from matplotlib.figure import Figure
 
-from tlt_jax import metrics
+from tlt_jax import launch, metrics
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "label:glob of run directories, one group per flag.")
 _OUT = flags.DEFINE_string("out", "runs/compare_runs.json", "JSON result; the plot goes beside it (.png).",
@@ -154,4 +154,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    launch.run(main)

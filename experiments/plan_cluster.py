@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
 
 import numpy as np
@@ -365,12 +364,7 @@ def _arg_parser():
 
 
 def main(argv=None):
-    args = _arg_parser().parse_args(argv)
-    try:
-        run(args)
-    except ValueError as e:
-        sys.stderr.write(f"Error: {' '.join(str(e).split())}\n")
-        sys.exit(1)
+    pm.run_cli(_arg_parser, run, argv)
 
 
 if __name__ == "__main__":

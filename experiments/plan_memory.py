@@ -380,9 +380,14 @@ def _arg_parser():
 
 
 def main(argv=None):
-    args = _arg_parser().parse_args(argv)
+    run_cli(_arg_parser, run, argv)
+
+
+def run_cli(arg_parser, run_args, argv=None) -> None:
+    """Parses argv and runs; a bad input (ValueError) is one line on stderr and exit status 1."""
+    args = arg_parser().parse_args(argv)
     try:
-        run(args)
+        run_args(args)
     except ValueError as e:
         sys.stderr.write(f"Error: {' '.join(str(e).split())}\n")
         sys.exit(1)
