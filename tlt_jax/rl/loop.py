@@ -182,13 +182,13 @@ class RLLoop:
         with self.gap("reward"):
             chosen = [examples[i] for i in rollouts.prompt_index]
             completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
-            scored = self._scorer([e.prompt for e in chosen], completions, tasks.reward_fields(chosen))
+            prompts, fields = [e.prompt for e in chosen], tasks.reward_fields(chosen)
+            scored = self._scorer(prompts, completions, fields)
             # Process 0's scores everywhere: a reward that times out, or draws, on one process only
             # must not split the learner's batch between processes.
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
             faults.maybe_kill("reward", step)
-            correct = np.asarray(rewards.answer_correctness([e.prompt for e in chosen], completions,
-                                                            **tasks.reward_fields(chosen)))
+            correct = np.asarray(rewards.answer_correctness(prompts, completions, **fields))
             self.reward_failures += failures
             advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward),
                                                                                 cfg.num_samples))
