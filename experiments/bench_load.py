@@ -7,10 +7,12 @@ buffer and metrics writer over a long run.
 Engine: `calls` generate calls of `requests` requests each (prompts of 1 to
 max_prompt_length tokens, answers that stop at a sampled EOS or at max_tokens, so every
 call mixes lengths), on one rollout group of a tiny random model. After each call: host
-RSS, and the device memory held: the bytes and number of live jax arrays (on a GPU also
-the allocator's bytes in use). After the warm-up calls (compilation, allocator pools)
-both must stay flat: a leak of one small array or one answer list a call shows as a
-slope.
+RSS, the Python heap (tracemalloc's traced bytes), and the device memory held: the bytes
+and number of live jax arrays (on a GPU also the allocator's bytes in use). After the
+warm-up calls (compilation, allocator pools) all must stay flat. RSS drifts by a few
+MiB from native allocator noise, so the Python heap is the sharp test of a host leak:
+keeping each call's answers grows it by ~17 KiB a call, where it otherwise grows by the
+~1 KiB a call this benchmark itself records.
 
 Long run: `steps` RL steps' worth of the drafter buffer and the metrics writer at the
 tiny RL shape (configs/rl.py:tiny: 16 prompts x 8 samples a step, answers of up to 96
@@ -26,6 +28,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import tracemalloc
 
 import jax
 import numpy as np
@@ -99,6 +102,9 @@ def serve(calls: int, requests: int, num_samples: int = 4, warmup: int = 20, see
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
     samples, lengths = [], []
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
     t0 = time.perf_counter()
     for call in range(calls):
         prompts = [rng.integers(3, vocab, rng.integers(1, rc.max_prompt_length + 1)).tolist()
@@ -106,8 +112,11 @@ def serve(calls: int, requests: int, num_samples: int = 4, warmup: int = 20, see
         rollouts = engine.generate(prompts, num_samples, sampling_params, jax.random.fold_in(key, call))
         lengths.extend(rollouts.lengths.tolist())
         del rollouts
-        samples.append({"call": call, "seconds": time.perf_counter() - t0, "rss": rss_bytes(), **device_bytes()})
+        samples.append({"call": call, "seconds": time.perf_counter() - t0, "rss": rss_bytes(),
+                        "python_heap": tracemalloc.get_traced_memory()[0], **device_bytes()})
     seconds = time.perf_counter() - t0
+    if not tracing:
+        tracemalloc.stop()
     warm_s = samples[min(warmup, calls) - 1]["seconds"] if calls else 0.0
     lengths = np.asarray(lengths)
     return {"calls": calls, "requests": len(lengths), "seconds": seconds,
@@ -115,6 +124,7 @@ def serve(calls: int, requests: int, num_samples: int = 4, warmup: int = 20, see
             "answer_length": {"min": int(lengths.min()), "p50": float(np.median(lengths)), "max": int(lengths.max()),
                               "distinct": int(len(np.unique(lengths)))},
             "warmup_calls": warmup, "rss": growth(samples, "rss", warmup),
+            "python_heap": growth(samples, "python_heap", warmup),
             "live_arrays": growth(samples, "live_arrays", warmup),
             "live_array_bytes": growth(samples, "live_array_bytes", warmup),
             **({"bytes_in_use": growth(samples, "bytes_in_use", warmup)} if "bytes_in_use" in samples[0] else {}),
@@ -164,6 +174,9 @@ def _table(engine: dict, run: dict) -> str:
              f"{'':28s}{'after warm-up':>14s}{'end':>10s}{'max':>10s}{'growth':>10s}",
              f"{'host RSS (MiB)':28s}{mib(engine['rss']['after_warmup']):>14s}{mib(engine['rss']['end']):>10s}"
              f"{mib(engine['rss']['max']):>10s}{mib(engine['rss']['growth']):>10s}",
+             f"{'host Python heap (MiB)':28s}{mib(engine['python_heap']['after_warmup']):>14s}"
+             f"{mib(engine['python_heap']['end']):>10s}{mib(engine['python_heap']['max']):>10s}"
+             f"{mib(engine['python_heap']['growth']):>10s}",
              f"{'live device arrays':28s}{engine['live_arrays']['after_warmup']:14.0f}{engine['live_arrays']['end']:10.0f}"
              f"{engine['live_arrays']['max']:10.0f}{engine['live_arrays']['growth']:10.0f}",
              f"{'live device bytes (MiB)':28s}{mib(engine['live_array_bytes']['after_warmup']):>14s}"

@@ -19,9 +19,11 @@ def test_engine_memory_is_flat_over_20k_requests_of_mixed_lengths():
     # Device: not one array (nor byte) more after warm-up, whatever the lengths were.
     for key in ("live_arrays", "live_array_bytes"):
         assert out[key]["max"] <= out[key]["after_warmup"], (key, out[key])
-    # Host: flat but for allocator noise; a leak of one answer list a call grows ~50 KiB a call.
-    assert out["rss"]["growth"] < 8 * MiB, out["rss"]
-    assert out["rss"]["slope_per_sample"] < 16 << 10, out["rss"]
+    # Host: the Python heap grows by what the benchmark records (~1 KiB a call, 0.23 MiB in
+    # all); keeping each call's answers adds 3.1 MiB, its timeline 0.96 MiB. RSS drifts by
+    # 1-3 MiB of native allocator noise, so it only bounds a gross leak.
+    assert out["python_heap"]["growth"] < 0.75 * MiB, out["python_heap"]
+    assert out["rss"]["growth"] < 16 * MiB, out["rss"]
 
 
 def test_drafter_buffer_and_metrics_writer_stay_bounded_over_1000_steps(tmp_path):
