@@ -139,3 +139,35 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
         assert want > 0.05  # top-p cut real mass here: the check has power
     else:
         assert want < 1e-5
+
+
+class _ScriptedEngine:
+    """Answers every prompt's samples with the given texts, in request order."""
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.answers = tokenizer, answers
+
+    def generate(self, prompt_ids, num_samples, sampling_params, key):
+        assert len(prompt_ids) * num_samples == len(self.answers)
+        ids = [np.asarray(self.tokenizer(a, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id],
+                          np.int32) for a in self.answers]
+        r = _rollouts(np.repeat(np.arange(len(prompt_ids)), num_samples), ids, [np.zeros(len(t)) for t in ids])
+        return r
+
+
+def test_evaluation_counts_the_correct_answers(tmp_path):
+    """Accuracy is the share of samples whose parsed answer solves its own prompt: right,
+    wrong, missing and another prompt's answer, on a scripted engine."""
+    tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tok"))
+    examples = tasks.make_split(tasks.get_task("addition", max_digits=3), "eval", 4, seed=1, unique=True)
+    assert len({e.answer for e in examples}) == 4
+    prefix = tasks.ANSWER_PREFIX
+    answers = [examples[0].solution, f"{prefix}{examples[0].answer}",  # both right (the trace is not needed)
+               examples[1].solution, f"{prefix}{examples[0].answer}",  # right; another prompt's answer
+               f"{prefix}{int(examples[2].answer) + 1}", "12+3",       # off by one; no answer line
+               examples[3].solution, examples[3].solution]              # right twice
+    out = evaluation.evaluate(_ScriptedEngine(tokenizer, answers), tokenizer, examples, None, key=None,
+                              num_samples=2)
+    assert out["accuracy"] == 5 / 8
+    lengths = [len(a) + 1 for a in answers]  # one token a character, and the <eos>
+    assert out["length_mean"] == pytest.approx(np.mean(lengths)) and out["length_max"] == max(lengths)

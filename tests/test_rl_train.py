@@ -108,7 +108,11 @@ def test_resume_after_sigkill_continues_exactly(warm_start, tmp_path, monkeypatc
     monkeypatch.setitem(rewards.REWARDS, "length", _length_reward)
     full = str(tmp_path / "full")
     summary = train_rl(_config(warm_start, full, reward="length"), progress=False)
-    assert summary["steps"] == 4 and summary["sft_eval_accuracy"] is not None
+    assert summary["steps"] == 4
+    evals = {r["step"]: r["eval_accuracy"] for r in metrics.read_metrics(os.path.join(full, "metrics.jsonl"))
+             if "eval_accuracy" in r}
+    assert sorted(evals) == [0, 2, 4]  # the warm start's, then every eval_every steps
+    assert (summary["sft_eval_accuracy"], summary["final_eval_accuracy"]) == (evals[0], evals[4])
     a = _learning_records(full)
     assert all(a[step]["grad_norm"] > 0 for step in (1, 2, 3, 4)), a
 

@@ -11,6 +11,7 @@ from tlt_jax import metrics, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
@@ -124,3 +125,19 @@ def test_bad_input(params):
         engine.generate([list(range(1, 10))], 1, SP, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]], 1, SP, jax.random.PRNGKey(0))
+
+
+def test_timeline_summary_of_a_scripted_rollout():
+    """Two groups: group 0 decodes 2 plain steps then 1 speculative one over 4 s; group 1
+    one plain step, done after 1 s (and idle for 3)."""
+    slow = GroupTimeline(0, 4, start=0.0, end=4.0, chunks=[
+        Chunk(0.0, 2.0, active_per_step=[4, 4], tokens_per_step=[4, 4]),
+        SpecChunk(2.0, 4.0, active_per_step=[2], tokens_per_step=[5], committed_per_sequence=[3, 2],
+                  draft_s=0.5, verify_s=1.0)])
+    fast = GroupTimeline(1, 4, start=0.0, end=1.0, chunks=[Chunk(0.0, 1.0, [3], [3])])
+    assert slow.steps() == [(0.5, 4, 4), (1.5, 4, 4), (3.0, 2, 5)]
+    assert slow.tokens == 13 and slow.slot_utilisation() == 10 / 12
+    s = RolloutTimeline([slow, fast], origin=0.0).summary()
+    assert s == dict(wall_s=4.0, tokens=16, tokens_per_s=4.0, group_idle_s=3.0, group_idle_fraction=3 / 8,
+                     slot_idle_fraction=1 - 13 / 16, decode_steps=3, speculative_steps=1, speculative_tokens=5,
+                     acceptance_length=2.5, draft_s=0.5, verify_s=1.0)
