@@ -297,3 +297,30 @@ def test_pallas_lowers_to_triton_for_cuda():
     text = lowered.as_text()
     for kernel in ("fused_linear_lse", "fused_linear_dh", "fused_linear_dw"):
         assert f'name = "{kernel}"' in text
+
+
+def test_no_implementation_but_dense_materialises_the_logits():
+    """XLA's temp bytes (compile time, no allocation) of each loss's forward and backward,
+    at a shape where [N, V] float32 logits are 128 MiB: dense holds them, chunked_xla a
+    fraction (token blocks by vocabulary tiles)."""
+    n, d, v, k = 16384, 32, 2048, 8
+    f32, i32 = jnp.float32, jnp.int32
+    h, w = jax.ShapeDtypeStruct((n, d), f32), jax.ShapeDtypeStruct((d, v), f32)
+    ids, logp, targets = jax.ShapeDtypeStruct((n, k), i32), jax.ShapeDtypeStruct((n, k), f32), jax.ShapeDtypeStruct((n,), i32)
+    grad = lambda loss: jax.grad(loss, argnums=(0, 1))
+    cases = {
+        "topk_kl": (lambda impl: grad(lambda h, w, i, p: losses.linear_topk_kl(h, w, i, p, reduction="mean", impl=impl)),
+                    (h, w, ids, logp)),
+        "logprob": (lambda impl: grad(lambda h, w, t: losses.linear_logprob(h, w, t, impl=impl).sum()), (h, w, targets)),
+        "logprob_entropy": (lambda impl: grad(lambda h, w, t: sum(
+            x.sum() for x in losses.linear_logprob(h, w, t, with_entropy=True, impl=impl))), (h, w, targets)),
+    }
+    logits = n * v * 4
+    temp = lambda fn, args: jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    for name, (make, args) in cases.items():
+        dense, chunked = temp(make("dense"), args), temp(make("chunked_xla"), args)
+        assert dense >= logits, (name, dense)  # the measure sees logits where they are
+        assert chunked < logits / 4, (name, chunked / logits)
+    # The old-policy pass (no gradient): log-probs, entropy and top-k from the same blocks.
+    topk = temp(lambda h, w, t: losses.linear_logprob_topk(h, w, t, k), (h, w, targets))
+    assert topk < logits / 4, topk / logits
