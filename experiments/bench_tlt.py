@@ -25,6 +25,7 @@ run that compiled nothing new (`new_compiled_programs` 0 in every mode): on a co
 learner and prefill shapes that first appear in later steps compile inside timed steps, and
 the second mode finds the first mode's programs compiled, which flatters it.
 """
+import ast
 import os
 import shutil
 import statistics
@@ -53,6 +54,8 @@ _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of 
 _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
                               "preset's deepened SFT model; needs --drafter.")
 _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (experiments.train_drafter).")
+_TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
+                                     "baseline), e.g. tlt.tuner.max_active=64; repeatable.")
 
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
@@ -141,6 +144,14 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     if mode == "ngram":
         c.tlt.tuner.arms = [[a for a in arms if not a.startswith("eagle")] for arms in c.tlt.tuner.arms]
+    if mode != "baseline":
+        for item in _TLT_SET.value:
+            key, _, value = item.partition("=")
+            *path, leaf = key.split(".")
+            node = c
+            for name in path:
+                node = node[name]
+            node[leaf] = type(node[leaf])(ast.literal_eval(value))
     return c
 
 
@@ -174,7 +185,7 @@ def main(argv):
     target_dir, drafter_dir = ((_TARGET.value, _DRAFTER.value) if _TARGET.value
                                else build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets")))
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
+                  preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={})
     for mode in _MODES.value:
         config = mode_config(mode, preset, target_dir, drafter_dir, _SEED.value, steps)

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from configs import generate, models
+from experiments import sweep
+from tests import _sweep_config as sweep_config
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.config import from_config_dict
 
@@ -48,6 +50,23 @@ def test_generate_with_override_and_sweep_dry_run():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == len(generate.get_sweep()) == 4
     assert all("--config.run_dir=/tmp/sweep_test/" in line for line in lines)
+
+
+def test_sweep_runs_each_point_as_its_own_process(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.sweep", "--launcher=tests._sweep_point",
+                          "--config=tests/_sweep_config.py", f"--sweep_dir={tmp_path}", "--parallel=2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr  # one point fails, so the sweep does
+    status = json.loads((tmp_path / "sweep.json").read_text())
+    assert {name: r["returncode"] for name, r in status.items()} == {
+        "lr=0.1,seed=0": 0, "lr=0.1,seed=1": 0, "lr=0.2,seed=0": 0, "lr=0.2,seed=1": 0, "seed=9,fail=True": 3}
+    points = {name: json.loads((tmp_path / name / "point.json").read_text()) for name in status}
+    assert len({p["pid"] for p in points.values()} | {os.getpid()}) == len(points) + 1  # a process each
+    for overrides in sweep_config.get_sweep():  # each with its own overrides, run directory and log
+        name = sweep.point_name(overrides)
+        want = {**sweep_config.get_config().to_dict(), **overrides, "run_dir": str(tmp_path / name)}
+        assert points[name]["config"] == want
+        assert (tmp_path / f"{name}.log").exists()
 
 
 @pytest.mark.parametrize("override,message", [

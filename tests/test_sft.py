@@ -52,3 +52,50 @@ def test_trainer_fits_a_batch(tokenizer):
         state, out = trainer.step(state, batch)
         losses.append(float(out["loss"]))
     assert losses[-1] < 0.75 * losses[0] and int(state.step) == 15
+
+
+def _tiny_sft_config(run_dir, steps):
+    from configs import sft as sft_configs
+
+    c = sft_configs.get_config("tiny")
+    c.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.data.update(tasks={"addition": {"weight": 1.0, "max_digits": 2}}, num_train=64, num_eval=4, seq_len=48)
+    c.eval.update(num_slots=4, max_prompt_length=16)
+    c.optimizer.update(warmup_steps=1, decay_steps=8)
+    c.update(steps=steps, batch_size=8, eval_every=4, checkpoint_every=2, run_dir=str(run_dir))
+    c.mesh.update(data=2, fsdp=4)
+    return c
+
+
+def _losses(run_dir):
+    from tlt_jax import metrics
+
+    return {r["step"]: r["loss"] for r in metrics.read_metrics(str(run_dir / "metrics.jsonl"))}
+
+
+def test_sft_run_resumes_exactly_and_rl_builds_its_warm_start_from_it(tmp_path, monkeypatch):
+    """An RL run whose sft_dir points nowhere trains its SFT config (4 steps) into its run
+    directory once, and loads it; the same SFT run stopped after 2 steps and run again to 4
+    ends with the same losses and weights."""
+    from configs import rl as rl_configs
+    from tlt_jax.models.hf_io import load_hf
+    from tlt_jax.rl import sft as sft_lib
+    from tlt_jax.rl import train as rl_train
+
+    config = rl_configs.get_config("tiny")
+    config.update(sft_dir=str(tmp_path / "nowhere"), run_dir=str(tmp_path / "rl"))
+    config.sft = _tiny_sft_config("", 4)
+    _, params, tokenizer = rl_train._warm_start(config)
+    full = _losses(tmp_path / "rl" / "sft")
+    assert sorted(full) == [1, 2, 3, 4] and full[4] != full[2] and tokenizer.eos_token_id == 2
+    _, written = load_hf(str(tmp_path / "rl" / "sft" / "hf"))
+    jax.tree.map(np.testing.assert_array_equal, params, written)
+    monkeypatch.setattr(sft_lib, "train_sft", lambda *a, **k: pytest.fail("the warm start was trained twice"))
+    rl_train._warm_start(config)
+    monkeypatch.undo()
+
+    sft_lib.train_sft(_tiny_sft_config(tmp_path / "resumed", 2), progress=False)
+    sft_lib.train_sft(_tiny_sft_config(tmp_path / "resumed", 4), progress=False)
+    assert _losses(tmp_path / "resumed") == full
+    _, resumed = load_hf(str(tmp_path / "resumed" / "hf"))
+    jax.tree.map(np.testing.assert_array_equal, resumed, written)
