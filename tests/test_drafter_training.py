@@ -110,12 +110,20 @@ def test_masked_entries_contribute_nothing(target, rows):
 
 
 def test_fused_gradients_reach_fuse(target, rows):
-    """Through the features the drafter reads (the KL alone: the regression target is fixed)."""
+    """Through the features the drafter reads (the KL alone: the regression target is
+    fixed): the gradient of the fusion weights is the loss's slope along it, by central
+    differences (a dropped or mis-scaled path would differ)."""
     dparams = drafter_lib.init_drafter(CFG, FUSED, jax.random.PRNGKey(3), init_std=0.3)
     batch = _batch(target, rows, FUSED)
     assert batch["layers"].shape == (B, T, 2, CFG.hidden_size)
-    grads = jax.grad(lambda p: _loss(FUSED, feature_weight=0.0)(p, target, batch)[0])(dparams)
-    assert float(jnp.abs(grads["fuse"]).max()) > 0
+    loss = lambda p: _loss(FUSED, feature_weight=0.0)(p, target, batch)[0]
+    g = jax.grad(loss)(dparams)["fuse"]
+    norm = float(jnp.linalg.norm(g))
+    assert norm > 1e-3
+    step = lambda eps: loss({**dparams, "fuse": dparams["fuse"] + eps * g / norm})
+    eps = 1e-2
+    slope = (float(step(eps)) - float(step(-eps))) / (2 * eps)
+    np.testing.assert_allclose(slope, norm, rtol=2e-2)
 
 
 def test_trainer_learns_a_batch(target, rows):

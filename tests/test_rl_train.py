@@ -16,7 +16,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import save_hf
 from tlt_jax.rl import rewards, tasks
-from tlt_jax.rl.loop import TooManyNonFiniteSteps
+from tlt_jax.rl.loop import RLLoop, TooManyNonFiniteSteps
 from tlt_jax.rl.train import learning_metrics, train_rl
 
 OVERRIDES = {
@@ -51,13 +51,6 @@ def _config(sft_dir, run_dir, **extra):
             target = target[part]
         target[leaf] = value
     return c
-
-
-@pytest.fixture(scope="module")
-def finished_run(warm_start, tmp_path_factory):
-    """(run_dir, summary) of an uninterrupted run of the OVERRIDES config."""
-    run_dir = str(tmp_path_factory.mktemp("full"))
-    return run_dir, train_rl(_config(warm_start, run_dir), progress=False)
 
 
 def _launch_rl(warm_start, run_dir, **popen_kwargs):
@@ -115,6 +108,10 @@ def test_resume_after_sigkill_continues_exactly(warm_start, tmp_path, monkeypatc
     assert (summary["sft_eval_accuracy"], summary["final_eval_accuracy"]) == (evals[0], evals[4])
     a = _learning_records(full)
     assert all(a[step]["grad_norm"] > 0 for step in (1, 2, 3, 4)), a
+    # Run again, a finished run trains nothing and returns the result it recorded.
+    with monkeypatch.context() as m:
+        m.setattr(RLLoop, "step", lambda *a, **k: pytest.fail("a finished run trained again"))
+        assert train_rl(_config(warm_start, full, reward="length"), progress=False) == summary
 
     killed = str(tmp_path / "killed")
     args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "reward": "length"}.items()]

@@ -12,7 +12,9 @@ import pytest
 
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics
+from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.rl.train import train_rl
+from tlt_jax.rollout.engine import RolloutEngine
 
 TLT = {**OVERRIDES, "tlt.enabled": True, "steps": 3, "eval_every": 3, "checkpoint_every": 1,
        "tlt.drafter.init": "", "tlt.drafter.batch_size": 4, "tlt.drafter.seq_len": 48,
@@ -27,8 +29,20 @@ def _records(run_dir):
     return {r["step"]: r for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step" in r}
 
 
-def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_path):  # noqa: F811
+def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_path, monkeypatch):  # noqa: F811
     run_dir = str(tmp_path / "tlt")
+    received, published = [], []  # what the engine is handed; the drafter's state at each publish
+    update_drafter, publish = RolloutEngine.update_drafter, OnlineDrafter.publish
+    monkeypatch.setattr(RolloutEngine, "update_drafter",
+                        lambda self, p: (received.append(jax.device_get(p)), update_drafter(self, p))[1])
+
+    def publish_and_record(self):
+        if publish(self):
+            published.append(jax.device_get(self.state.params))
+            return True
+        return False
+
+    monkeypatch.setattr(OnlineDrafter, "publish", publish_and_record)
     summary = train_rl(_config(warm_start, run_dir, **TLT), progress=False)
     records = _records(run_dir)
     steps = [records[s] for s in (1, 2, 3)]
@@ -44,12 +58,21 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     assert any(r["acceptance_length"] > 1 for r in steps)
     assert 0 < summary["tlt"]["speculative_token_share"] <= 1
     assert summary["tlt"]["drafter_version"] == 3
+    assert set(summary["tlt"]) == {"speculative_token_share", "acceptance_length_mean", "drafter_version",
+                                   "rollout_tokens_per_s_median"}
     for name in ("tlt.png", "tuner_arms.png"):
         assert os.path.getsize(os.path.join(run_dir, name)) > 0
     # The trained drafter is exported for inference on its own.
     from tlt_jax.drafter_training.io import load_drafter
     _, exported = load_drafter(os.path.join(run_dir, "drafter"))
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(exported))
+    # Each version reached the engine after the warm start: the drafter as it was published,
+    # a new one each time.
+    assert len(received) == 1 + len(published) == 4
+    for got, want in zip(received[1:], published):
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert all(changed(a, b) for a, b in zip(received, received[1:]))
 
 
 _KILLED_RUN = """

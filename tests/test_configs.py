@@ -1,0 +1,90 @@
+"""The shipped configs and assets do what docs/configs.md and docs/tlt.md say: every preset
+builds and passes its launcher's checks, TLT is on in the RL presets with the documented
+defaults, the sweeps are the documented ones, and the shipped drafter loads against the
+shipped SFT model."""
+import configparser
+import json
+
+import pytest
+
+from configs import distill, drafter, generate, models, rl, sft
+from experiments import sweep
+from tlt_jax import launch
+from tlt_jax.models.hf_io import load_hf
+from tlt_jax.rl import train as rl_train
+from tlt_jax.rollout import tuner as tuner_lib
+
+PRESETS = {rl: ["tiny", "tiny-speculate-always", "qwen2.5-0.5b", "qwen2.5-1.5b"], sft: ["tiny", "gpu", "long_tail"],
+           drafter: ["tiny", "fused", "gpu", "long_tail"], distill: ["tiny"],
+           generate: list(models.PRESET_NAMES)}
+
+
+@pytest.mark.parametrize("module", list(PRESETS), ids=lambda m: m.__name__)
+def test_every_documented_preset_builds(module):
+    for preset in PRESETS[module]:
+        config = module.get_config(preset)
+        if module is rl:
+            rl_train.check_config(config)
+            assert config.tlt.enabled, preset  # TLT is on in every RL preset
+    with pytest.raises(ValueError, match="preset"):
+        module.get_config("no-such-preset")
+
+
+def test_tlt_defaults_are_the_documented_ones():
+    c = rl.get_config("tiny").tlt
+    assert (c.tuner.buckets, c.tuner.max_active, c.tuner.epsilon, c.tuner.window, c.tuner.seed) == (
+        [1, 2, 5, 21], 32, 0.1, 300, 0)
+    assert all(tuner_lib.PLAIN in arms for arms in c.tuner.arms)
+    assert (c.spot.max_steps_per_rl_step, c.spot.catch_up_steps, c.spot.skip_short_gaps) == (50, 2, True)
+    d = c.drafter
+    assert (d.init, d.top_k, d.kl_weight, d.feature_weight, d.batch_size, d.seq_len, d.keep_steps,
+            d.checkpoint_every) == ("assets/drafter_tiny", 8, 1.0, 1.0, 16, 128, 2, 5)
+    assert (d.optimizer.learning_rate, d.optimizer.b1, d.optimizer.b2) == (1e-3, 0.9, 0.95)
+    assert rl.get_config("tiny").checkpoint_every == 5
+
+
+def test_speculate_always_has_no_plain_arm_and_no_threshold():
+    c = rl.get_config("tiny-speculate-always")
+    tuner = tuner_lib.from_config(c.tlt.tuner)
+    reachable = [arms for lower, arms in zip(tuner.buckets, tuner.arms) if lower <= c.rollout.num_slots]
+    assert reachable and all(None not in arms for arms in reachable)
+    for active in range(1, c.rollout.num_slots + 1):
+        assert tuner.strategy_for(active) is not None
+
+
+def test_sweeps_are_the_documented_ones():
+    assert rl.get_sweep() == [{"tlt.enabled": e, "seed": s} for e in (False, True) for s in (0, 1, 2)]
+    assert rl.get_sweep("tiny-speculate-always") == [{"seed": s} for s in (0, 1, 2)]
+    assert distill.get_sweep() == [{"top_k": k, "tail": t} for k in (8, 2) for t in (False, True)]
+    assert generate.get_sweep() == [{"batch_size": b, "temperature": t} for b in (1, 8) for t in (0.0, 1.0)]
+    # compare_runs globs the RL sweep's directories by these names (docs/tlt.md).
+    assert [sweep.point_name(p) for p in rl.get_sweep()[:2]] == ["enabled=False,seed=0", "enabled=False,seed=1"]
+
+
+def test_shipped_drafter_loads_against_the_shipped_sft_model(caplog):
+    """The RL job's default drafter export fits its default warm start exactly (no
+    warning); weights the RL updates changed only warn; another model is refused."""
+    c = rl.get_config("tiny")
+    target_config, target_params = load_hf(c.sft_dir)
+    with caplog.at_level("WARNING"):
+        dcfg, params = rl_train._drafter_warm_start(c.tlt.drafter, target_config, target_params)
+    assert dcfg.num_layers >= 1 and params and "other weights" not in caplog.text
+    moved = {**target_params, "embed": target_params["embed"] * 2}
+    with caplog.at_level("WARNING"):
+        rl_train._drafter_warm_start(c.tlt.drafter, target_config, moved)
+    assert "trained against other weights" in caplog.text
+    with pytest.raises(ValueError, match="another target model .*num_layers"):
+        rl_train._drafter_warm_start(c.tlt.drafter, target_config.replace(num_layers=2), target_params)
+
+
+def test_the_resolved_config_is_written_to_the_run_directory(tmp_path):
+    config = rl.get_config("tiny")
+    launch.prepare_run_dir(str(tmp_path), config)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def test_flax_and_jax_triton_are_not_dependencies():  # as README.md says
+    cfg = configparser.ConfigParser()
+    cfg.read("setup.cfg")
+    requires = cfg["options"]["install_requires"] + cfg["options.extras_require"]["test"]
+    assert "flax" not in requires and "jax-triton" not in requires and "jax_triton" not in requires
