@@ -52,6 +52,22 @@ def test_generate_with_override_and_sweep_dry_run():
     assert all("--config.run_dir=/tmp/sweep_test/" in line for line in lines)
 
 
+def test_generate_with_the_shipped_target_and_drafter():
+    """As README.md runs it: plain and speculative completions (the same, greedy), the
+    drafter's acceptance and the cost of a speculative step in plain steps."""
+    out = _run("experiments.generate", "--target=assets/sft_tiny", "--drafter=assets/drafter_tiny",
+               "--prompt=add 12+34\n", "--config.max_new_tokens=12", "--config.batch_size=2",
+               "--config.timed_runs=1")
+    assert out.returncode == 0, out.stderr
+    summaries = {s["mode"]: s for s in map(json.loads, re.findall(r"^\{.*\}$", out.stdout, re.M))}
+    assert list(summaries) == ["plain", "eagle-d4"]
+    completions = re.findall(r"^--- (\S+): .*\n((?:\[.*\n(?: {6}.*\n)*)+)", out.stdout, re.M)
+    assert [mode for mode, _ in completions] == ["plain", "eagle-d4"]
+    assert completions[0][1] == completions[1][1]  # greedy: speculation changes nothing
+    assert summaries["eagle-d4"]["acceptance_length"] > 1.5 and summaries["plain"]["acceptance_length"] == 0
+    assert re.search(r"took [\d.]+ ms, [\d.]+ plain steps of [\d.]+ ms, and committed [\d.]+ tokens", out.stdout)
+
+
 def test_sweep_runs_each_point_as_its_own_process(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.sweep", "--launcher=tests._sweep_point",
                           "--config=tests/_sweep_config.py", f"--sweep_dir={tmp_path}", "--parallel=2"],
