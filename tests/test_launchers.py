@@ -68,6 +68,25 @@ def test_generate_with_the_shipped_target_and_drafter():
     assert re.search(r"took [\d.]+ ms, [\d.]+ plain steps of [\d.]+ ms, and committed [\d.]+ tokens", out.stdout)
 
 
+LAUNCHERS = sorted(f[:-3] for f in os.listdir("experiments") if f.endswith(".py")
+                   and "launch.run(" in open(os.path.join("experiments", f)).read())
+
+
+def test_every_launchers_help_says_what_it_does_and_lists_its_flags():
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"experiments.{name}", "--help"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for name in LAUNCHERS}
+    assert len(procs) >= 15
+    for name, proc in procs.items():
+        text = proc.communicate(timeout=300)[0]
+        assert proc.returncode in (0, 1), (name, text)  # absl exits 1 after printing --help
+        source = open(f"experiments/{name}.py").read()
+        summary = re.search(r'^r?"""(.*)$', source, re.M).group(1).strip()
+        own = re.findall(r'DEFINE_\w+\(\s*"(\w+)"', source)
+        assert text.startswith(summary), (name, text[:200])
+        assert all(f"--{flag}" in text for flag in own), (name, own)
+        assert "--verbosity=0" in text  # the shared flags
+
+
 def test_sweep_runs_each_point_as_its_own_process(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.sweep", "--launcher=tests._sweep_point",
                           "--config=tests/_sweep_config.py", f"--sweep_dir={tmp_path}", "--parallel=2"],
