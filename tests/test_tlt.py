@@ -13,6 +13,7 @@ import pytest
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics
 from tlt_jax.drafter_training.online import OnlineDrafter
+from tlt_jax.rl import rewards
 from tlt_jax.rl.train import train_rl
 from tlt_jax.rollout.engine import RolloutEngine
 
@@ -29,8 +30,16 @@ def _records(run_dir):
     return {r["step"]: r for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "step" in r}
 
 
+def _slow_reward(prompts, completions, **fields):
+    """The task reward after a pause: a reward gap long enough for drafter steps."""
+    time.sleep(1.0)
+    return rewards.REWARDS["task"](prompts, completions, **fields)
+
+
 def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_path, monkeypatch):  # noqa: F811
+    """With no catch-up steps, the drafter trains only in the idle gaps of the step."""
     run_dir = str(tmp_path / "tlt")
+    monkeypatch.setitem(rewards.REWARDS, "slow", _slow_reward)
     received, published = [], []  # what the engine is handed; the drafter's state at each publish
     update_drafter, publish = RolloutEngine.update_drafter, OnlineDrafter.publish
     monkeypatch.setattr(RolloutEngine, "update_drafter",
@@ -43,13 +52,15 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
         return False
 
     monkeypatch.setattr(OnlineDrafter, "publish", publish_and_record)
-    summary = train_rl(_config(warm_start, run_dir, **TLT), progress=False)
+    gaps_only = {"tlt.spot.catch_up_steps": 0, "tlt.spot.skip_short_gaps": False, "reward": "slow"}
+    summary = train_rl(_config(warm_start, run_dir, **{**TLT, **gaps_only}), progress=False)
     records = _records(run_dir)
     steps = [records[s] for s in (1, 2, 3)]
-    # The drafter learns from step 0's data from the end of step 0 on, and each RL step
-    # publishes a new version.
-    assert [r["drafter_version"] for r in steps] == [1, 2, 3]
-    assert all(r["spot/steps"] + r["spot/catch_up_steps"] >= 2 for r in steps)
+    # The first data comes after step 1's reward gap, from the learner's forward; from step
+    # 2 on the drafter trains in the gaps (the reward's at least) and each RL step publishes
+    # a new version.
+    assert [r["drafter_version"] for r in steps] == [0, 1, 2]
+    assert all(r["spot/catch_up_steps"] == 0 for r in steps) and all(r["spot/steps"] >= 1 for r in steps[1:])
     assert steps[-1]["drafter_steps_total"] == sum(r["spot/steps"] + r["spot/catch_up_steps"] for r in steps)
     # Every arm is pulled (untried arms first) and speculation commits tokens.
     pulls = {arm: sum(r.get(f"tuner/b1/{arm}/pulls", 0) for r in steps) for arm in ("eagle-d3", "ngram-d2-b1",
@@ -57,7 +68,7 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     assert all(n > 0 for n in pulls.values()), pulls
     assert any(r["acceptance_length"] > 1 for r in steps)
     assert 0 < summary["tlt"]["speculative_token_share"] <= 1
-    assert summary["tlt"]["drafter_version"] == 3
+    assert summary["tlt"]["drafter_version"] == 2
     assert set(summary["tlt"]) == {"speculative_token_share", "acceptance_length_mean", "drafter_version",
                                    "rollout_tokens_per_s_median"}
     for name in ("tlt.png", "tuner_arms.png"):
@@ -68,7 +79,7 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(exported))
     # Each version reached the engine after the warm start: the drafter as it was published,
     # a new one each time.
-    assert len(received) == 1 + len(published) == 4
+    assert len(received) == 1 + len(published) == 3
     for got, want in zip(received[1:], published):
         jax.tree.map(np.testing.assert_array_equal, got, want)
     changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
