@@ -111,3 +111,19 @@ def test_bad_settings_are_refused(offline_run):
                                (dict(mode="sideways"), "mode must be one of")):
         with pytest.raises(ValueError, match=message):
             train.train_distill(_config(offline.teacher_dir, root / "bad", **overrides), progress=False)
+
+
+def test_a_run_stopped_midway_resumes_exactly_from_a_shared_cache(offline_run, tmp_path, monkeypatch):
+    """A second run reads the first run's teacher cache (`cache_dir`; the teacher never
+    runs), stops after 2 steps and, run again, ends with the uninterrupted run's losses."""
+    _, _, offline, _ = offline_run
+    monkeypatch.setattr(train, "make_teacher_topk", lambda *a, **k: pytest.fail("the teacher ran"))
+    shared = dict(cache_dir=os.path.join(offline.run_dir, "teacher_cache"), checkpoint_every=2)
+    first = train.train_distill(_config(offline.teacher_dir, tmp_path, steps=2, **shared), progress=False)
+    assert first["teacher_rows_cached"] == 0
+    again = train.train_distill(_config(offline.teacher_dir, tmp_path, **shared), progress=False)
+    assert again["resumed_from"] == 2
+    a, b = _records(offline.run_dir), _records(tmp_path)
+    assert sorted(b) == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_array_equal([a[s][key] for s in sorted(a)], [b[s][key] for s in sorted(b)], err_msg=key)
