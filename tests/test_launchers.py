@@ -6,11 +6,14 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import generate, models
 from experiments import sweep
 from tests import _sweep_config as sweep_config
+from tlt_jax import metrics
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.config import from_config_dict
 
@@ -155,10 +158,19 @@ def test_partial_multihost_flags_are_refused():
     assert "--coordinator_address, --num_processes and --process_id" in out.stderr
 
 
-def test_train_drafter_writes_a_loadable_drafter(tmp_path):
-    out = _run("experiments.train_drafter", "--config=configs/drafter.py:tiny", f"--config.run_dir={tmp_path}",
-               "--config.steps=2", "--config.data.num_train=64", "--config.data.num_eval=8", "--config.batch_size=8",
-               "--config.eval_every=2", "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0")
+def test_train_drafter_writes_a_loadable_drafter_and_resumes_exactly(tmp_path):
+    def train_drafter(run_dir, steps):
+        return subprocess.Popen(
+            [sys.executable, "-m", "experiments.train_drafter", "--config=configs/drafter.py:tiny",
+             f"--config.run_dir={run_dir}", f"--config.steps={steps}", "--config.data.num_train=64",
+             "--config.data.num_eval=8", "--config.batch_size=8", "--config.eval_every=2", "--config.checkpoint_every=2",
+             "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    uninterrupted = train_drafter(tmp_path / "full", 4)
+    proc = train_drafter(tmp_path, 2)
+    stdout, stderr = proc.communicate(timeout=300)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stderr
     # Library INFO logs (orbax writes ~40 lines per checkpoint save) stay off by default.
     assert not [line for line in out.stderr.splitlines() if re.match(r"I\d{4} ", line)], out.stderr
@@ -166,6 +178,16 @@ def test_train_drafter_writes_a_loadable_drafter(tmp_path):
     assert summary["steps"] == 2 and 0 <= summary["eval_top1_agree"] <= 1
     assert load_drafter(tmp_path / "drafter")[0].num_layers == 1
     assert (tmp_path / "drafter_curves.png").exists()
+    # Run again with more steps, it resumes and ends where an uninterrupted run does.
+    resumed = train_drafter(tmp_path, 4)
+    for proc in (resumed, uninterrupted):
+        assert proc.wait(timeout=300) == 0, proc.communicate()[1]
+    losses = lambda run_dir: {r["step"]: r["loss"] for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+    assert losses(tmp_path) == losses(tmp_path / "full") and sorted(losses(tmp_path)) == [1, 2, 3, 4]
+    _, a = load_drafter(tmp_path / "drafter")
+    _, b = load_drafter(tmp_path / "full" / "drafter")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_dw_accum_error_reports_both_accumulators(tmp_path):
