@@ -142,10 +142,15 @@ def test_missing_checkpoint_is_one_line_naming_the_flag():
 def test_compilation_cache_is_filled_unless_turned_off(tmp_path):
     args = ("experiments.generate", "--config=configs/generate.py:tiny", "--config.model.num_layers=1",
             "--config.max_new_tokens=2", "--config.batch_size=1")
-    out = _run(*args, f"--compilation_cache_dir={tmp_path / 'cache'}")
+    # Without the flag: in $JAX_COMPILATION_CACHE_DIR; run again, nothing new compiles.
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    assert len(os.listdir(tmp_path / "cache")) > 1
+    entries = set(os.listdir(tmp_path / "cache"))
+    assert len(entries) > 1
     assert "Prompt: token ids [1, 2, 3, 4]" in out.stderr and "greedy" in out.stderr
+    assert subprocess.run([sys.executable, "-m", *args], capture_output=True, timeout=300, env=env).returncode == 0
+    assert set(os.listdir(tmp_path / "cache")) == entries
 
     out = _run(*args, f"--compilation_cache_dir={tmp_path / 'off'}", "--nocompilation_cache")
     assert out.returncode == 0, out.stderr
