@@ -53,6 +53,21 @@ def test_pack_spans_is_greedy_and_lays_out_rows():
     np.testing.assert_array_equal(features[..., 0], (rows["segment_ids"] > 0) * (rows["tokens"] // 10))
 
 
+def test_pack_spans_edges():
+    """Spans exactly filling a row, of one token, none, all dropped, and bad lengths."""
+    np.testing.assert_array_equal(pack_spans([1, 1], 2).row_N, [0, 0])
+    np.testing.assert_array_equal(pack_spans(np.array([[5], [4]]), 10).row_N, [0, 0])
+    assert pack_spans([5.0, 4.0], 10).lengths_N.dtype == np.int64
+    empty = pack_spans([], 8)
+    assert empty.num_rows == 0 and empty.rows([], [])["tokens"].shape == (0, 8)
+    dropped = pack_spans([20], 10)
+    assert dropped.num_rows == 0 and dropped.rows([np.arange(20)], [np.ones(20, bool)])["mask"].shape == (0, 9)
+    with pytest.raises(ValueError, match=r"at least one token long, got lengths \[0\]"):
+        pack_spans([0, 1], 4)
+    with pytest.raises(ValueError, match="at least one token"):
+        pack_spans([3, 0], 10)
+
+
 def _pack_examples_before_pack_spans(tokenizer, examples, seq_len):
     """`sft.pack_examples` as it was before it used `pack_spans` (logging left out)."""
     rows, row = [], []

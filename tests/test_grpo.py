@@ -22,6 +22,21 @@ def test_advantages():
         grpo.grpo_advantages(R, 3)
 
 
+def test_advantages_are_per_group():
+    """Groups with different means and spreads, each normalised by its own statistics; a
+    group of near-equal rewards stays finite; RLOO from groups of 2."""
+    r = jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # means 0.5 and 0.75
+    np.testing.assert_allclose(grpo.dr_grpo_advantages(r, 4), [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75],
+                               rtol=1e-6)
+    std2 = np.sqrt(3) / 4
+    np.testing.assert_allclose(grpo.grpo_advantages(r, 4)[4:], np.array([0.25, 0.25, 0.25, -0.75]) / (std2 + 1e-6),
+                               rtol=1e-5)
+    np.testing.assert_allclose(grpo.grpo_advantages(jnp.array([0.0, 2e-6]), 2), [-0.5, 0.5], rtol=1e-5)
+    np.testing.assert_allclose(grpo.rloo_advantages(jnp.array([1.0, 0.0]), 2), [1.0, -1.0])
+    with pytest.raises(ValueError, match="RLOO needs at least 2 samples per prompt"):
+        grpo.rloo_advantages(r, 1)
+
+
 def test_sequence_stats_count_sequences_not_rows():
     # Row 0 packs two sequences (segments 1 and 2), row 1 one sequence then padding, row 2 is padding.
     seg = jnp.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 0, 0, 0], [0] * 7])  # per token: a column more

@@ -40,8 +40,43 @@ def test_sample_frequencies_match_processed_distribution():
 def test_bad_params():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
+    for bad in (dict(top_p=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(**bad)
+    for bad in (dict(top_k=-1), dict(min_p=1.0), dict(min_p=-0.1)):
+        with pytest.raises(ValueError, match="top_k must be >= 0 and min_p in"):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert SamplingParams(max_tokens=1, top_p=1.0, min_p=0.0).max_tokens == 1
+
+
+def test_filters_act_on_each_row_along_the_vocabulary():
+    """Rows with different distributions, in a batch of any rank, each filtered as alone;
+    filters combine; the defaults drop nothing, however small."""
+    rows = jax.nn.log_softmax(jax.random.normal(jax.random.PRNGKey(1), (3, 7)) * 3.0)
+    for params in (SamplingParams(top_p=0.7), SamplingParams(min_p=0.2), SamplingParams(top_k=3, top_p=0.8),
+                   SamplingParams(temperature=0.0)):
+        batch = processed_logprobs(rows, params)
+        assert batch.shape == rows.shape
+        for b in range(3):
+            np.testing.assert_array_equal(batch[b], processed_logprobs(rows[b], params))
+            np.testing.assert_array_equal(batch[b], processed_logprobs(rows[b][None, None], params)[0, 0])
+    assert np.argmax(np.asarray(processed_logprobs(jnp.array([0.1, 0.2, 3.0, 0.3]), SamplingParams(temperature=0))))\
+        == 2
+    p = lambda **kw: np.exp(np.asarray(processed_logprobs(_logits(), SamplingParams(**kw))))[0]
+    np.testing.assert_allclose(p(top_k=2, top_p=0.9), [2 / 3, 1 / 3, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(p(top_k=1, min_p=0.1), [1, 0, 0, 0], rtol=1e-6)
+    assert np.all(np.isfinite(processed_logprobs(jnp.array([[0.0, -25.0, -30.0]]), SamplingParams())))
+
+
+def test_sample_reads_each_rows_log_prob():
+    rows = jax.random.normal(jax.random.PRNGKey(2), (3, 11)) * 2.0
+    params = SamplingParams(temperature=0.9, top_p=0.9)
+    tokens, logp = sample(jax.random.PRNGKey(0), rows, params)
+    processed = processed_logprobs(rows, params)
+    assert tokens.shape == logp.shape == (3,)
+    np.testing.assert_array_equal(logp, processed[jnp.arange(3), tokens])
 
 
 def test_processed_logprob_exceeds_the_temperature_one_by_the_kept_mass():

@@ -87,6 +87,31 @@ def test_from_config_adds_a_plain_only_bucket_above_max_active():
     assert tuner_lib.from_config({**cfg, "max_active": None}).buckets == (1, 4)
 
 
+def test_threshold_edges_and_chunk_floors():
+    """max_active 1 (every bucket above plain only), a bucket starting at max_active, a config
+    without max_active (the default, 32), the seed and window keys, and each bucket's floor."""
+    plain_only = {"arms": [["plain"]]}
+    assert tuner_lib.from_config({"buckets": [1], **plain_only, "max_active": 1}).buckets == (1, 2)
+    assert tuner_lib.from_config({"buckets": [1, 32], "arms": [["eagle-d4"], ["plain"]]}).buckets == (1, 32, 33)
+    assert tuner_lib.from_config({"buckets": [1, 5], "arms": [["eagle-d4"], ["plain"]]}).buckets == (1, 5, 33)
+    cfg = {"buckets": [1], "arms": [["eagle-d4", "eagle-d5-k3-t12", "plain"]], "epsilon": 0.5}
+    def choices(tuner):  # every arm tried once (untried arms go first, without a draw), then 40 draws
+        for arm in tuner.arms[0]:
+            tuner.observe(arm, 1, 10, 0.1)
+        return [tuner_lib.arm_name(tuner.strategy_for(1)) for _ in range(40)]
+
+    assert choices(tuner_lib.from_config({**cfg, "seed": 5})) == choices(
+        BucketedEpsilonGreedy([1, 33], [[A, B, None], [None]], epsilon=0.5, seed=5))
+    assert choices(tuner_lib.from_config({**cfg, "seed": 5})) != choices(tuner_lib.from_config(cfg))
+    assert tuner_lib.from_config({**cfg, "window": 1}).window == 1
+    default = BucketedEpsilonGreedy([1], [[A]])
+    assert default.window == 300 and default.epsilon == 0.1
+    assert choices(BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=0.5)) == choices(
+        BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=0.5, seed=0))
+    tuner = BucketedEpsilonGreedy([1, 2, 5], [[A], [B], [None]])
+    assert [tuner.chunk_floor(n) for n in (0, 1, 2, 4, 5, 64)] == [1, 1, 2, 2, 5, 5]
+
+
 def test_default_config_builds_tlt_buckets_with_plain_everywhere():
     cfg = tuner_lib.default_arms_config()
     tuner = tuner_lib.from_config(cfg)
@@ -231,6 +256,7 @@ def test_bad_construction_names_the_field(kwargs, match):
     (dict(epsilon=2.0), r"^tlt\.tuner\.epsilon"),
     (dict(window=0), r"^tlt\.tuner\.window"),
     (dict(max_active=0), r"^tlt\.tuner\.max_active"),
+    (dict(buckets=[1, 40], arms=[["plain"], ["eagle-d4"]]), r"lower them or raise max_active\.$"),
     (dict(epsilon_decay=0.5), r"Unknown tlt\.tuner keys \['epsilon_decay'\]"),
 ])
 def test_bad_config_names_the_config_field(changes, match):
