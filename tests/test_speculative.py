@@ -406,3 +406,55 @@ def test_ancestors_match_walking_up_the_parents():
                 while j >= 0:
                     expected[b, i, j], j = True, row[j]
         np.testing.assert_array_equal(spec_lib.ancestors(jnp.asarray(parents, jnp.int32)), expected)
+
+
+class _TableDrafter(spec_lib.Drafter):
+    """A drafter whose next-token logits depend only on the token fed: a fixed table."""
+
+    def _decode(self, drafter_params, target_params, cache, tokens, features, positions, mask=None,
+                return_logits=True):
+        return drafter_params[tokens], features, cache
+
+
+def _eagle2_by_hand(root_logits, table, k, depth, t):
+    """EAGLE-2 in plain Python for one sequence: level 1 the top k of the root's logits; each
+    further level the top k children of each of the k best nodes of the level before;
+    the t - 1 best candidates of all levels (by cumulative log-prob), in level order, under
+    the root. Returns (tokens, parents) of the tree."""
+    log_softmax = lambda x: x - np.log(np.exp(x - x.max()).sum()) - x.max()
+    top = lambda x: list(np.argsort(-x, kind="stable")[:k])
+    root = log_softmax(root_logits)
+    cands = [(int(v), float(root[v]), -1) for v in top(root)]  # (token, score, parent candidate)
+    level = list(range(k))
+    for _ in range(1, depth):
+        new = []
+        for parent in level:
+            lp = log_softmax(table[cands[parent][0]])
+            new += [(int(v), cands[parent][1] + float(lp[v]), parent) for v in top(lp)]
+        start = len(cands)
+        cands += new
+        level = [start + i for i in top(np.array([score for _, score, _ in new]))]
+    chosen = sorted(np.argsort([-score for _, score, _ in cands], kind="stable")[:t - 1])
+    node = {c: i + 1 for i, c in enumerate(chosen)}
+    return [cands[c][0] for c in chosen], [node.get(cands[c][2], 0) for c in chosen]
+
+
+def test_tree_strategy_drafts_the_eagle2_tree():
+    """`eagle-d4-k3-t8` on a drafter given by a table: the nodes and parents of an EAGLE-2
+    expansion done by hand, for each sequence of a batch."""
+    v, b = 12, 3
+    strategy = spec_lib.Strategy.from_name("eagle-d4-k3-t8")
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(v, v)) * 2.0, jnp.float32)
+    root_logits = jnp.asarray(rng.normal(size=(b, v)) * 2.0, jnp.float32)
+    drafter = _TableDrafter(CFG.replace(vocab_size=v), drafter_lib.DrafterConfig(num_layers=1))
+    cache = tfm.KVCache(jnp.zeros((1, b, 1, 1, 1)), jnp.zeros((1, b, 1, 1, 1)), jnp.zeros((b,), jnp.int32))
+    root = jnp.array([5, 6, 7], jnp.int32)
+    tree = drafter._tree(table, None, cache, root, root_logits, jnp.zeros((b, 4)), strategy)
+    assert tree.tokens.shape == tree.parents.shape == (b, strategy.num_nodes)
+    for i in range(b):
+        tokens, parents = _eagle2_by_hand(np.asarray(root_logits[i]), np.asarray(table), strategy.topk,
+                                          strategy.depth, strategy.num_nodes)
+        np.testing.assert_array_equal(tree.tokens[i], [int(root[i])] + tokens)
+        np.testing.assert_array_equal(tree.parents[i], [-1] + parents)
+        assert max(parents) > 0  # nodes below the first level
