@@ -325,8 +325,16 @@ def test_plot_arm_choices_writes_a_png(tmp_path):
         records.append({"step": step, **tuner_lib.report_metrics(report, previous)})
         previous = report
     path = tmp_path / "arms.png"
-    tuner_lib.plot_arm_choices(records, path)
+    figure = tuner_lib.plot_arm_choices(records, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 1000
+    # A panel per bucket, each arm's share of its pulls stacked to 1 (docs/tlt.md).
+    assert [ax.get_title() for ax in figure.axes] == ["1-2 active sequences", "3-4 active sequences",
+                                                      "5+ active sequences"]
+    assert [[t.get_text() for t in ax.get_legend().get_texts()] for ax in figure.axes] == [
+        ["eagle-d4", "eagle-d5-k3-t12", "plain"], ["ngram-d4-b2", "plain"], ["plain"]]
+    for ax in figure.axes:
+        top = ax.collections[-1].get_paths()[0].vertices[:, 1]
+        np.testing.assert_allclose(top.max(), 1.0)
     with pytest.raises(ValueError, match="No record has tuner"):
         tuner_lib.plot_arm_choices([{"step": 0, "loss": 1.0}], tmp_path / "none.png")

@@ -289,10 +289,10 @@ def report_metrics(report: Mapping[str, Any], previous: Mapping[str, Any] | None
 _ARM_PULLS = re.compile(r"tuner/b(\d+)/([^/]+)/pulls")
 
 
-def plot_arm_choices(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+def plot_arm_choices(records: Sequence[Mapping[str, Any]], path: str | os.PathLike):
     """Per bucket, each arm's share of the bucket's pulls at each RL step, stacked, from
     metrics rows holding `report_metrics` keys (`tuner/b{lower}/{arm}/pulls`, per step).
-    Writes a PNG; a step without pulls in a bucket shows as a gap."""
+    Writes a PNG (a step without pulls in a bucket shows as a gap); returns the figure."""
     arms: dict[int, list[str]] = {}  # bucket lower bound -> arm names, first seen first
     for r in records:
         for key in r:
@@ -321,3 +321,4 @@ def plot_arm_choices(records: Sequence[Mapping[str, Any]], path: str | os.PathLi
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     axes[-1].set_xlabel("step")
     figure.savefig(path, dpi=100)
+    return figure
