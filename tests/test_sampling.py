@@ -64,6 +64,13 @@ def test_filters_act_on_each_row_along_the_vocabulary():
             np.testing.assert_array_equal(batch[b], processed_logprobs(rows[b][None, None], params)[0, 0])
     assert np.argmax(np.asarray(processed_logprobs(jnp.array([0.1, 0.2, 3.0, 0.3]), SamplingParams(temperature=0))))\
         == 2
+    # A peaked row beside a flat one: top-p 0.7 keeps 2 tokens of the first (the third, at
+    # log 0.09, is out) and 12 of the second, whose cutoff (~log 1/19) lies below log 0.09.
+    peaked = np.log(np.array([0.6, 0.3, 0.09] + [0.01 / 13] * 13))
+    flat = np.log(np.linspace(1.0, 0.9, 16) / np.linspace(1.0, 0.9, 16).sum())
+    kept = np.isfinite(np.asarray(processed_logprobs(jnp.asarray(np.stack([peaked, flat]), jnp.float32),
+                                                     SamplingParams(top_p=0.7))))
+    assert kept.sum(1).tolist() == [2, 12]
     p = lambda **kw: np.exp(np.asarray(processed_logprobs(_logits(), SamplingParams(**kw))))[0]
     np.testing.assert_allclose(p(top_k=2, top_p=0.9), [2 / 3, 1 / 3, 0, 0], rtol=1e-6)
     np.testing.assert_allclose(p(top_k=1, min_p=0.1), [1, 0, 0, 0], rtol=1e-6)
