@@ -151,8 +151,7 @@ class _ScriptedEngine:
         assert len(prompt_ids) * num_samples == len(self.answers)
         ids = [np.asarray(self.tokenizer(a, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id],
                           np.int32) for a in self.answers]
-        r = _rollouts(np.repeat(np.arange(len(prompt_ids)), num_samples), ids, [np.zeros(len(t)) for t in ids])
-        return r
+        return _rollouts(np.repeat(np.arange(len(prompt_ids)), num_samples), ids, [np.zeros(len(t)) for t in ids])
 
 
 def test_evaluation_counts_the_correct_answers(tmp_path):

@@ -1,12 +1,17 @@
-"""SFT: packing layout and a trainer that learns."""
+"""SFT: packing layout, a trainer that learns, exact resume, and the RL run's warm start."""
 import jax
 import numpy as np
 import pytest
 
-from tlt_jax import sharding
+from configs import rl as rl_configs
+from configs import sft as sft_configs
+from tlt_jax import metrics, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.hf_io import load_hf
+from tlt_jax.rl import sft as sft_lib
 from tlt_jax.rl import tasks
+from tlt_jax.rl import train as rl_train
 from tlt_jax.rl.sft import SFTTrainer, pack_examples
 from tlt_jax.train_state import OptimizerConfig
 
@@ -55,8 +60,6 @@ def test_trainer_fits_a_batch(tokenizer):
 
 
 def _tiny_sft_config(run_dir, steps):
-    from configs import sft as sft_configs
-
     c = sft_configs.get_config("tiny")
     c.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
     c.data.update(tasks={"addition": {"weight": 1.0, "max_digits": 2}}, num_train=64, num_eval=4, seq_len=48)
@@ -68,8 +71,6 @@ def _tiny_sft_config(run_dir, steps):
 
 
 def _losses(run_dir):
-    from tlt_jax import metrics
-
     return {r["step"]: r["loss"] for r in metrics.read_metrics(str(run_dir / "metrics.jsonl"))}
 
 
@@ -77,11 +78,6 @@ def test_sft_run_resumes_exactly_and_rl_builds_its_warm_start_from_it(tmp_path, 
     """An RL run whose sft_dir points nowhere trains its SFT config (4 steps) into its run
     directory once, and loads it; the same SFT run stopped after 2 steps and run again to 4
     ends with the same losses and weights."""
-    from configs import rl as rl_configs
-    from tlt_jax.models.hf_io import load_hf
-    from tlt_jax.rl import sft as sft_lib
-    from tlt_jax.rl import train as rl_train
-
     config = rl_configs.get_config("tiny")
     config.update(sft_dir=str(tmp_path / "nowhere"), run_dir=str(tmp_path / "rl"))
     config.sft = _tiny_sft_config("", 4)
