@@ -289,10 +289,17 @@ def test_padding_rows_add_exactly_zero():
 
 
 def test_padded_rows_buckets():
-    # Below a micro-batch: multiples of lcm(granule, micro / 8); from there on of lcm(micro, granule).
-    cases = {(24, 64, 1): 24, (25, 64, 1): 32, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
-             (5, 2, 4): 8, (9, 48, 1): 12, (45, 48, 1): 48, (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8}
+    # Below a micro-batch: at least micro / 8 rows, then a multiple of lcm(granule, a quarter
+    # of rows' power of two); from there on of lcm(micro, granule).
+    cases = {(24, 64, 1): 24, (25, 64, 1): 28, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
+             (5, 2, 4): 8, (9, 64, 1): 10, (17, 64, 1): 20, (33, 64, 1): 40, (9, 48, 1): 10, (45, 48, 1): 48,
+             (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 12}
     assert {k: padded_rows(*k) for k in cases} == cases
+    for granule in (1, 2, 4):
+        padded = [padded_rows(rows, 64, granule) for rows in range(8, 64)]
+        assert all(p % granule == 0 and rows <= p < rows + max(rows / 4, granule)
+                   for rows, p in zip(range(8, 64), padded))
+        assert len(set(padded)) <= 13  # four shapes per doubling from 8 rows on, and 64
     learner = Learner(CFG, LearnerConfig(micro_batch_size=8), _mesh((2, 2, 2)))
     assert learner.minibatch_rows(3) == 4 and learner.minibatch_rows(9) == 16
 

@@ -104,13 +104,14 @@ def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_n
 
 def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
     """The rows a minibatch of `rows` packed rows is padded to (its compiled shape). Below
-    one micro-batch: a multiple of lcm(granule, ceil(micro_batch_size / 8)) (at most 8
-    shapes, less than an eighth of a micro-batch of padding); from there on a multiple of
-    lcm(micro_batch_size, granule). granule is the data-parallel size, so rows shard
-    evenly; the few rows of a small RL step neither pay a whole micro-batch of padding nor
-    recompile at every step."""
+    one micro-batch: at least ceil(micro_batch_size / 8) rows (the few rows of a small RL
+    step share one shape), rounded up to a multiple of lcm(granule, 2^(floor(log2 rows) - 2)):
+    padding under a quarter of the rows, at most four shapes per doubling. From one
+    micro-batch on, a multiple of lcm(micro_batch_size, granule). granule is the
+    data-parallel size, so rows shard evenly."""
     if rows < micro_batch_size:
-        step = math.lcm(granule, -(-micro_batch_size // 8))
+        rows = max(rows, -(-micro_batch_size // 8))
+        step = math.lcm(granule, 1 << max(0, rows.bit_length() - 3))
         small = -(-rows // step) * step
         if small < micro_batch_size:
             return small
