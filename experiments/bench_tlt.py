@@ -28,9 +28,7 @@ the second mode finds the first mode's programs compiled, which flatters it.
 The speed-ups pair the same steps of the two modes (the same prompts): `rollout_speedup` and
 `step_speedup` are the medians over the timed steps of baseline / TLT per step;
 `*_speedup_total` the ratio of the summed times; `*_speedup_of_medians` the ratio of each
-mode's median time, which compares unlike steps: step times are spread over light and heavy
-steps (the packed rows the longest answers need), with a gap between them that either
-mode's median may sit beside.
+mode's median time, which can compare unlike steps (`paired_speedups` says why).
 """
 import ast
 import os
