@@ -201,6 +201,7 @@ def _inputs(case):
 def _objective(case, blocks=None):
     import jax
     import jax.numpy as jnp
+
     from tlt_jax import losses
 
     impl, opts = parse_impl(case["impl"])
@@ -234,6 +235,7 @@ def run_check(case):
     tail=True, scalar "mean" and a random per-token cotangent), on this backend."""
     import jax
     import jax.numpy as jnp
+
     from tlt_jax import losses
 
     h, w, ids, logp, cot = _inputs(case)
@@ -245,7 +247,7 @@ def run_check(case):
         ref = None
         for impl in case["impl"].split(","):
 
-            def objective(h, w, impl=impl):
+            def objective(h, w, impl=impl, mode=mode):
                 loss = losses.linear_topk_kl(
                     h, w, ids, logp, tail=True, impl=impl, reduction="mean" if mode == "mean" else "none"
                 )

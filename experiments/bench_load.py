@@ -159,7 +159,8 @@ def long_run(steps: int, run_dir: str, warmup: int = 20, seed: int = 0, prompts:
                             "metrics_file_bytes": os.path.getsize(writer.path)})
     return {"steps": steps, "seconds": time.perf_counter() - t0, "warmup_steps": warmup,
             "buffer_max_bytes": max_bytes, "buffer_keep_steps": keep_steps,
-            "buffer_rows": growth(samples, "buffer_rows", warmup), "buffer_bytes": growth(samples, "buffer_bytes", warmup),
+            "buffer_rows": growth(samples, "buffer_rows", warmup),
+            "buffer_bytes": growth(samples, "buffer_bytes", warmup),
             "rss": growth(samples, "rss", warmup),
             "metrics_file_bytes_per_step": samples[-1]["metrics_file_bytes"] / steps if steps else 0.0,
             "samples": samples}
@@ -167,8 +168,9 @@ def long_run(steps: int, run_dir: str, warmup: int = 20, seed: int = 0, prompts:
 
 def _table(engine: dict, run: dict) -> str:
     mib = lambda x: f"{x / MiB:8.1f}"
-    lines = [f"rollout engine: {engine['requests']} requests in {engine['calls']} generate calls, {engine['seconds']:.1f} s "
-             f"({engine['seconds_per_call_after_warmup'] * 1e3:.0f} ms a call after {engine['warmup_calls']} warm-up calls); "
+    lines = [f"rollout engine: {engine['requests']} requests in {engine['calls']} generate calls, "
+             f"{engine['seconds']:.1f} s ({engine['seconds_per_call_after_warmup'] * 1e3:.0f} ms a call after "
+             f"{engine['warmup_calls']} warm-up calls); "
              f"answer lengths {engine['answer_length']['min']}..{engine['answer_length']['max']} "
              f"(median {engine['answer_length']['p50']:.0f})",
              f"{'':28s}{'after warm-up':>14s}{'end':>10s}{'max':>10s}{'growth':>10s}",
@@ -177,8 +179,8 @@ def _table(engine: dict, run: dict) -> str:
              f"{'host Python heap (MiB)':28s}{mib(engine['python_heap']['after_warmup']):>14s}"
              f"{mib(engine['python_heap']['end']):>10s}{mib(engine['python_heap']['max']):>10s}"
              f"{mib(engine['python_heap']['growth']):>10s}",
-             f"{'live device arrays':28s}{engine['live_arrays']['after_warmup']:14.0f}{engine['live_arrays']['end']:10.0f}"
-             f"{engine['live_arrays']['max']:10.0f}{engine['live_arrays']['growth']:10.0f}",
+             f"{'live device arrays':28s}{engine['live_arrays']['after_warmup']:14.0f}"
+             f"{engine['live_arrays']['end']:10.0f}{engine['live_arrays']['max']:10.0f}{engine['live_arrays']['growth']:10.0f}",
              f"{'live device bytes (MiB)':28s}{mib(engine['live_array_bytes']['after_warmup']):>14s}"
              f"{mib(engine['live_array_bytes']['end']):>10s}{mib(engine['live_array_bytes']['max']):>10s}"
              f"{mib(engine['live_array_bytes']['growth']):>10s}",
@@ -187,8 +189,8 @@ def _table(engine: dict, run: dict) -> str:
              f"{'':28s}{'after warm-up':>14s}{'end':>10s}{'max':>10s}{'growth':>10s}",
              f"{'buffer rows':28s}{run['buffer_rows']['after_warmup']:14.0f}{run['buffer_rows']['end']:10.0f}"
              f"{run['buffer_rows']['max']:10.0f}{run['buffer_rows']['growth']:10.0f}",
-             f"{'buffer (MiB)':28s}{mib(run['buffer_bytes']['after_warmup']):>14s}{mib(run['buffer_bytes']['end']):>10s}"
-             f"{mib(run['buffer_bytes']['max']):>10s}{mib(run['buffer_bytes']['growth']):>10s}",
+             f"{'buffer (MiB)':28s}{mib(run['buffer_bytes']['after_warmup']):>14s}"
+             f"{mib(run['buffer_bytes']['end']):>10s}{mib(run['buffer_bytes']['max']):>10s}{mib(run['buffer_bytes']['growth']):>10s}",
              f"{'host RSS (MiB)':28s}{mib(run['rss']['after_warmup']):>14s}{mib(run['rss']['end']):>10s}"
              f"{mib(run['rss']['max']):>10s}{mib(run['rss']['growth']):>10s}",
              f"metrics.jsonl: {run['metrics_file_bytes_per_step']:.0f} bytes a step (on disk, by design)"]

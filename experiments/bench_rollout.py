@@ -41,7 +41,8 @@ _HF_BATCHES = flags.DEFINE_list("hf_batches", None, "Batch sizes at which transf
 LAYOUTS = {"fused": dict(per_layer_weights=True, fused_projections=True),
            "per_layer": dict(per_layer_weights=True, fused_projections=False),
            "stacked": dict(per_layer_weights=False, fused_projections=False)}
-_LAYOUTS = flags.DEFINE_list("layouts", ["fused", "per_layer", "stacked"], f"Decode weight layouts to time: {list(LAYOUTS)}.")
+_LAYOUTS = flags.DEFINE_list("layouts", ["fused", "per_layer", "stacked"],
+                             f"Decode weight layouts to time: {list(LAYOUTS)}.")
 
 PRESETS = {
     "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
@@ -172,10 +173,12 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(result)
-    header = f"{'model':14} {'batch':>5} {'layout':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}"
+    header = (f"{'model':14} {'batch':>5} {'layout':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} "
+              f"{'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}")
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
     for r in rows:
-        print(f"{r['model']:14} {r['batch']:5d} {r['layout']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {r['roofline_step_ms']:8.3f} "
+        print(f"{r['model']:14} {r['batch']:5d} {r['layout']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} "
+              f"{r['roofline_step_ms']:8.3f} "
               f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
               f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
 

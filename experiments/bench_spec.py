@@ -22,10 +22,10 @@ import jax
 from absl import flags
 
 from configs import sft as sft_configs
-from tlt_jax import launch, metrics, sampling, sharding
+from tlt_jax import evaluation, launch, metrics, sampling, sharding
+from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import evaluation, tasks
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
 from tlt_jax.tokenizer import load_tokenizer

@@ -41,8 +41,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from configs import rl as rl_configs
-from tlt_jax import launch, metrics
-from tlt_jax.distill import teacher_cache as tc
+from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.hf_io import load_hf, save_hf
@@ -95,7 +94,7 @@ def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
     from configs import drafter as drafter_configs
     from configs import sft as sft_configs
     from tlt_jax.drafter_training.trainer import train_drafter
-    from tlt_jax.rl.sft import train_sft
+    from tlt_jax.sft import train_sft
 
     sft_config = sft_configs.get_config(name)
     sft_config.run_dir = os.path.join(cache_dir, f"sft_{name}")
@@ -127,7 +126,7 @@ def build_target(layers: int, cache_dir: str, warm_start: str = "assets") -> tup
         # The drafter reads the final hidden state, which the appended layers leave as it
         # was: re-exported for the deeper target.
         dcfg, dparams = drafter_io.load_drafter(sft_drafter_dir)
-        drafter_io.save_drafter(drafter_dir, dparams, dcfg, cfg, tc.fingerprint_arrays(params))
+        drafter_io.save_drafter(drafter_dir, dparams, dcfg, cfg, fingerprint.fingerprint_arrays(params))
     return target_dir, drafter_dir
 
 

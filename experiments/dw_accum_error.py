@@ -46,11 +46,12 @@ def main(argv):
     def rel_error(dw):
         return float(np.linalg.norm(np.asarray(dw, np.float64) - exact) / np.linalg.norm(exact))
 
-    rows = [dict(accumulator="exact, rounded to bf16 once", blocks=None, rel_error=rel_error(exact.astype(jnp.bfloat16)))]
+    rows = [dict(accumulator="exact, rounded to bf16 once", blocks=None,
+                 rel_error=rel_error(exact.astype(jnp.bfloat16)))]
     for tokens in map(int, _TOKENS.value):
         for accum in ("float32", "param"):
             blocks = BlockSizes(tokens=tokens, dw_accum=accum)
-            grad = jax.jit(jax.grad(lambda w_: losses.linear_topk_kl(h, w_, ids, logp, reduction="mean",
+            grad = jax.jit(jax.grad(lambda w_, blocks=blocks: losses.linear_topk_kl(h, w_, ids, logp, reduction="mean",
                                                                      impl="chunked_xla", block_sizes=blocks)))
             rows.append(dict(accumulator=accum, tokens=tokens, blocks=-(-n // tokens), rel_error=rel_error(grad(w))))
     print(f"N={n} D={d} V={v} K={k}, bf16 h and w; relative L2 error of dW against float64")

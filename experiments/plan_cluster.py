@@ -331,7 +331,8 @@ def print_report(rows, hw: Hardware, workload: Workload):
           f"old-logp, learner: FLOPs at {hw.mfu:.0%} of {hw.peak_flops / 1e12:g} TFLOP/s (learner 4 forwards: remat); "
           f"sync: device-local copy of the weights at {hw.copy_bytes_s / 1e9:g} GB/s; drafter data: to every host at "
           f"{hw.node_bytes_s / 1e9:g} GB/s per node; drafter window: a group's mean idle time while "
-          f"the slowest decodes (the spot trainer's, on process 0's groups); step: rollout + old-logp + learner + sync (no reward scoring); x: plain step / TLT step "
+          f"the slowest decodes (the spot trainer's, on process 0's groups); "
+          f"step: rollout + old-logp + learner + sync (no reward scoring); x: plain step / TLT step "
           f"(paper: {PAPER_END_TO_END[0]}-{PAPER_END_TO_END[1]}x, rollout ~{PAPER_ROLLOUT_SHARE:.0%} of the step)")
 
 

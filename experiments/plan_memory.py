@@ -296,8 +296,8 @@ def _gb(x: float) -> str:
 
 
 def print_table(rows):
-    cols = ("preset", "step", "mesh", "seq_len", "attention", "micro-batch", "tokens", "args GB", "temp GB", "out GB", "total GB",
-            "GB at unit", "compiles")
+    cols = ("preset", "step", "mesh", "seq_len", "attention", "micro-batch", "tokens", "args GB", "temp GB", "out GB",
+            "total GB", "GB at unit", "compiles")
     lines = []
     for r in rows:
         none = r["micro_batch"] is None

@@ -12,7 +12,7 @@ import json
 from ml_collections import config_flags
 
 from tlt_jax import launch, metrics
-from tlt_jax.rl.sft import train_sft
+from tlt_jax.sft import train_sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft.py:tiny", "SFT config file:preset; override any "
                                           "field with --config.<field>=<value>.")

@@ -26,7 +26,8 @@ def main(argv):
     launch.check_checkpoint_dir(config.target_dir, "--config.target_dir")
     launch.prepare_run_dir(config.run_dir, config)
     result = train_drafter(config)
-    line = f"Drafter after {result['steps']} steps: eval top-1 agreement with the target {result['eval_top1_agree']:.3f}"
+    line = (f"Drafter after {result['steps']} steps: eval top-1 agreement with the target "
+            f"{result['eval_top1_agree']:.3f}")
     if "acceptance" in result:
         line += f", acceptance length {result['acceptance']['acceptance_length']:.2f} in speculative rollouts"
     metrics.report(line + f"; the export is {config.run_dir}/drafter")

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from tlt_jax import fingerprint
 from tlt_jax.distill import teacher_cache as tc
 
 NUM_SEQ, SEQ_LEN, TOP_K, VOCAB = 20, 6, 4, 32
@@ -33,7 +34,7 @@ def fake_teacher(tokens_BT: np.ndarray, k: int = TOP_K,
 def make_meta(tokens_NT: np.ndarray, logp_dtype: str = "bfloat16", **overrides) -> tc.CacheMeta:
     fields = dict(teacher_fingerprint="sha256:fake-teacher",
                   tokenizer_fingerprint="sha256:fake-tokenizer",
-                  dataset_fingerprint=tc.fingerprint_tokens(tokens_NT),
+                  dataset_fingerprint=fingerprint.fingerprint_tokens(tokens_NT),
                   top_k=TOP_K, temperature=1.0, logp_dtype=logp_dtype)
     fields.update(overrides)
     return tc.CacheMeta(**fields)

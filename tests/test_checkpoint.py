@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tests import _checkpoint_worker as worker
 from tlt_jax.checkpoint import MANIFEST_NAME, Checkpointer, CheckpointIntegrityError

@@ -10,12 +10,12 @@ import pytest
 from configs import distill as distill_config
 from configs import models
 from tlt_jax import metrics
+from tlt_jax.data import tasks
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.distill import train
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
 from tlt_jax.models.hf_io import save_hf
-from tlt_jax.rl import tasks
 
 STEPS = 4
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from tlt_jax import checkpoint, sharding
+from tlt_jax.data import tasks
+from tlt_jax.data.packing import pack_examples, pack_spans
 from tlt_jax.drafter_training import trainer as dt
-from tlt_jax.drafter_training.buffer import DrafterBuffer, pack_spans
+from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rl import tasks
-from tlt_jax.rl.sft import pack_examples
 from tlt_jax.train_state import OptimizerConfig
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,

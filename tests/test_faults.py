@@ -21,9 +21,9 @@ from tests import _teacher_cache_writer as fake
 from tests.test_rl_train import OVERRIDES, _learning_records
 from tests.test_tlt import TLT
 from tlt_jax import checkpoint, faults, metrics
+from tlt_jax.data import rewards
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import rewards
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The shipped SFT checkpoint: its answers earn reward with spread within a group, so the
@@ -70,7 +70,7 @@ import json, pickle, sys
 from tests import _rewards
 from tests.test_faults import _spy
 from tests.test_rl_train import _config
-from tlt_jax.rl import rewards
+from tlt_jax.data import rewards
 from tlt_jax.rl.loop import RLLoop
 from tlt_jax.rl.train import train_rl
 run_dir, overrides, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]

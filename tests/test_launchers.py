@@ -168,8 +168,8 @@ def test_train_drafter_writes_a_loadable_drafter_and_resumes_exactly(tmp_path):
         return subprocess.Popen(
             [sys.executable, "-m", "experiments.train_drafter", "--config=configs/drafter.py:tiny",
              f"--config.run_dir={run_dir}", f"--config.steps={steps}", "--config.data.num_train=64",
-             "--config.data.num_eval=8", "--config.batch_size=8", "--config.eval_every=2", "--config.checkpoint_every=2",
-             "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0"],
+             "--config.data.num_eval=8", "--config.batch_size=8", "--config.eval_every=2",
+             "--config.checkpoint_every=2", "--config.eval_batch_size=8", "--config.acceptance.num_prompts=0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     uninterrupted = train_drafter(tmp_path / "full", 4)
@@ -187,7 +187,8 @@ def test_train_drafter_writes_a_loadable_drafter_and_resumes_exactly(tmp_path):
     resumed = train_drafter(tmp_path, 4)
     for proc in (resumed, uninterrupted):
         assert proc.wait(timeout=300) == 0, proc.communicate()[1]
-    losses = lambda run_dir: {r["step"]: r["loss"] for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+    losses = lambda run_dir: {r["step"]: r["loss"]
+                              for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
     assert losses(tmp_path) == losses(tmp_path / "full") and sorted(losses(tmp_path)) == [1, 2, 3, 4]
     _, a = load_drafter(tmp_path / "drafter")
     _, b = load_drafter(tmp_path / "full" / "drafter")

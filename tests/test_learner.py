@@ -11,10 +11,11 @@ import pytest
 from tlt_jax import sharding
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.online import OnlineDrafter
+from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import grpo, loop
-from tlt_jax.rl.learner import Learner, LearnerConfig, padded_rows, token_logprobs
+from tlt_jax.rl.learner import Learner, LearnerConfig, padded_rows
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 from tlt_jax.train_state import OptimizerConfig
@@ -261,8 +262,9 @@ def test_update_applies_the_full_batch_gradient_whatever_the_split_and_mesh():
         np.testing.assert_allclose(metrics[0]["loss"], float(want_loss), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(metrics[0]["grad_norm"], want_norm, rtol=1e-5)
         got = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
-        jax.tree_util.tree_map_with_path(lambda path, g, w: np.testing.assert_allclose(
-            g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{shape} x{count} {path}"), got, want)
+        where = f"{shape} x{count}"
+        jax.tree_util.tree_map_with_path(lambda path, g, w, where=where: np.testing.assert_allclose(
+            g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{where} {path}"), got, want)
 
 
 def test_padding_rows_add_exactly_zero():

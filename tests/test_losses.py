@@ -130,8 +130,8 @@ def test_param_dtype_dw_accumulation_bf16():
     grad = jax.jit(
         jax.grad(
             lambda h, w, accum: losses.linear_topk_kl(
-                h, w, ids, logp, reduction="sum", impl="chunked_xla", block_sizes={"tokens": 8, "vocab": 64, "dw_accum": accum}
-            ),
+                h, w, ids, logp, reduction="sum", impl="chunked_xla",
+                block_sizes={"tokens": 8, "vocab": 64, "dw_accum": accum}),
             argnums=(0, 1),
         ),
         static_argnums=2,
@@ -306,12 +306,14 @@ def test_no_implementation_but_dense_materialises_the_logits():
     n, d, v, k = 16384, 32, 2048, 8
     f32, i32 = jnp.float32, jnp.int32
     h, w = jax.ShapeDtypeStruct((n, d), f32), jax.ShapeDtypeStruct((d, v), f32)
-    ids, logp, targets = jax.ShapeDtypeStruct((n, k), i32), jax.ShapeDtypeStruct((n, k), f32), jax.ShapeDtypeStruct((n,), i32)
+    ids, logp = jax.ShapeDtypeStruct((n, k), i32), jax.ShapeDtypeStruct((n, k), f32)
+    targets = jax.ShapeDtypeStruct((n,), i32)
     grad = lambda loss: jax.grad(loss, argnums=(0, 1))
     cases = {
-        "topk_kl": (lambda impl: grad(lambda h, w, i, p: losses.linear_topk_kl(h, w, i, p, reduction="mean", impl=impl)),
-                    (h, w, ids, logp)),
-        "logprob": (lambda impl: grad(lambda h, w, t: losses.linear_logprob(h, w, t, impl=impl).sum()), (h, w, targets)),
+        "topk_kl": (lambda impl: grad(
+            lambda h, w, i, p: losses.linear_topk_kl(h, w, i, p, reduction="mean", impl=impl)), (h, w, ids, logp)),
+        "logprob": (lambda impl: grad(
+            lambda h, w, t: losses.linear_logprob(h, w, t, impl=impl).sum()), (h, w, targets)),
         "logprob_entropy": (lambda impl: grad(lambda h, w, t: sum(
             x.sum() for x in losses.linear_logprob(h, w, t, with_entropy=True, impl=impl))), (h, w, targets)),
     }

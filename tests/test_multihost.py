@@ -58,7 +58,7 @@ def _finish(*groups: list[subprocess.Popen], timeout: float = 1200,
 
 
 def _check_ok(results):
-    for rc, out, err in results:
+    for rc, _, err in results:
         assert rc == 0, err[-4000:]
 
 

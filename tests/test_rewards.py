@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tlt_jax.rl import rewards, tasks
+from tlt_jax.data import rewards, tasks
 
 
 @pytest.fixture(scope="module")

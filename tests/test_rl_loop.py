@@ -4,8 +4,10 @@ scoring in a process pool."""
 import numpy as np
 import pytest
 
-from tlt_jax.drafter_training import buffer
-from tlt_jax.rl import evaluation, loop, rewards, tasks
+from tlt_jax import evaluation
+from tlt_jax.data import rewards, tasks
+from tlt_jax.data.packing import pack_spans
+from tlt_jax.rl import loop
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 
@@ -51,7 +53,7 @@ def test_build_batch_packs_samples_with_their_own_positions_segments_and_advanta
 
 
 def test_unpack_samples_inverts_the_packing():
-    packing = buffer.pack_spans([3, 4, 2, 5], seq_len=7)  # rows [3 + 4], [2 + 5]
+    packing = pack_spans([3, 4, 2, 5], seq_len=7)  # rows [3 + 4], [2 + 5]
     values = [np.arange(n) + 10 * i for i, n in enumerate(packing.lengths_N)]
     packed = packing.scatter(values, np.int32)
     got = loop.unpack_samples(packing, packed, width=6, fill=-1)
@@ -129,7 +131,7 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
         logits = tfm.logits_from_hidden(params, cfg, h)[0, len(prompt) - 1:-1]
         plain = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
         processed = sampling.processed_logprobs(logits, sp)
-        pick = lambda lp: np.asarray(jnp.take_along_axis(lp, jnp.asarray(answer)[:, None], 1)[:, 0])
+        pick = lambda lp, answer=answer: np.asarray(jnp.take_along_axis(lp, jnp.asarray(answer)[:, None], 1)[:, 0])
         gaps.append(np.abs(pick(plain) - pick(processed)))
         engine_errors.append(np.abs(pick(processed) - rollouts.logprobs[i]))
     assert max(e.max() for e in engine_errors) < 1e-4  # the engine's log-probs are the processed ones

@@ -12,10 +12,10 @@ import pytest
 
 from configs import rl
 from tlt_jax import checkpoint, metrics
+from tlt_jax.data import rewards, tasks
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import save_hf
-from tlt_jax.rl import rewards, tasks
 from tlt_jax.rl.loop import RLLoop, TooManyNonFiniteSteps
 from tlt_jax.rl.train import learning_metrics, train_rl
 
@@ -75,7 +75,7 @@ _KILLED_RUN = """
 from experiments import train_rl
 from tests.test_rl_train import _length_reward
 from tlt_jax import launch
-from tlt_jax.rl import rewards
+from tlt_jax.data import rewards
 rewards.REWARDS["length"] = _length_reward
 launch.run(train_rl.main)
 """

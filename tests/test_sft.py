@@ -6,13 +6,14 @@ import pytest
 from configs import rl as rl_configs
 from configs import sft as sft_configs
 from tlt_jax import metrics, sharding
+from tlt_jax import sft as sft_lib
+from tlt_jax.data import tasks
+from tlt_jax.data.packing import pack_examples
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import sft as sft_lib
-from tlt_jax.rl import tasks
 from tlt_jax.rl import train as rl_train
-from tlt_jax.rl.sft import SFTTrainer, pack_examples
+from tlt_jax.sft import SFTTrainer
 from tlt_jax.train_state import OptimizerConfig
 
 

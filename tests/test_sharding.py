@@ -23,11 +23,11 @@ def test_forward_equal_across_meshes(shape):
     ref = tfm.forward(params, CFG, tokens)
     devices = jax.devices()[: int(np.prod(shape))]
     mesh = sharding.make_mesh(dict(zip(sharding.MESH_AXES, shape)), devices)
-    p_sh = sharding.param_shardings(CFG, params, mesh)
+    p_sh = tfm.param_shardings(CFG, params, mesh)
     x_sh = sharding.batch_sharding(mesh, 2)
     fwd = sharding.jit_sharded(lambda p, t: tfm.forward(p, CFG, t), in_shardings=(p_sh, x_sh),
                                out_shardings=sharding.batch_sharding(mesh, 3))
-    placed = sharding.shard_params(CFG, params, mesh)
+    placed = tfm.shard_params(CFG, params, mesh)
     out = fwd(placed, jax.device_put(tokens, x_sh))
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
     if shape == (1, 2, 4):

@@ -156,9 +156,10 @@ def test_trained_drafter_reaches_its_acceptance_through_the_engine():
     (3.6 on these 8 held-out prompts x 2; docs/benchmarks.md: ~4 on 32): the features
     the engine feeds it at every step are the ones it was trained on."""
     from configs import sft as sft_configs
+    from tlt_jax import evaluation
+    from tlt_jax.data import tasks
     from tlt_jax.drafter_training.io import load_drafter
     from tlt_jax.models.hf_io import load_hf
-    from tlt_jax.rl import evaluation, tasks
     from tlt_jax.tokenizer import load_tokenizer
 
     target = os.path.join(ASSETS, "sft_tiny")

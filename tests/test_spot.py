@@ -366,7 +366,7 @@ def _run_rollouts(spot, num_groups: int, rl_steps: int, finish_s):
         opened = {}
         t0 = time.perf_counter()
 
-        def group(g):
+        def group(g, t0=t0, opened=opened):
             time.sleep(max(0.0, t0 + finish_s(g) - time.perf_counter()))
             with lock:
                 opened[g] = time.perf_counter()
@@ -423,7 +423,8 @@ def test_preemption_with_jax_steps_on_device_groups():
     its group's devices (group 0's in host phases) and blocks until it is done."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = jax.devices()
     assert len(devices) == 8, "tests/conftest.py sets 8 simulated CPU devices"

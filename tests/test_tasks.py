@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from tlt_jax.rl import tasks
+from tlt_jax.data import tasks
 
 NUM_SAMPLES = 300
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests import _teacher_cache_writer as fake
+from tlt_jax import fingerprint, losses
 from tlt_jax.distill import teacher_cache as tc
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -278,7 +279,7 @@ def test_topk_from_logits_matches_reference():
     rng = np.random.default_rng(0)
     logits_BTV = rng.normal(size=(2, 5, 50)).astype(np.float32) * 3
     temperature = 0.6
-    ids, logp = jax.jit(tc.topk_from_logits, static_argnums=(1, 2))(
+    ids, logp = jax.jit(losses.topk_from_logits, static_argnums=(1, 2))(
         logits_BTV.astype(ml_dtypes.bfloat16), 7, temperature)
     scaled = logits_BTV.astype(ml_dtypes.bfloat16).astype(np.float64) / temperature
     ref_logp_BTV = scaled - np.log(np.exp(scaled).sum(-1, keepdims=True))
@@ -291,33 +292,33 @@ def test_topk_from_logits_matches_reference():
 
 def test_fingerprints(tmp_path):
     params = {"b": np.arange(3, dtype=np.float32), "a": {"w": np.ones((2, 2), ml_dtypes.bfloat16)}}
-    fp = tc.fingerprint_arrays(params)
+    fp = fingerprint.fingerprint_arrays(params)
     assert fp.startswith("sha256:")
-    assert tc.fingerprint_arrays({"a": params["a"], "b": params["b"]}) == fp  # key order
-    assert tc.fingerprint_arrays({**params, "b": jax.numpy.asarray(params["b"])}) == fp
+    assert fingerprint.fingerprint_arrays({"a": params["a"], "b": params["b"]}) == fp  # key order
+    assert fingerprint.fingerprint_arrays({**params, "b": jax.numpy.asarray(params["b"])}) == fp
     changed = [
         {**params, "b": params["b"] + 1},  # value
         {**params, "b": params["b"].astype(np.float64)},  # dtype
         {**params, "b": params["b"].reshape(3, 1)},  # shape
         {"c": params["b"], "a": params["a"]},  # name
     ]
-    assert len({fp, *map(tc.fingerprint_arrays, changed)}) == 5
+    assert len({fp, *map(fingerprint.fingerprint_arrays, changed)}) == 5
 
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "vocab.json").write_text('{"a": 0}')
     (tok / "sub").mkdir()
     (tok / "sub" / "merges.txt").write_text("a b")
-    fp = tc.fingerprint_path(tok)
-    assert tc.fingerprint_path(tok) == fp
+    fp = fingerprint.fingerprint_path(tok)
+    assert fingerprint.fingerprint_path(tok) == fp
     (tok / "sub" / "merges.txt").write_text("a c")
-    assert tc.fingerprint_path(tok) != fp
-    assert tc.fingerprint_path(tok / "vocab.json") != tc.fingerprint_path(tok)
+    assert fingerprint.fingerprint_path(tok) != fp
+    assert fingerprint.fingerprint_path(tok / "vocab.json") != fingerprint.fingerprint_path(tok)
     with pytest.raises(FileNotFoundError):
-        tc.fingerprint_path(tmp_path / "absent")
+        fingerprint.fingerprint_path(tmp_path / "absent")
 
     tokens_NT = fake.make_tokens()
-    fp = tc.fingerprint_tokens(tokens_NT)
-    assert tc.fingerprint_tokens(tokens_NT.astype(np.int64), rows_per_block=3) == fp
-    assert tc.fingerprint_tokens(tokens_NT.reshape(10, -1)) != fp
-    assert tc.fingerprint_tokens(tokens_NT[::-1]) != fp
+    fp = fingerprint.fingerprint_tokens(tokens_NT)
+    assert fingerprint.fingerprint_tokens(tokens_NT.astype(np.int64), rows_per_block=3) == fp
+    assert fingerprint.fingerprint_tokens(tokens_NT.reshape(10, -1)) != fp
+    assert fingerprint.fingerprint_tokens(tokens_NT[::-1]) != fp

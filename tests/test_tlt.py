@@ -12,8 +12,8 @@ import pytest
 
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics
+from tlt_jax.data import rewards
 from tlt_jax.drafter_training.online import OnlineDrafter
-from tlt_jax.rl import rewards
 from tlt_jax.rl.train import train_rl
 from tlt_jax.rollout.engine import RolloutEngine
 

@@ -120,7 +120,8 @@ def test_decode_layouts_equal_the_stacked_one(params):
     prompt = _tokens(2, 5, seed=3)
     cache = tfm.init_cache(CFG, 2, 12)
     _, cache = tfm.prefill(params, CFG, cache, prompt, jnp.array([5, 3]))
-    tokens, mask = _tokens(2, 3, seed=4), jnp.asarray(np.tril(np.ones((3, 3), bool)) & [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+    tokens = _tokens(2, 3, seed=4)
+    mask = jnp.asarray(np.tril(np.ones((3, 3), bool)) & [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
     positions = cache.lengths[:, None] + jnp.array([[0, 1, 1]])
     per_layer = tfm.unstack_layers(params)
     assert len(per_layer["layers"]) == CFG.num_layers and tfm.unstack_layers(per_layer) is per_layer

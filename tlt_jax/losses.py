@@ -394,3 +394,22 @@ def linear_logprob_topk(
                          with_ez=True, blocks=_as_blocks(block_sizes), top_k=k)
     logp_N, entropy_N = _logprob_outputs(stats, valid_N, True)
     return logp_N, entropy_N, stats.top_ids.astype(jnp.int32), stats.top_z - stats.lse[:, None]
+
+
+def topk_from_logits(logits_BTV, k: int, temperature: float = 1.0):
+    """Top-k ids and full-vocabulary log-probs at them, from teacher logits.
+
+    Args:
+      logits_BTV: teacher logits [B, T, V], any float dtype (computed in f32).
+      k: number of ids kept per position (static under jit).
+      temperature: > 0; log-probs are log_softmax(logits / temperature).
+    Returns:
+      ids_BTK int32, most likely first; logp_BTK f32, the log-probs of those ids under the
+      full-vocabulary distribution (not renormalised over the top k).
+    """
+    scaled_BTV = logits_BTV.astype(jnp.float32) / temperature
+    # top_k of the logits equals top_k of the log-probs; subtracting the normaliser after
+    # the top_k avoids a second [B, T, V] array.
+    top_BTK, ids_BTK = jax.lax.top_k(scaled_BTV, k)
+    logp_BTK = top_BTK - jax.nn.logsumexp(scaled_BTV, axis=-1, keepdims=True)
+    return ids_BTK.astype(jnp.int32), logp_BTK

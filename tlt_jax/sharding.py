@@ -90,18 +90,6 @@ def _is_axis_names(node) -> bool:
     return isinstance(node, tuple) and all(name is None or isinstance(name, str) for name in node)
 
 
-def param_shardings(model_config, params_or_shapes, mesh: Mesh):
-    from tlt_jax.models import transformer as tfm
-    axes = tfm.param_logical_axes(model_config, per_layer=tfm.has_per_layer_weights(params_or_shapes),
-                                  fused=tfm.has_fused_projections(params_or_shapes))
-    return tree_shardings(axes, params_or_shapes, mesh)
-
-
-def shard_params(model_config, params, mesh: Mesh):
-    """Places a parameter tree on the mesh with its intended shardings."""
-    return jax.device_put(params, param_shardings(model_config, params, mesh))
-
-
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading axis over (data, fsdp), the rest replicated: how token batches travel."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))

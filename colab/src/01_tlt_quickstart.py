@@ -110,10 +110,10 @@ display(Image(filename=os.path.join(RUN_DIR, "tuner_arms.png")))
 # %%
 import numpy as np
 
-from tlt_jax import checkpoint, sampling, sharding
+from tlt_jax import checkpoint, evaluation, sampling, sharding
+from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import evaluation, tasks
 from tlt_jax.rollout import tuner as tuner_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.timeline import SpecChunk

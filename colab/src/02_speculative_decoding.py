@@ -52,10 +52,10 @@ import time
 import numpy as np
 
 from configs import sft as sft_configs
-from tlt_jax import sampling, sharding
+from tlt_jax import evaluation, sampling, sharding
+from tlt_jax.data import rewards, tasks
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import evaluation, rewards, tasks
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
 from tlt_jax.rollout.timeline import SpecChunk
@@ -80,8 +80,9 @@ examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()),
 prompts = evaluation.encode_prompts(tokenizer, examples)
 
 
-def timed_generate(speculation, key=jax.random.PRNGKey(0)):
+def timed_generate(speculation):
     """One answer per prompt; the first call compiles, the second is timed."""
+    key = jax.random.PRNGKey(0)
     engine.generate(prompts, 1, sp, key, speculation=speculation)
     t0 = time.perf_counter()
     out = engine.generate(prompts, 1, sp, key, speculation=speculation)

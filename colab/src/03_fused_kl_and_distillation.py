@@ -84,9 +84,10 @@ display(Image(filename=os.path.join(RUN_DIR, "distill_curves.png")))
 # %%
 import numpy as np
 
+from tlt_jax import fingerprint
+from tlt_jax.data import tasks
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.distill.train import packed_dataset
-from tlt_jax.rl import tasks
 from tlt_jax.tokenizer import load_tokenizer
 
 cache_path = os.path.join(RUN_DIR, "teacher_cache", "train")
@@ -99,7 +100,7 @@ tokenizer = load_tokenizer(config.teacher_dir)
 task = tasks.from_spec(config.data.tasks.to_dict())
 rows = packed_dataset(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
                       config.data.seq_len)
-assert tc.fingerprint_tokens(rows["tokens"]) == meta.dataset_fingerprint  # the cache was made from these rows
+assert fingerprint.fingerprint_tokens(rows["tokens"]) == meta.dataset_fingerprint  # the cache was made from these rows
 ids_NTK, logp_NTK = reader.read(np.arange(min(16, reader.num_sequences)))
 print("ids", ids_NTK.shape, ids_NTK.dtype, "| logp", logp_NTK.shape, logp_NTK.dtype)
 

@@ -55,7 +55,7 @@ import shutil
 import torch
 import transformers
 
-from tlt_jax.rl import tasks
+from tlt_jax.data import tasks
 
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 tokenizer = tasks.build_task_tokenizer(HF_DIR)  # writes tokenizer.json and tokenizer_config.json
@@ -125,8 +125,7 @@ plt.show()
 # prompts at temperature 1. A random model writes random characters, of course.
 
 # %%
-from tlt_jax import sampling, sharding
-from tlt_jax.rl import evaluation
+from tlt_jax import evaluation, sampling, sharding
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 
 mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
@@ -154,7 +153,8 @@ print(f"{len(rollouts)} answers of {rollouts.lengths.mean():.1f} tokens on avera
 # answer's log-probability has moved with its advantage.
 
 # %%
-from tlt_jax.rl import grpo, loop, rewards
+from tlt_jax.data import rewards
+from tlt_jax.rl import grpo, loop
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.train_state import OptimizerConfig
 

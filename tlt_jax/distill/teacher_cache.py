@@ -13,8 +13,8 @@ Two layers:
   a reader never takes a partly written shard for a complete one. The drafter data
   buffer reuses it with its own fields and metadata.
 * The teacher cache on top: `CacheMeta` (what the cache was made from),
-  `write_teacher_cache` (resumable writer), `TeacherCacheReader` (checked reader),
-  fingerprint helpers, and `topk_from_logits` to turn teacher logits into cache rows.
+  `write_teacher_cache` (resumable writer) and `TeacherCacheReader` (checked reader);
+  `losses.topk_from_logits` turns teacher logits into cache rows.
 
 On-disk layout of a store at `path`::
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -50,6 +49,7 @@ import tensorstore as ts
 from tqdm import auto as tqdm_auto
 
 from tlt_jax import faults
+from tlt_jax.fingerprint import fingerprint_tokens
 
 FORMAT_VERSION = 1  # of the teacher cache (its fields and their meaning)
 STORE_VERSION = 1  # of the generic store layout
@@ -74,93 +74,6 @@ class MetadataMismatchError(ValueError):
 
 class IncompleteStoreError(RuntimeError):
     """Some shards are not complete (the writer was interrupted or is still running)."""
-
-
-# ----------------------------------------------------------------------------------
-# Fingerprints
-# ----------------------------------------------------------------------------------
-
-
-def _update(h, *parts: bytes | str | int) -> None:
-    # Length-prefix every part so that distinct sequences of parts never hash alike.
-    for part in parts:
-        if isinstance(part, int):
-            part = str(part)
-        if isinstance(part, str):
-            part = part.encode()
-        h.update(len(part).to_bytes(8, "little"))
-        h.update(part)
-
-
-def _update_array(h, x: np.ndarray) -> None:
-    x = np.asarray(x)
-    if x.dtype.byteorder == ">":
-        x = x.astype(x.dtype.newbyteorder("<"))
-    _update(h, str(x.dtype), repr(x.shape))
-    h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data)
-
-
-def fingerprint_arrays(tree: Any) -> str:
-    """Deterministic hash of a pytree of arrays (e.g. a params dict), as "sha256:<hex>".
-
-    Covers each leaf's tree path, dtype, shape and bytes; independent of dict insertion
-    order. Leaves must be host-readable (numpy, or fully addressable jax arrays).
-    """
-    import jax  # here, not at the top: numpy-only writers stay jax-free
-
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        _update(h, jax.tree_util.keystr(path))
-        _update_array(h, np.asarray(leaf))
-    return "sha256:" + h.hexdigest()
-
-
-def fingerprint_path(path: str | os.PathLike) -> str:
-    """Hash of a file, or of every file under a directory (e.g. a tokenizer dir).
-
-    A directory's hash covers the relative paths and contents of its regular files in
-    sorted order, so it does not depend on listing order or timestamps.
-    """
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        files = [(os.path.basename(path), path)]
-    elif os.path.isdir(path):
-        files = sorted(
-            (os.path.relpath(os.path.join(root, name), path).replace(os.sep, "/"),
-             os.path.join(root, name))
-            for root, _, names in os.walk(path) for name in names)
-    else:
-        raise FileNotFoundError(f"cannot fingerprint {path!r}: no such file or directory")
-    h = hashlib.sha256()
-    for rel, full in files:
-        _update(h, rel, os.path.getsize(full))
-        with open(full, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
-def fingerprint_tokens(tokens_NT, rows_per_block: int = 4096) -> str:
-    """Hash of a token dataset [N sequences, T positions], as "sha256:<hex>".
-
-    Tokens are hashed as little-endian int32 (what the teacher sees), so int32 and int64
-    copies of one dataset agree. Reads `rows_per_block` rows at a time, so a memmap of any
-    size is fine.
-    """
-    num_rows, seq_len = _check_tokens(tokens_NT)
-    h = hashlib.sha256()
-    _update(h, "tokens_NT", num_rows, seq_len)
-    for start in range(0, num_rows, rows_per_block):
-        block = np.asarray(tokens_NT[start:start + rows_per_block])
-        h.update(np.ascontiguousarray(block, dtype="<i4").data)
-    return "sha256:" + h.hexdigest()
-
-
-def _check_tokens(tokens_NT) -> tuple[int, int]:
-    if len(tokens_NT.shape) != 2 or not np.issubdtype(tokens_NT.dtype, np.integer):
-        raise ValueError(
-            f"tokens_NT must be a 2-D integer array, got {tokens_NT.dtype}{tokens_NT.shape}")
-    return int(tokens_NT.shape[0]), int(tokens_NT.shape[1])
 
 
 # ----------------------------------------------------------------------------------
@@ -519,28 +432,6 @@ class CacheMeta:
 TeacherFn = Callable[[np.ndarray], tuple[Any, Any]]
 
 
-def topk_from_logits(logits_BTV, k: int, temperature: float = 1.0):
-    """Top-k ids and full-vocabulary log-probs at them, from teacher logits.
-
-    Args:
-      logits_BTV: teacher logits [B, T, V], any float dtype (computed in f32).
-      k: number of ids kept per position (static under jit).
-      temperature: > 0; log-probs are log_softmax(logits / temperature).
-    Returns:
-      ids_BTK int32, most likely first; logp_BTK f32, the log-probs of those ids under the
-      full-vocabulary distribution (not renormalised over the top k).
-    """
-    import jax  # here, not at the top: see the module docstring
-    import jax.numpy as jnp
-
-    scaled_BTV = logits_BTV.astype(jnp.float32) / temperature
-    # top_k of the logits equals top_k of the log-probs; subtracting the normaliser after
-    # the top_k avoids a second [B, T, V] array.
-    top_BTK, ids_BTK = jax.lax.top_k(scaled_BTV, k)
-    logp_BTK = top_BTK - jax.nn.logsumexp(scaled_BTV, axis=-1, keepdims=True)
-    return ids_BTK.astype(jnp.int32), logp_BTK
-
-
 def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherFn,
                         meta: CacheMeta, *, batch_size: int,
                         rows_per_shard: int | None = None,
@@ -570,10 +461,10 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
       faults.DiskFullError: the disk filled up; the shards completed so far stay valid
         and a rerun computes only the others.
     """
-    num_rows, seq_len = _check_tokens(tokens_NT)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    dataset_fingerprint = fingerprint_tokens(tokens_NT)
+    dataset_fingerprint = fingerprint_tokens(tokens_NT)  # checks tokens_NT is [N, T] integers
+    num_rows, seq_len = (int(n) for n in tokens_NT.shape)
     if meta.dataset_fingerprint != dataset_fingerprint:
         raise MetadataMismatchError(
             f"meta.dataset_fingerprint is {meta.dataset_fingerprint!r} but tokens_NT hashes "

@@ -40,16 +40,23 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, losses, metrics, sharding
+from tlt_jax import checkpoint, fingerprint, losses, metrics, sharding
+from tlt_jax.data import tasks
+from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
 from tlt_jax.models.hf_io import load_hf, save_hf
-from tlt_jax.rl import tasks
-from tlt_jax.rl.sft import batch_indices, pack_examples, padded_batches
 from tlt_jax.tokenizer import load_tokenizer
-from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
-                                 run_steps, state_shardings)
+from tlt_jax.train_state import (
+    OptimizerConfig,
+    TrainState,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+    run_steps,
+    state_shardings,
+)
 
 MODES = ("offline", "online")
 # Files that define a Hugging Face tokenizer; a checkpoint directory's weights are not hashed.
@@ -93,7 +100,7 @@ def tokenizer_fingerprint(path: str) -> str:
     files = [name for name in _TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
     if not files:
         raise FileNotFoundError(f"No tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, ...) in {path!r}.")
-    parts = "\n".join(f"{name}={tc.fingerprint_path(os.path.join(path, name))}" for name in files)
+    parts = "\n".join(f"{name}={fingerprint.fingerprint_path(os.path.join(path, name))}" for name in files)
     return "sha256:" + hashlib.sha256(parts.encode()).hexdigest()
 
 
@@ -110,12 +117,12 @@ def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
     def fn(params, tokens_BT):
         positions_BT, segment_ids_BT = packed_layout(tokens_BT, bos_id, pad_id)
         h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
-        ids_BTK, logp_BTK = tc.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
+        ids_BTK, logp_BTK = losses.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
         return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
 
     out_sh = sharding.batch_sharding(mesh, 3)
     jitted = sharding.jit_sharded(
-        fn, in_shardings=(sharding.param_shardings(model_cfg, params, mesh), sharding.batch_sharding(mesh, 2)),
+        fn, in_shardings=(tfm.param_shardings(model_cfg, params, mesh), sharding.batch_sharding(mesh, 2)),
         out_shardings=(out_sh, out_sh))
     return lambda tokens_BT: jitted(params, tokens_BT)
 
@@ -163,7 +170,7 @@ class DistillTrainer:
         return init_train_state(self.optimizer, params, self._param_shardings(params), self.mesh)
 
     def _param_shardings(self, params):
-        return sharding.param_shardings(self.model_config, params, self.mesh)
+        return tfm.param_shardings(self.model_config, params, self.mesh)
 
     def _batch_shardings(self, batch):
         return {k: sharding.batch_sharding(self.mesh, np.ndim(v)) for k, v in batch.items()}
@@ -263,11 +270,11 @@ def train_distill(config, *, progress: bool = True) -> dict:
             "eval": packed_dataset(tokenizer, tasks.make_split(task, "eval", config.data.num_eval, config.seed,
                                                                unique=True), config.data.seq_len)}
     split_k = {"train": top_k, "eval": eval_top_k}
-    teacher_fp = tc.fingerprint_arrays(teacher_params)
+    teacher_fp = fingerprint.fingerprint_arrays(teacher_params)
 
     @functools.cache
     def teacher(split) -> TeacherTopK:  # placed and compiled only if it runs: not for a complete cache
-        return make_teacher_topk(teacher_cfg, sharding.shard_params(teacher_cfg, teacher_params, mesh), mesh,
+        return make_teacher_topk(teacher_cfg, tfm.shard_params(teacher_cfg, teacher_params, mesh), mesh,
                                  k=split_k[split], temperature=config.temperature, logp_dtype=config.cache_dtype,
                                  bos_id=tokenizer.bos_token_id, pad_id=tokenizer.pad_token_id)
 
@@ -279,7 +286,7 @@ def train_distill(config, *, progress: bool = True) -> dict:
         readers = {}
         for split, k in split_k.items():
             meta = tc.CacheMeta(teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp,
-                                dataset_fingerprint=tc.fingerprint_tokens(rows[split]["tokens"]), top_k=k,
+                                dataset_fingerprint=fingerprint.fingerprint_tokens(rows[split]["tokens"]), top_k=k,
                                 temperature=config.temperature, logp_dtype=config.cache_dtype)
             readers[split], computed = open_or_build_cache(
                 os.path.join(cache_dir, split), rows[split]["tokens"],

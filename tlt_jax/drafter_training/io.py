@@ -29,7 +29,7 @@ def save_drafter(path: str | os.PathLike, drafter_params, drafter_config: drafte
     """Writes the drafter as export step `step` under `path` (collective under multi-host).
 
     target_fingerprint: of the target weights it was trained against
-    (`teacher_cache.fingerprint_arrays(target_params)`).
+    (`fingerprint.fingerprint_arrays(target_params)`).
     """
     drafter_lib.check_drafter_params(drafter_params, target_config, drafter_config)
     meta = {"format": FORMAT, "drafter_config": dataclasses.asdict(drafter_config),

@@ -31,9 +31,23 @@ from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rl.learner import DrafterData
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.train_state import OptimizerConfig, TrainState, state_shardings
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DrafterData:
+    """What the target's old-policy pass hands the online drafter, per position t of the
+    batch rows (T' = T-1: the positions that predict a next token). In packed rows each
+    sample's outputs are those of the sample alone, at each of its tokens but a last one
+    in a row's last column (no position of T'); drafter training never reads a sample's
+    last token's outputs."""
+
+    hidden: jax.Array  # [n, T', D] final-normed hidden state at t (the EAGLE feature)
+    ids: jax.Array  # [n, T', K] int32 top-K ids of the distribution of token t+1
+    logp: jax.Array  # [n, T', K] float32 their log-probs (at the learner's temperature)
+    layers: jax.Array | None  # [n, T', L, D] the drafter's feature layers' outputs (EAGLE-3), or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,20 +40,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tlt_jax import checkpoint, losses, metrics, sampling, sharding
-from tlt_jax.distill import teacher_cache as tc
+from tlt_jax import checkpoint, evaluation, fingerprint, losses, metrics, sampling, sharding
+from tlt_jax.data import tasks
+from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.drafter_training import io
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import load_hf
-from tlt_jax.rl import evaluation, tasks
-from tlt_jax.rl.sft import batch_indices, pack_examples, padded_batches
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import load_tokenizer
-from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step,
-                                 learning_rate_schedule, make_optimizer, run_steps, state_shardings)
+from tlt_jax.train_state import (
+    OptimizerConfig,
+    TrainState,
+    init_train_state,
+    jit_train_step,
+    learning_rate_schedule,
+    make_optimizer,
+    run_steps,
+    state_shardings,
+)
 
 ROW_FIELDS = ("tokens", "positions", "segment_ids", "mask")
 
@@ -66,7 +73,7 @@ def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temper
     """(ids_BTK int32, logp_BTK float32): top-k of the logits of hidden states, `block`
     positions at a time (0: all at once) so that only [B, block, V] logits ever exist."""
     def topk(h_xD):
-        return tc.topk_from_logits(tfm.logits_from_hidden(params, config, h_xD), k, temperature)
+        return losses.topk_from_logits(tfm.logits_from_hidden(params, config, h_xD), k, temperature)
 
     if not block or block >= h_BTD.shape[1]:
         return topk(h_BTD)
@@ -329,7 +336,7 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     with checkpoint.Checkpointer(drafter_dir) as exports:
         exported = config.steps in exports.all_steps()  # by an earlier run of a finished job
     if not exported:
-        io.save_drafter(drafter_dir, state.params, dcfg, target_cfg, tc.fingerprint_arrays(host_target),
+        io.save_drafter(drafter_dir, state.params, dcfg, target_cfg, fingerprint.fingerprint_arrays(host_target),
                         step=config.steps)
     records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
     metrics.plot_curves(records, ["loss", "kl", "feature_loss", "top1_agree", "eval_top1_agree", "grad_norm", "lr"],

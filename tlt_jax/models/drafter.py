@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 import jax
 import jax.numpy as jnp
 

@@ -4,7 +4,7 @@ A checkpoint is a directory with `config.json` and `model.safetensors` (or shard
 in `model.safetensors.index.json`), as `transformers` writes for LlamaForCausalLM and
 Qwen2ForCausalLM. Weights are read straight from the safetensors files with numpy
 (memory-mapped; no torch), so loading needs no accelerator and the caller places the
-host arrays on its mesh (`sharding.shard_params`).
+host arrays on its mesh (`transformer.shard_params`).
 
 HF linear weights are [out, in]; ours are [in, ...out] with heads split out:
     q_proj.weight [H*Dh, D] -> wq [D, H, Dh]     o_proj.weight [D, H*Dh] -> wo [H, Dh, D]
@@ -260,7 +260,7 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict]:
 
     Returns (config, params): params in our layout as host numpy arrays (bfloat16 via
     ml_dtypes) of `config.param_dtype`, i.e. `dtype` when given, else the checkpoint's
-    dtype. Place them on devices with `jax.device_put` / `sharding.shard_params`.
+    dtype. Place them on devices with `jax.device_put` / `transformer.shard_params`.
     """
     path = os.fspath(path)
     config_path = os.path.join(path, CONFIG_FILE)

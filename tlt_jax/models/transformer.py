@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tlt_jax import sharding
 from tlt_jax.models.attention import CausalMask, attention
 from tlt_jax.models.config import ModelConfig
 
@@ -105,7 +106,8 @@ def param_logical_axes(config: ModelConfig, per_layer: bool = False, fused: bool
     if fused:
         for name in ("wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv"):
             layers.pop(name, None)
-        layers.update(wqkv=("layers", "embed", "kv_heads", None, "head_dim"), w_gate_up=("layers", "embed", None, "mlp"))
+        layers.update(wqkv=("layers", "embed", "kv_heads", None, "head_dim"),
+                      w_gate_up=("layers", "embed", None, "mlp"))
         if config.qkv_bias:
             layers["bqkv"] = ("layers", "kv_heads", None, "head_dim")
     if per_layer:
@@ -143,7 +145,7 @@ def unstack_layers(params: Params) -> Params:
     if has_per_layer_weights(params):
         return params
     num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda x: x[i], params["layers"]) for i in range(num_layers))}
+    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(num_layers))}
 
 
 def fuse_projections(params: Params, config: ModelConfig) -> Params:
@@ -182,6 +184,19 @@ def has_fused_projections(params: Params) -> bool:
 
 def has_per_layer_weights(params: Params) -> bool:
     return isinstance(params["layers"], (tuple, list))
+
+
+def param_shardings(config: ModelConfig, params_or_shapes: Params, mesh) -> Params:
+    """NamedShardings of a parameter tree (arrays or ShapeDtypeStructs) in any of its
+    layouts (stacked or per-layer, fused or not), from the parameters' logical axes."""
+    axes = param_logical_axes(config, per_layer=has_per_layer_weights(params_or_shapes),
+                              fused=has_fused_projections(params_or_shapes))
+    return sharding.tree_shardings(axes, params_or_shapes, mesh)
+
+
+def shard_params(config: ModelConfig, params: Params, mesh) -> Params:
+    """Places a parameter tree on the mesh with its intended shardings."""
+    return jax.device_put(params, param_shardings(config, params, mesh))
 
 
 def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:

@@ -14,7 +14,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-
 # ----------------------------------------------------------------------------- advantages
 
 

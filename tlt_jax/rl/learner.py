@@ -29,12 +29,21 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from tlt_jax import losses, sharding
+from tlt_jax.drafter_training.online import DrafterData
+from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import grpo
-from tlt_jax.train_state import (OptimizerConfig, TrainState, apply_gradients, init_train_state, make_optimizer,
-                                 state_shardings)
+from tlt_jax.train_state import (
+    OptimizerConfig,
+    TrainState,
+    apply_gradients,
+    init_train_state,
+    make_optimizer,
+    state_shardings,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,39 +56,6 @@ class LearnerConfig:
     logprob_impl: str = "auto"
     attention_impl: str = "auto"  # `attention.attention`'s impl: "dense" forms [n, heads, T, T] scores
     grpo: grpo.GRPOConfig = grpo.GRPOConfig()
-
-
-def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=1.0, with_entropy=False,
-                   impl="auto", remat=False, positions_nT=None, segment_ids_nT=None, attention_impl="auto"):
-    """Log-prob of each next token, [n, T-1] float32 (and the entropy, with_entropy),
-    projected blockwise: no [n, T, V] logits exist. Packed rows pass positions and
-    segment ids (the last position of a segment then predicts the next one's first
-    token: callers mask it)."""
-    cut = lambda x: None if x is None else x[:, :-1]
-    h = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=cut(positions_nT),
-                    segment_ids_BT=cut(segment_ids_nT), remat=remat, attention_impl=attention_impl)
-    n, t, d = h.shape
-    out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config),
-                                tokens_nT[:, 1:].reshape(-1), temperature=temperature,
-                                with_entropy=with_entropy, impl=impl)
-    if with_entropy:
-        return out[0].reshape(n, t), out[1].reshape(n, t)
-    return out.reshape(n, t)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DrafterData:
-    """What the target's old-policy pass hands the online drafter, per position t of the
-    batch rows (T' = T-1: the positions that predict a next token). In packed rows each
-    sample's outputs are those of the sample alone, at each of its tokens but a last one
-    in a row's last column (no position of T'); drafter training never reads a sample's
-    last token's outputs."""
-
-    hidden: jax.Array  # [n, T', D] final-normed hidden state at t (the EAGLE feature)
-    ids: jax.Array  # [n, T', K] int32 top-K ids of the distribution of token t+1
-    logp: jax.Array  # [n, T', K] float32 their log-probs (at the learner's temperature)
-    layers: jax.Array | None  # [n, T', L, D] the drafter's feature layers' outputs (EAGLE-3), or None
 
 
 def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, segment_ids_nT, *,
@@ -130,7 +106,7 @@ class Learner:
     # -- state ------------------------------------------------------------------------------
 
     def param_shardings(self, params):
-        return sharding.param_shardings(self.model_config, params, self.mesh)
+        return tfm.param_shardings(self.model_config, params, self.mesh)
 
     def init_state(self, params) -> TrainState:
         return init_train_state(self.optimizer, params, self.param_shardings(params), self.mesh)

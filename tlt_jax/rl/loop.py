@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import faults, multihost, sampling, sharding
-from tlt_jax.drafter_training.buffer import Packing, pack_spans
-from tlt_jax.rl import evaluation, grpo, rewards, tasks
-from tlt_jax.rl.learner import DrafterData, Learner
+from tlt_jax import evaluation, faults, multihost, sampling, sharding
+from tlt_jax.data import rewards, tasks
+from tlt_jax.data.packing import Packing, pack_spans
+from tlt_jax.drafter_training.online import DrafterData
+from tlt_jax.rl import grpo
+from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.tlt import TLT
-from tlt_jax.rollout.engine import Rollouts, RolloutEngine
-
+from tlt_jax.rollout.engine import RolloutEngine, Rollouts
 
 _EVAL_STREAM = 0x7FFFFFFF  # evaluation samples from its own key stream
 
@@ -58,7 +59,7 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advanta
 
     The n samples (prompt then answer) split in order into num_minibatches equal parts,
     the learner's minibatches, as in a layout of one sample per row; each part is packed
-    greedily into rows of seq_len tokens (`buffer.pack_spans`, the project's one packing
+    greedily into rows of seq_len tokens (`packing.pack_spans`, the project's one packing
     rule) and padded with empty rows (segment 0, loss mask False) to
     R = minibatch_rows(most rows a part needs) (`Learner.minibatch_rows`: bucketed, so
     that the compiled shapes stay few). The batch has num_minibatches * R rows, and the

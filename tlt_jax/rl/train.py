@@ -22,15 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, metrics, multihost, sampling, sharding
-from tlt_jax.models.hf_io import load_hf, save_hf
-from tlt_jax.rl import grpo, rewards, tasks
-from tlt_jax.rl.learner import Learner, LearnerConfig
-from tlt_jax.distill import teacher_cache as tc
+from tlt_jax import checkpoint, fingerprint, metrics, multihost, sampling, sharding
+from tlt_jax.data import rewards, tasks
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.rl import grpo
+from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.rl.loop import RLLoop, RLStepConfig
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout import tuner as tuner_lib
@@ -46,7 +46,7 @@ def _warm_start(config):
     """(model config, params, tokenizer) of the SFT checkpoint, built first when absent."""
     sft_dir = config.sft_dir
     if not (sft_dir and os.path.exists(os.path.join(sft_dir, "config.json"))):
-        from tlt_jax.rl.sft import train_sft
+        from tlt_jax.sft import train_sft
         config.sft.run_dir = os.path.join(config.run_dir, "sft")
         sft_dir = os.path.join(config.sft.run_dir, "hf")
         if not os.path.exists(os.path.join(sft_dir, "config.json")):
@@ -60,7 +60,8 @@ def _drafter_warm_start(c, target_config, target_params):
     """(DrafterConfig, params) of the RL run's drafter: an offline export (`c.init`) or a
     fresh one of the configured architecture."""
     if c.init:
-        return drafter_io.load_drafter(c.init, target_config, target_fingerprint=tc.fingerprint_arrays(target_params))
+        return drafter_io.load_drafter(c.init, target_config,
+                                       target_fingerprint=fingerprint.fingerprint_arrays(target_params))
     dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers))
     dcfg.layer_config(target_config)  # feature layers outside the target fail here
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
@@ -223,7 +224,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
 
     restored, meta = ckpt.resume(saved_tree())
     if meta:
-        state, loop.key, loop.ref_params = restored["train"], jnp.asarray(np.asarray(restored["key"])), restored.get("ref")
+        state, loop.ref_params = restored["train"], restored.get("ref")
+        loop.key = jnp.asarray(np.asarray(restored["key"]))
         start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         engine.update_params(state.params)
         if tlt is not None and meta.get("tlt") is None:
@@ -292,7 +294,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             # trained on process 0.
             drafter_params = multihost.broadcast_arrays(jax.device_get(tlt.drafter.state.params))
             drafter_io.save_drafter(os.path.join(run_dir, "drafter"), drafter_params, dcfg, model_cfg,
-                                    tc.fingerprint_arrays(policy), step=end)
+                                    fingerprint.fingerprint_arrays(policy), step=end)
     # A run resumed at its last step evaluates nothing: its final eval is on record.
     final_eval = last_eval or next((r for r in reversed(records) if r["step"] == end and "eval_accuracy" in r), {})
     summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],

@@ -44,8 +44,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax import multihost, sampling, sharding
-from tlt_jax.models import transformer as tfm
 from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
@@ -170,7 +170,7 @@ class _Group:
         self.processes = sorted({d.process_index for d in mesh.devices.flat})
         self.is_local = self.processes == [jax.process_index()]  # this process drives it
         cfg = engine.model_config
-        self.param_shardings = sharding.param_shardings(cfg, engine._param_shapes, mesh)
+        self.param_shardings = tfm.param_shardings(cfg, engine._param_shapes, mesh)
         b = engine.rollout_config.num_slots
         batch_axis = sharding.logical_to_spec(("batch",), (b,), mesh)[0]
         kv_axis = sharding.logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
@@ -272,8 +272,9 @@ class _Group:
 
         rep = sharding.replicated(self.mesh)
         shardings = self._shardings(state.spec is not None)
-        step = self._jit(("insert", state.spec is not None), fn, (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6,
-                         shardings, static_argnums=(9,), donate_argnums=(2,))
+        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6
+        step = self._jit(("insert", state.spec is not None), fn, in_shardings, shardings, static_argnums=(9,),
+                         donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R,
                     key, sp)
 

@@ -251,7 +251,7 @@ class Drafter:
         tokens, qs = [root_B], []
         for j in range(d):
             q = sampling.processed_logprobs(logits_BV, sp)
-            token = jax.vmap(lambda k, lq: jax.random.categorical(jax.random.fold_in(k, j), lq))(keys_B, q)
+            token = jax.vmap(lambda k, lq, j=j: jax.random.categorical(jax.random.fold_in(k, j), lq))(keys_B, q)
             tokens.append(token.astype(jnp.int32))
             qs.append(q)
             if j + 1 < d:

@@ -78,7 +78,8 @@ class RolloutTimeline:
         """Wall time, tokens/s, and the two long-tail losses.
 
         group_idle_s / group_idle_fraction: device time spent by groups that finished
-        waiting for the slowest one (seconds summed over groups; share of groups x wall). slot_idle_fraction: decode slots stepping with no sequence in them.
+        waiting for the slowest one (seconds summed over groups; share of groups x wall).
+        slot_idle_fraction: decode slots stepping with no sequence in them.
         """
         if not self.groups:
             return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_s=0.0, group_idle_fraction=0.0,

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tlt_jax.rl import tasks
+from tlt_jax.data import tasks
 
 RewardFn = Callable[..., list[float]]
 logger = logging.getLogger(__name__)

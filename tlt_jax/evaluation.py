@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from tlt_jax import sampling
-from tlt_jax.rl import rewards, tasks
+from tlt_jax.data import rewards, tasks
 
 
 def encode_prompts(tokenizer, examples: Sequence[tasks.Example]) -> list[list[int]]:

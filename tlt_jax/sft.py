@@ -2,56 +2,28 @@
 (no [tokens, vocab] logits), on the same mesh and train state as every other trainer."""
 from __future__ import annotations
 
-from typing import Sequence
+import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from absl import logging
 
-from tlt_jax import sharding
-from tlt_jax.drafter_training.buffer import pack_spans
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.rl import tasks
-from tlt_jax.rl.learner import token_logprobs
-from tlt_jax.train_state import (OptimizerConfig, TrainState, init_train_state, jit_train_step, make_optimizer,
-                                 run_steps, state_shardings)
-
-
-def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) -> dict:
-    """Packs examples greedily into rows of seq_len tokens (no padding wasted on short
-    traces; `buffer.pack_spans`, which packs the drafter's data too). Returns int32 tokens /
-    positions / segment_ids [n, seq_len] (segment 0 is padding) and the target mask
-    [n, seq_len-1], True where position t predicts a solution token or <eos> of its own
-    example. Examples longer than seq_len are dropped, counted."""
-    encoded = [tasks.encode_for_sft(tokenizer, example) for example in examples]
-    packing = pack_spans([len(ids) for ids, _ in encoded], seq_len)
-    if packing.dropped:
-        logging.warning("%d of %d examples are longer than seq_len=%d and were dropped.", packing.dropped,
-                        len(examples), seq_len)
-    if not packing.num_rows:
-        raise ValueError(f"Every example is longer than seq_len={seq_len}; raise seq_len.")
-    return packing.rows([ids for ids, _ in encoded], [mask for _, mask in encoded], pad_id=tokenizer.pad_token_id)
-
-
-def batch_indices(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:
-    """Rows of training step `step`: one shuffle per epoch, a function of the step alone
-    (a resumed run draws the batches it would have drawn)."""
-    order = np.random.default_rng([seed, step * batch_size // num_rows]).permutation(num_rows)
-    return order[np.arange(step * batch_size, (step + 1) * batch_size) % num_rows]
-
-
-def padded_batches(rows: dict, batch_size: int):
-    """Yields (indices, batch) over all `pack_examples` rows in order, in batches of one
-    shape: the last is filled with copies of the last row, their mask cleared."""
-    n = len(rows["tokens"])
-    for begin in range(0, n, batch_size):
-        idx = np.arange(begin, begin + batch_size)
-        real = idx < n
-        idx = np.where(real, idx, n - 1)
-        batch = {k: v[idx] for k, v in rows.items()}
-        batch["mask"] = batch["mask"] & real[:, None]
-        yield idx, batch
+from tlt_jax import checkpoint, evaluation, metrics, sampling, sharding
+from tlt_jax.data import tasks
+from tlt_jax.data.packing import batch_indices, pack_examples
+from tlt_jax.logprobs import token_logprobs
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig, from_config_dict
+from tlt_jax.models.hf_io import save_hf
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.train_state import (
+    OptimizerConfig,
+    TrainState,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+    run_steps,
+    state_shardings,
+)
 
 
 class SFTTrainer:
@@ -63,7 +35,7 @@ class SFTTrainer:
         self._step = None
 
     def init_state(self, params) -> TrainState:
-        return init_train_state(self.optimizer, params, sharding.param_shardings(self.model_config, params, self.mesh),
+        return init_train_state(self.optimizer, params, tfm.param_shardings(self.model_config, params, self.mesh),
                                 self.mesh)
 
     def loss(self, params, batch):
@@ -76,7 +48,7 @@ class SFTTrainer:
         """One update from a `pack_examples` batch; returns (state, metrics)."""
         if self._step is None:
             st_sh = state_shardings(self.optimizer, state.params,
-                                    sharding.param_shardings(self.model_config, state.params, self.mesh), self.mesh)
+                                    tfm.param_shardings(self.model_config, state.params, self.mesh), self.mesh)
             self._step = jit_train_step(self.loss, self.optimizer, st_sh,
                                         {k: sharding.batch_sharding(self.mesh, 2) for k in batch}, self.mesh)
         return self._step(state, batch)
@@ -86,15 +58,6 @@ def train_sft(config, *, progress: bool = True) -> dict:
     """The SFT job of `configs/sft.py`: builds the task tokenizer, trains, evaluates by
     sampling, checkpoints with orbax (resuming when run again) and writes the final model
     in the Hugging Face format to <run_dir>/hf. Returns the final metrics."""
-    import os
-
-    from tlt_jax import checkpoint, metrics, sampling
-    from tlt_jax.models import transformer as tfm
-    from tlt_jax.models.config import from_config_dict
-    from tlt_jax.models.hf_io import save_hf
-    from tlt_jax.rl import evaluation
-    from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
-
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     tokenizer = tasks.build_task_tokenizer(os.path.join(run_dir, "tokenizer"))
