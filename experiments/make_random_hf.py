@@ -57,19 +57,28 @@ def random_model(config, seed: int = 0, init_std: float = 0.1):
     return model.eval()
 
 
-def write_random_checkpoint(out_dir: str, family: str, *, dtype: str = "float32", tokenizer: bool = True,
-                            seed: int = 0, **config_kwargs) -> str:
-    """Saves `random_model(hf_config(family, **config_kwargs))` (and a char tokenizer
-    whose <bos>/<eos> ids the config uses) to out_dir; returns out_dir."""
+def write_random_checkpoint(out_dir: str, family: str, *, dtype: str = "float32", tokenizer=True,
+                            seed: int = 0, end_token_ids=None, **config_kwargs) -> str:
+    """Saves `random_model(hf_config(family, **config_kwargs))` to out_dir with a tokenizer
+    whose special-token ids the config uses: True, a character tokenizer; False, none; or
+    a transformers tokenizer to save beside the weights (e.g. `tokenizer.build_bpe_tokenizer`'s).
+    end_token_ids: several end tokens, written as generation_config.json's eos_token_id (as
+    Qwen2.5-Instruct's list <|im_end|> and <|endoftext|>). Returns out_dir."""
     import torch
-    if tokenizer:
+    if tokenizer is True:
         from tlt_jax.tokenizer import build_char_tokenizer
-        tok = build_char_tokenizer(out_dir, ALPHABET)
-        config_kwargs.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        tokenizer = build_char_tokenizer(out_dir, ALPHABET)
+    if tokenizer:
+        tokenizer.save_pretrained(out_dir)
+        config_kwargs.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
         vocab = config_kwargs.setdefault("vocab_size", 128)
-        if vocab < len(tok):
-            raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer's {len(tok)} tokens.")
+        if vocab < len(tokenizer):
+            raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens.")
     model = random_model(hf_config(family, **config_kwargs), seed=seed)
+    if end_token_ids:
+        import transformers
+        model.generation_config = transformers.GenerationConfig(
+            bos_token_id=config_kwargs.get("bos_token_id"), eos_token_id=list(end_token_ids))
     model.to(getattr(torch, dtype)).save_pretrained(out_dir)
     return out_dir
 

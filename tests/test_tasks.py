@@ -113,7 +113,9 @@ def test_mixture():
     assert tasks.length_stats(examples)["tail_ratio"] >= 4
     only = tasks.make_split(tasks.mixture({"addition": 1.0, "collatz": 0.0}), "eval", 20, seed=0)
     assert {e.task for e in only} == {"addition"}
-    assert tasks.reward_fields(only[:2]) == {"answer": [e.answer for e in only[:2]], "task": ["addition"] * 2}
+    assert tasks.reward_fields(only[:2]) == {"answer": [e.answer for e in only[:2]], "task": ["addition"] * 2,
+                                             "a": [e.fields["a"] for e in only[:2]],
+                                             "b": [e.fields["b"] for e in only[:2]]}
     with pytest.raises(ValueError, match="weight"):
         tasks.mixture({"addition": -1.0})
 

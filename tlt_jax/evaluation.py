@@ -1,4 +1,12 @@
-"""Accuracy by sampling: prompts through the rollout engine, completions scored by a reward."""
+"""Accuracy by sampling: prompts through the rollout engine, completions scored by a reward.
+
+A prompt reaches the engine as `prompts.PromptFormat` makes it (the tokenizer's chat
+template or a format string); a completion is the text of the answer's tokens without
+its end token (any of the model's end tokens). `evaluate_samples` also returns one
+record per sample, what `eval_samples.jsonl` holds: the prompt as templated text, the
+completion, the reference answer, the reward, the length, and whether the sample ended
+on an end token or ran into `max_tokens`.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,28 +15,56 @@ import jax
 import numpy as np
 
 from tlt_jax import sampling
-from tlt_jax.data import rewards, tasks
+from tlt_jax.data import prompts, rewards, tasks
+
+_DEFAULT_FORMAT = prompts.PromptFormat()
 
 
-def encode_prompts(tokenizer, examples: Sequence[tasks.Example]) -> list[list[int]]:
-    return [tokenizer(e.prompt)["input_ids"] for e in examples]
+def encode_prompts(tokenizer, examples: Sequence[tasks.Example],
+                   prompt_format: prompts.PromptFormat = _DEFAULT_FORMAT) -> list[list[int]]:
+    """The token ids of each example's prompt, as the engine receives them."""
+    return [prompt_format.example_ids(tokenizer, e) for e in examples]
 
 
-def decode_completions(tokenizer, token_lists) -> list[str]:
-    """Completion text without the trailing <eos>."""
-    eos = tokenizer.eos_token_id
-    return [tokenizer.decode([t for t in tokens.tolist() if t != eos]) for tokens in token_lists]
+def decode_completions(tokenizer, token_lists, end_token_ids: Sequence[int] | None = None) -> list[str]:
+    """Completion text without its end tokens (`end_token_ids`; default the tokenizer's eos)."""
+    ends = set(end_token_ids) if end_token_ids is not None else {tokenizer.eos_token_id}
+    return [tokenizer.decode([t for t in tokens.tolist() if t not in ends]) for tokens in token_lists]
+
+
+def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
+                     key: jax.Array, num_samples: int = 1, *, reward: str | rewards.RewardFn = "answer_correctness",
+                     prompt_format: prompts.PromptFormat = _DEFAULT_FORMAT,
+                     end_token_ids: Sequence[int] | None = None) -> tuple[dict, list[dict]]:
+    """(metrics, samples): the mean of `reward` over the samples (accuracy: pass@1 averaged
+    over samples for a 0/1 reward), the answer lengths, the share of samples that ran into
+    max_tokens without an end token; and a record per sample (see the module doc)."""
+    examples = list(examples)
+    out = engine.generate(encode_prompts(tokenizer, examples, prompt_format), num_samples, sampling_params, key)
+    completions = decode_completions(tokenizer, out.tokens, end_token_ids)
+    chosen = [examples[i] for i in out.prompt_index]
+    fields = tasks.reward_fields(chosen)
+    fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
+    scores, _ = rewards.safe_rewards(fn, [e.prompt for e in chosen], completions, **fields)
+    lengths = out.lengths
+    truncated = np.asarray([reason == "max_tokens" for reason in out.finish_reason], bool)
+    metrics = {"accuracy": float(np.mean(scores)) if len(scores) else 0.0,
+               "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+               "length_max": int(lengths.max(initial=0)),
+               "truncated_share": float(truncated.mean()) if len(truncated) else 0.0}
+    texts = {}
+    samples = []
+    for i, example_index in enumerate(out.prompt_index.tolist()):
+        if example_index not in texts:
+            texts[example_index] = prompt_format.example_text(tokenizer, examples[example_index])
+        samples.append({"prompt": texts[example_index], "completion": completions[i],
+                        "reference": examples[example_index].answer, "reward": float(scores[i]),
+                        "length": int(lengths[i]), "finish_reason": out.finish_reason[i],
+                        "ended": out.finish_reason[i] in ("eos", "stop")})
+    return metrics, samples
 
 
 def evaluate(engine, tokenizer, examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
-             key: jax.Array, num_samples: int = 1) -> dict:
-    """Mean answer correctness (pass@1 averaged over samples) and answer lengths."""
-    out = engine.generate(encode_prompts(tokenizer, examples), num_samples, sampling_params, key)
-    completions = decode_completions(tokenizer, out.tokens)
-    chosen = [examples[i] for i in out.prompt_index]
-    fields = tasks.reward_fields(chosen)
-    correct, _ = rewards.safe_rewards(rewards.answer_correctness, [e.prompt for e in chosen], completions, **fields)
-    lengths = out.lengths
-    return {"accuracy": float(np.mean(correct)) if len(correct) else 0.0,
-            "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-            "length_max": int(lengths.max(initial=0))}
+             key: jax.Array, num_samples: int = 1, **kwargs) -> dict:
+    """The metrics of `evaluate_samples`."""
+    return evaluate_samples(engine, tokenizer, examples, sampling_params, key, num_samples, **kwargs)[0]

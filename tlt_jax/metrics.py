@@ -6,7 +6,9 @@ person reads.
 written, so a killed run loses at most the line it was writing (which `read_metrics`
 then skips). TensorBoard (tensorboardX, `<run_dir>/tensorboard`) gets the same scalars,
 and histograms of array-valued metrics. A run resumed from a checkpoint at step k drops
-the records after k from both (`truncate_after`), so no step has two values. In a
+the records after k from both (`truncate_after`), so no step has two values.
+`<run_dir>/eval_samples.jsonl` (`write_samples`) holds every evaluated sample, one JSON
+object each with its step, and is truncated alike. In a
 multi-host run only process 0 writes; the writer is a no-op elsewhere.
 
 The plot helpers draw on a bare `matplotlib.figure.Figure` (Agg canvas, no pyplot
@@ -29,6 +31,7 @@ from matplotlib.figure import Figure
 from tqdm import auto as tqdm_auto
 
 METRICS_FILENAME = "metrics.jsonl"
+EVAL_SAMPLES_FILENAME = "eval_samples.jsonl"  # every evaluated sample: prompt, completion, reward, ...
 TENSORBOARD_SUBDIR = "tensorboard"
 _RESERVED_KEYS = ("step", "wall_time")
 
@@ -82,6 +85,7 @@ class MetricsWriter:
           resume_step: the step a resumed run restarts after; later records are dropped.
         """
         self.path = os.path.join(run_dir, METRICS_FILENAME)
+        self.samples_path = os.path.join(run_dir, EVAL_SAMPLES_FILENAME)
         self._tensorboard_dir = os.path.join(run_dir, TENSORBOARD_SUBDIR) if use_tensorboard else None
         self._enabled = jax.process_index() == 0
         self._file = None
@@ -119,14 +123,15 @@ class MetricsWriter:
         if not self._enabled:
             return
         self._close_files()
-        if os.path.exists(self.path):
-            kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-            rewritten = self.path + ".rewrite"
-            with open(rewritten, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(rewritten, self.path)
+        for path in (self.path, self.samples_path):
+            if os.path.exists(path):
+                kept = [r for r in read_metrics(path) if r["step"] <= step]
+                rewritten = path + ".rewrite"
+                with open(rewritten, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(rewritten, path)
         self._open(purge_step=step + 1)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -153,6 +158,13 @@ class MetricsWriter:
                 self._tensorboard.add_histogram(name, array.ravel(), step)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def write_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
+        """Appends one JSON record per sample, `{"step": step, **sample}`, to eval_samples.jsonl."""
+        if not self._enabled:
+            return
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps({"step": int(step), **sample}) + "\n" for sample in samples)
 
     def close(self) -> None:
         self._close_files()

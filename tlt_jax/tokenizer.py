@@ -57,3 +57,36 @@ def build_char_tokenizer(out_dir: str, alphabet: Sequence[str], extra_special_to
     os.makedirs(out_dir, exist_ok=True)
     wrapped.save_pretrained(out_dir)
     return load_tokenizer(out_dir)
+
+
+# ChatML, the format of Qwen2.5's chat template (without its tool-calling branches).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_bpe_tokenizer(out_dir: str, texts, vocab_size: int = 512):
+    """Trains a byte-level BPE tokenizer on `texts` (an iterable of strings) and writes it
+    to `out_dir` in the Hugging Face format, shaped like Qwen2.5-Instruct's: the special
+    tokens <|endoftext|> (also padding), <|im_start|> and <|im_end|> (eos), the ChatML chat
+    template, no <bos>. Returns it as loaded back. Any byte sequence encodes (no <unk>)."""
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHATML_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      clean_up_tokenization_spaces=False)
+    wrapped.chat_template = CHATML_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    wrapped.save_pretrained(out_dir)
+    return load_tokenizer(out_dir)

@@ -48,12 +48,15 @@ SPLITS = ("train", "eval")
 class Example:
     """One problem: `prompt` is what the model sees, `solution` what it must write.
 
-    `answer` is the text after ANSWER_PREFIX on the solution's last line; `task` names the
-    task in `TASKS` (rewards use it to pick the checker); `fields` holds task-specific
-    metadata (e.g. the Collatz start value) for analysis.
+    For the synthetic tasks `answer` is the text after ANSWER_PREFIX on the solution's last
+    line, `task` names the task in `TASKS` (rewards use it to pick the checker) and
+    `fields` holds task-specific metadata (e.g. the Collatz start value). Problems from
+    files and environments use the same record: a prompt may then be a conversation (a
+    tuple of {role, content} messages), `answer` is the reference a reward checks, and
+    `fields` the row's other columns, which reach the reward as keyword fields.
     """
 
-    prompt: str
+    prompt: str | tuple
     solution: str
     answer: str
     task: str
@@ -368,9 +371,15 @@ def make_split(task: Task | Mixture, split: str, n: int, seed: int = 0, unique: 
     return examples
 
 
-def reward_fields(examples: Sequence[Example]) -> dict[str, list[str]]:
-    """Per-sample keyword fields for reward functions: answer=[...], task=[...]."""
-    return {"answer": [e.answer for e in examples], "task": [e.task for e in examples]}
+def reward_fields(examples: Sequence[Example]) -> dict[str, list]:
+    """Per-sample keyword fields for reward functions: answer=[...], task=[...], and each
+    field of the examples' `fields` (a dataset's other columns; None where an example has
+    none of that name)."""
+    reserved = {"answer", "task", "prompts", "completions"}
+    names = sorted({name for e in examples for name in e.fields} - reserved)
+    out = {name: [e.fields.get(name) for e in examples] for name in names}
+    out.update(answer=[e.answer for e in examples], task=[e.task for e in examples])
+    return out
 
 
 def length_stats(examples: Sequence[Example]) -> dict[str, float]:

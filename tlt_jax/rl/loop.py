@@ -28,6 +28,7 @@ import numpy as np
 from tlt_jax import evaluation, faults, multihost, sampling, sharding
 from tlt_jax.data import rewards, tasks
 from tlt_jax.data.packing import Packing, pack_spans
+from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.drafter_training.online import DrafterData
 from tlt_jax.rl import grpo
 from tlt_jax.rl.learner import Learner
@@ -125,10 +126,20 @@ class RLLoop:
 
     def __init__(self, *, engine: RolloutEngine, learner: Learner, tokenizer, train_examples: Sequence[tasks.Example],
                  eval_examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
-                 step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None):
+                 step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None,
+                 prompt_format: PromptFormat | None = None, correctness_reward: str = "answer_correctness",
+                 end_token_ids: Sequence[int] | None = None):
+        """train_examples / eval_examples: any sequences (a dataset from disk makes its
+        examples on access); prompt_format: how a prompt becomes the engine's tokens;
+        correctness_reward: the reward whose mean is `accuracy` and `eval_accuracy`;
+        end_token_ids: the model's end tokens (default the tokenizer's eos)."""
         self.engine, self.learner, self.tokenizer = engine, learner, tokenizer
         self.tlt = tlt  # None: the baseline (plain rollouts, no drafter)
-        self.train_examples, self.eval_examples = list(train_examples), list(eval_examples)
+        self.train_examples, self.eval_examples = train_examples, eval_examples
+        self.prompt_format, self.correctness_reward = prompt_format or PromptFormat(), correctness_reward
+        self.end_token_ids = tuple(end_token_ids) if end_token_ids is not None else (tokenizer.eos_token_id,)
+        self.last_eval_samples: list[dict] = []  # the records of the latest `evaluate`
+        self._epoch_order: tuple[int, np.ndarray] | None = None
         self.sampling_params, self.config, self.seq_len, self.seed = sampling_params, step_config, seq_len, seed
         self.ref_params = ref_params
         self.key = jax.random.PRNGKey(seed)  # checkpointed; every step's randomness derives from it
@@ -152,15 +163,21 @@ class RLLoop:
         out = []
         for pos in range(data_position, data_position + k):
             epoch, offset = divmod(pos, n)
-            out.append(self.train_examples[np.random.default_rng([self.seed, epoch]).permutation(n)[offset]])
+            out.append(self.train_examples[int(self._order(epoch, n)[offset])])
         return out
+
+    def _order(self, epoch: int, n: int) -> np.ndarray:
+        """The train stream's order in `epoch`, drawn once per epoch."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        return self._epoch_order[1]
 
     def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
         """One RL step. Returns (state, metrics, new data position, rollouts)."""
         cfg, tlt = self.config, self.tlt
         t0 = time.perf_counter()
         examples = self.prompts_for(data_position)
-        prompt_ids = evaluation.encode_prompts(self.tokenizer, examples)
+        prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
         key = jax.random.fold_in(self.key, step)
         speculation = None
         if tlt is not None:
@@ -182,14 +199,15 @@ class RLLoop:
 
         with self.gap("reward"):
             chosen = [examples[i] for i in rollouts.prompt_index]
-            completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens)
+            completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens, self.end_token_ids)
             prompts, fields = [e.prompt for e in chosen], tasks.reward_fields(chosen)
             scored = self._scorer(prompts, completions, fields)
             # Process 0's scores everywhere: a reward that times out, or draws, on one process only
             # must not split the learner's batch between processes.
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
             faults.maybe_kill("reward", step)
-            correct = np.asarray(rewards.answer_correctness(prompts, completions, **fields))
+            correct = (reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
+                rewards.get_reward(self.correctness_reward), prompts, completions, **fields)[0])
             self.reward_failures += failures
             advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward),
                                                                                 cfg.num_samples))
@@ -269,7 +287,10 @@ class RLLoop:
                 "stopping with the last good checkpoint intact. Lower the learning rate or check the rewards.")
 
     def evaluate(self, step: int) -> dict:
+        """Greedy eval metrics (`eval_accuracy`, ...); the samples stay in `last_eval_samples`."""
         greedy = dataclasses.replace(self.sampling_params, temperature=0.0)
-        result = evaluation.evaluate(self.engine, self.tokenizer, self.eval_examples, greedy,
-                                     jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step))
+        result, self.last_eval_samples = evaluation.evaluate_samples(
+            self.engine, self.tokenizer, self.eval_examples, greedy,
+            jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step), reward=self.correctness_reward,
+            prompt_format=self.prompt_format, end_token_ids=self.end_token_ids)
         return {f"eval_{k}": v for k, v in result.items()}
