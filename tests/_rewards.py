@@ -21,3 +21,11 @@ def hang_on_second_batch(prompts, completions, **fields):
     if len(_batches) == 2:
         time.sleep(3600)
     return rewards.task_reward(prompts, completions, **fields)
+
+
+def exact_answer(prompts, completions, answer, **_):
+    """A reward of one's own, as a config names it: reward=tests._rewards:exact_answer."""
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+not_a_reward = 0.5  # reward=tests._rewards:not_a_reward names something that is not callable

@@ -1,10 +1,13 @@
-"""Rewards: own solutions score 1, corruptions less, format rules, GSM8K checker, safe_rewards."""
+"""Rewards: own solutions score 1, corruptions less, format rules, GSM8K and math checkers,
+reasoning-gym's own scoring, rewards named module:function, safe_rewards."""
 import logging
 import math
+import sys
 
 import numpy as np
 import pytest
 
+from tests import _rewards
 from tlt_jax.data import rewards, tasks
 
 
@@ -85,11 +88,139 @@ def test_gsm8k(completion, reference, correct):
     assert rewards.gsm8k_correctness(["q"], [completion], answer=[reference]) == [float(correct)]
 
 
+@pytest.mark.parametrize("completion, reference", [
+    ("\\frac{1}{2}", "0.5"),
+    ("0.5", "\\frac{1}{2}"),
+    ("So the share is \\boxed{3/4}.", "0.75"),
+    ("3 * 24 = 72 dollars.\n#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72"),
+    ("The answer is $72$.", "#### 72"),
+    ("1,000", "1000"),
+    ("\\boxed{1000}", "1,000"),
+    ("$2\\sqrt{2}$", "\\sqrt{8}"),
+    ("\\boxed{2\\sqrt{2}}", "$\\sqrt{8}$"),
+    ("#### 2\\sqrt{2}", "\\sqrt{8}"),
+    ("14 * 5 = \\boxed{70}, plus 2 more.\n#### 72", "72"),   # '####' wins over a box
+    ("first 70, then 72", "72"),                 # the last answer counts
+    ("\\boxed{\\frac{\\pi}{2}}", "\\dfrac{\\pi}{2}"),
+    ("temperature drops to $-5$", "-5"),
+])
+def test_math_equivalent_answers(completion, reference):
+    assert rewards.math_correctness(["q"], [completion], answer=[reference]) == [1.0]
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("\\frac{1}{2}", "\\frac{1}{3}"),
+    ("\\boxed{5}", "50"),
+    ("3 * 24 = 72 dollars.\n#### 71", "#### 72"),
+    ("72 first, but #### 71", "72"),              # after '####' is the answer
+    ("we get 72\n#### 71", "#### 72"),
+    ("\\boxed{72} at first; corrected:\n#### 70", "72"),
+    ("$2\\sqrt{3}$", "\\sqrt{8}"),
+    ("first 72, then 70", "72"),
+    ("no answer here", "72"),
+    ("", "0.5"),
+])
+def test_math_different_answers_score_zero(completion, reference):
+    assert rewards.math_correctness(["q"], [completion], answer=[reference]) == [0.0]
+
+
+def test_math_reference_it_cannot_read_is_a_failure():
+    scores, failures = rewards.safe_rewards(rewards.math_correctness, ["q"] * 2, ["72", "72"], answer=["72", ""])
+    assert scores.tolist() == [1.0, 0.0] and failures == 1
+
+
+_MATH_BATCH = [("\\frac{1}{2}", "0.5"), ("\\boxed{3/4}", "0.75"), ("#### 72", "72"), ("$2\\sqrt{2}$", "\\sqrt{8}"),
+               ("\\boxed{5}", "50"), ("x", "1,000")]
+
+
+def test_math_in_a_scoring_thread_scores_as_in_the_main_thread():
+    # math-verify's own timeouts are signal.alarm, which raises outside the main thread;
+    # the Scorer with a deadline scores inline on a thread.
+    prompts, completions, answer = ["q"] * len(_MATH_BATCH), [c for c, _ in _MATH_BATCH], [a for _, a in _MATH_BATCH]
+    main = rewards.math_correctness(prompts, completions, answer=answer)
+    assert main == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    threaded = rewards.Scorer("math", timeout_s=120.0)(prompts, completions, {"answer": answer})
+    assert threaded.scores.tolist() == main and threaded.failures == threaded.timed_out == 0
+
+
+def _gym_cases(name):
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(name, size=4, seed=7)
+    entries = list(dataset)
+    completions = [f"<answer>{e['answer']}</answer>" for e in entries]                  # right
+    completions += [f"I think <answer>{e['answer']}</answer>, no: <answer>{e['answer']}9</answer>"
+                    for e in entries]                                                   # wrong: the last counts
+    completions += [str(e["answer"]) for e in entries]                                  # no tags
+    entries = entries * 3
+    own = [dataset.score_answer(answer=reasoning_gym.utils.extract_answer(c), entry=e)
+           for c, e in zip(completions, entries)]
+    return [e["question"] for e in entries], completions, entries, own
+
+
+@pytest.mark.parametrize("name", ["basic_arithmetic", "chain_sum", "leg_counting"])
+def test_reasoning_gym_scores_as_the_task_itself(name):
+    pytest.importorskip("reasoning_gym")
+    prompts, completions, entries, own = _gym_cases(name)
+    n = len(entries) // 3
+    assert own[:n] == [1.0] * n and own[2 * n:] == [0.0] * n and max(own[n:2 * n]) < 1.0
+    fields = {"entry": entries, "answer": [str(e["answer"]) for e in entries]}
+    assert rewards.get_reward("reasoning_gym")(prompts, completions, **fields) == own
+    scored = rewards.Scorer("reasoning_gym")(prompts, completions, fields)
+    np.testing.assert_allclose(scored.scores, own, rtol=1e-6)  # float32
+    assert scored.failures == 0
+
+
+def test_reasoning_gym_without_its_entry_is_a_failure():
+    pytest.importorskip("reasoning_gym")
+    scores, failures = rewards.safe_rewards(rewards.reasoning_gym_score, ["q"], ["<answer>3</answer>"], entry=[None])
+    assert scores.tolist() == [0.0] and failures == 1
+
+
 def test_registry():
-    assert set(rewards.REWARDS) == {"answer_correctness", "format", "task", "gsm8k"}
+    assert set(rewards.REWARDS) == {"answer_correctness", "format", "task", "gsm8k", "math", "reasoning_gym"}
     assert rewards.get_reward("task") is rewards.task_reward
-    with pytest.raises(KeyError, match="known"):
-        rewards.get_reward("bleu")
+    assert rewards.get_reward("math") is rewards.math_correctness
+
+
+def test_a_missing_optional_package_fails_at_lookup(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"reward='reasoning_gym'.*pip install -e '\.\[envs\]'"):
+        rewards.get_reward("reasoning_gym")
+
+
+def test_a_reward_of_ones_own_by_module_and_function():
+    reward = rewards.get_reward("tests._rewards:exact_answer")
+    assert reward is _rewards.exact_answer
+    prompts, completions, fields = ["p"] * 4, ["1", "2", " 3", "x"], {"answer": ["1", "0", "3", "4"]}
+    inline = rewards.Scorer("tests._rewards:exact_answer")(prompts, completions, fields)
+    scorer = rewards.Scorer("tests._rewards:exact_answer", workers=1)  # the worker resolves the name itself
+    try:
+        pooled = scorer(prompts, completions, fields)
+    finally:
+        scorer.close()
+    assert inline.scores.tolist() == pooled.scores.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert inline.failures == pooled.failures == 0
+
+
+@pytest.mark.parametrize("name, error, message", [
+    ("bleu", ValueError, r"reward='bleu' is not a registered reward \(answer_correctness, format, gsm8k, math, "
+                         r"reasoning_gym, task\) nor module\.path:function"),
+    ("no_such_package.rewards:fn", ImportError,
+     r"reward='no_such_package.rewards:fn': cannot import module 'no_such_package.rewards' "
+     r"\(ModuleNotFoundError: No module named 'no_such_package'\)"),
+    ("tests._rewards:missing", ValueError, r"reward='tests._rewards:missing': module 'tests._rewards' has no "
+                                           r"attribute 'missing'"),
+    ("tests._rewards:not_a_reward", ValueError, r"reward='tests._rewards:not_a_reward': "
+                                                r"tests._rewards.not_a_reward is a float, not a function"),
+    ("tests._rewards:", ValueError, r"not a registered reward"),
+])
+def test_bad_reward_names_fail_in_one_line(name, error, message):
+    with pytest.raises(error, match=message) as raised:
+        rewards.get_reward(name)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(error, match=message):
+        rewards.Scorer(name)  # a bad name fails before anything is scored
 
 
 def _raises_on_boom(prompts, completions, answer, **_):

@@ -1,10 +1,22 @@
 """Reward functions for verifiable tasks, as plain callables.
 
 Every reward has the signature `fn(prompts, completions, **fields) -> list[float]`, one
-score per sample. `fields` are per-sample lists named after what they carry (`answer`,
-`task`, ...; `tasks.reward_fields` builds them); a reward takes the ones it needs and
-ignores the rest, so the RL loop can pass every field to every reward. Completions are
-decoded text without special tokens (no <eos>).
+score per sample (TRL's and tunix's convention). `fields` are per-sample lists named after
+what they carry (`answer`, `task`, `entry`, ...; `tasks.reward_fields` builds them); a
+reward takes the ones it needs and ignores the rest, so the RL loop can pass every field
+to every reward. Completions are decoded text without special tokens (no <eos>).
+
+The registry, `REWARDS` (each scores within `SCORE_RANGE`, [0, 1]):
+  task                our synthetic tasks, with partial credit for the format;
+  answer_correctness  our synthetic tasks' checkers alone;
+  format              our synthetic tasks' format alone;
+  gsm8k               the final number against the reference, exactly;
+  math                math-verify's equivalence of the final answer and the reference
+                      (LaTeX, \\boxed{}, fractions, plain numbers);
+  reasoning_gym       a reasoning-gym task's own `score_answer` on the last
+                      <answer>...</answer> (the optional extra `envs`).
+`get_reward` also takes `module.path:function`, any importable reward of the same
+convention, so a verifier of one's own needs no change here.
 
 `safe_rewards` is how the RL loop calls a reward: a sample whose score raises or is not
 finite scores 0 and is counted, without zeroing the rest of the batch. `Scorer` runs it
@@ -14,6 +26,9 @@ reward that hangs scores 0 and is counted too, and the run goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import importlib.util
 import logging
 import math
 import multiprocessing
@@ -150,20 +165,119 @@ def gsm8k_correctness(prompts: Sequence[str], completions: Sequence[str], answer
     return scores
 
 
+_MATH_DELIMITERS = ("$", "\\boxed", "\\(", "\\[")
+
+
+def _parse_final_answer(text: str, reference: bool, in_main_thread: bool) -> list:
+    """math-verify's parse of the final answer in `text` ([] if it finds none).
+
+    The text after the last '####' (GSM8K style) is the answer alone, as is a reference
+    without LaTeX delimiters or \\boxed{}; these are read as LaTeX math first, so that
+    "2\\sqrt{2}" is not read as its first number.
+    """
+    from math_verify import parse
+
+    timeout = {} if in_main_thread else {"parsing_timeout": None}  # its timeout is signal.alarm: main thread only
+    if "####" in text:
+        text, bare = text.rsplit("####", 1)[1].strip(), True
+    else:
+        bare = reference and not any(d in text for d in _MATH_DELIMITERS)
+    return (bare and parse(f"${text}$", **timeout)) or parse(text, **timeout)
+
+
+def math_correctness(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
+                     **_) -> list[float]:
+    """1.0 where math-verify finds the completion's final answer equal to the reference
+    `answer` (\\frac{1}{2} = 0.5, \\boxed{3/4} = 0.75, 2\\sqrt{2} = \\sqrt{8}), else 0.0.
+
+    A completion without an answer math-verify can read scores 0; a reference it cannot
+    read raises, so the sample counts as a failure of the reward (a data problem shows).
+    math-verify bounds its own time with signal.alarm in the main thread only; elsewhere
+    (`Scorer`'s scoring thread) it runs unbounded and the Scorer's deadline bounds it.
+    """
+    from math_verify import verify  # lazily: worker processes import this module, and most runs score otherwise
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    timeout = {} if in_main_thread else {"timeout_seconds": None}
+    golds, scores = {}, []
+    for completion, reference in zip(completions, map(str, answer), strict=True):
+        if reference not in golds:  # the samples of a group share one reference
+            golds[reference] = _parse_final_answer(reference, True, in_main_thread)
+        if not golds[reference]:
+            raise ValueError(f"math-verify finds no answer in the reference {reference!r}")
+        predicted = _parse_final_answer(completion, False, in_main_thread)
+        scores.append(float(bool(predicted) and verify(golds[reference], predicted, **timeout)))
+    return scores
+
+
+@functools.cache
+def _gym_score_answer(task: str) -> Callable[..., float]:
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)
+
+
+def reasoning_gym_score(prompts: Sequence[str], completions: Sequence[str], entry: Sequence[dict],
+                        **_) -> list[float]:
+    """The reasoning-gym task's own `score_answer(answer=, entry=)` on the completion's last
+    <answer>...</answer> (0.0 without one); each sample's `entry` is the package's dataset
+    entry (question, answer, metadata), whose metadata["source_dataset"] names the task."""
+    from reasoning_gym.utils import extract_answer
+
+    scores = []
+    for completion, e in zip(completions, entry, strict=True):
+        try:
+            task = e["metadata"]["source_dataset"]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"field entry={e!r:.80} is not a reasoning-gym dataset entry "
+                             "(with metadata['source_dataset'])") from error
+        predicted = extract_answer(completion)
+        scores.append(0.0 if predicted is None else float(_gym_score_answer(task)(answer=predicted, entry=e)))
+    return scores
+
+
 REWARDS: dict[str, RewardFn] = {
     "answer_correctness": answer_correctness,
     "format": format_reward,
     "task": task_reward,
     "gsm8k": gsm8k_correctness,
+    "math": math_correctness,
+    "reasoning_gym": reasoning_gym_score,
 }
 SCORE_RANGE = (0.0, 1.0)  # every reward of REWARDS scores within it (plots clip reward bands to it)
+# Rewards that need a package: reward -> (module, how to install it).
+_NEEDS = {"math": ("math_verify", "pip install -e ."),
+          "reasoning_gym": ("reasoning_gym", "pip install -e '.[envs]'")}
 
 
 def get_reward(name: str) -> RewardFn:
-    """The registered reward function `name`."""
-    if name not in REWARDS:
-        raise KeyError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
-    return REWARDS[name]
+    """The reward `name`: one of `REWARDS`, or `module.path:function` for any importable
+    reward of the convention above (a user's own verifier).
+
+    Raises ValueError for a name that names no reward, ImportError for a module or package
+    that cannot be imported; each message is one line naming the config field `reward`.
+    """
+    if name in REWARDS:
+        module, install = _NEEDS.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ImportError(f"reward={name!r} needs the package {module}, which is not installed: {install}")
+        return REWARDS[name]
+    module_name, _, attribute = name.partition(":")
+    if not (module_name and attribute):
+        raise ValueError(f"reward={name!r} is not a registered reward ({', '.join(sorted(REWARDS))}) "
+                         "nor module.path:function naming a reward of your own.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(f"reward={name!r}: cannot import module {module_name!r} "
+                          f"({type(error).__name__}: {error}).") from error
+    if not hasattr(module, attribute):
+        raise ValueError(f"reward={name!r}: module {module_name!r} has no attribute {attribute!r}.")
+    fn = getattr(module, attribute)
+    if not callable(fn):
+        raise ValueError(f"reward={name!r}: {module_name}.{attribute} is a {type(fn).__name__}, not a function "
+                         "fn(prompts, completions, **fields) -> list[float].")
+    return fn
 
 
 def _finite_or_none(value) -> float | None:
@@ -219,7 +333,8 @@ def _wait_for_all(barrier, timeout_s: float) -> None:
 
 def _score_job(job) -> tuple[np.ndarray, int]:
     """`safe_rewards` for (reward name or function, prompts, completions, fields): what a
-    scoring thread or worker process runs (a worker imports only this module, no JAX)."""
+    scoring thread or worker process runs (a worker imports only this module, no JAX, and
+    resolves a reward's name itself, module:function too)."""
     reward, prompts, completions, fields = job
     return safe_rewards(get_reward(reward) if isinstance(reward, str) else reward, prompts, completions, **fields)
 
@@ -245,11 +360,13 @@ class Scorer:
     (Python cannot stop a thread), which is enough for a reward that waits (on I/O, a
     lock, a sleep); a reward that can hang while it computes belongs in workers.
 
-    reward: a name of `REWARDS`, or a reward function (with workers: a module-level one,
-    as it is pickled by reference).
+    reward: a name `get_reward` resolves (of `REWARDS`, or module.path:function), or a
+    reward function (with workers: a module-level one, as it is pickled by reference).
     """
 
     def __init__(self, reward: str | RewardFn, workers: int = 0, timeout_s: float = 0.0):
+        if isinstance(reward, str):
+            get_reward(reward)  # a bad name fails here, not in a worker at the first batch
         if workers < 0:
             raise ValueError(f"reward_workers={workers} must be >= 0 (0: score in the training process).")
         if not timeout_s >= 0:
