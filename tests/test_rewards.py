@@ -1,5 +1,5 @@
 """Rewards: own solutions score 1, corruptions less, format rules, GSM8K and math checkers,
-reasoning-gym's own scoring, rewards named module:function, safe_rewards."""
+reasoning-gym's own scoring, rewards named module:function, safe_rewards and its warning."""
 import logging
 import math
 import sys
@@ -247,6 +247,25 @@ def test_safe_rewards_isolates_failing_samples(caplog):
         return [1.0, 1.0] if len(completions) > 1 else [0.5]
     scores, failures = rewards.safe_rewards(wrong_length, ["p"] * 3, ["c"] * 3)
     assert scores.tolist() == [0.5] * 3 and failures == 0
+
+
+def test_the_warning_shows_one_failed_sample(caplog):
+    prompts = ["what is 1?", "what is 2?", "what is 3?", "what is 4?"]
+    with caplog.at_level(logging.WARNING, logger=rewards.__name__):
+        rewards.safe_rewards(_nan_on_odd_answers, prompts, ["one", "two", "three", "four"], answer=["1", "2", "3", "4"])
+    assert "3 of 4" in caplog.text and "'what is 1?'" in caplog.text and "'one'" in caplog.text
+    assert "returned nan" in caplog.text and "what is 3?" not in caplog.text  # one example, the first
+    caplog.clear()
+
+    with caplog.at_level(logging.WARNING, logger=rewards.__name__):
+        rewards.safe_rewards(_raises_on_boom, ["Q" * 1000, "q"], ["boom" + "c" * 1000, "1"], answer=["1", "1"])
+    assert "raised RuntimeError('reward bug')" in caplog.text and "boomccc" in caplog.text
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 700  # long texts are cut
+
+    scored = rewards.Scorer(_raises_on_boom)(["p", "the prompt"], ["1", "boom"], {"answer": ["1", "1"]})
+    assert scored.failures == 1 and scored.failed_sample == rewards.FailedSample(
+        "the prompt", "boom", "raised RuntimeError('reward bug')")
+    assert rewards.Scorer(_raises_on_boom)(["p"], ["1"], {"answer": ["1"]}).failed_sample is None
 
 
 def test_safe_rewards_passes_healthy_batches_through(examples):

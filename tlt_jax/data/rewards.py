@@ -19,9 +19,10 @@ The registry, `REWARDS` (each scores within `SCORE_RANGE`, [0, 1]):
 convention, so a verifier of one's own needs no change here.
 
 `safe_rewards` is how the RL loop calls a reward: a sample whose score raises or is not
-finite scores 0 and is counted, without zeroing the rest of the batch. `Scorer` runs it
-for the loop, in this process or in worker processes, under a per-batch deadline: a
-reward that hangs scores 0 and is counted too, and the run goes on.
+finite scores 0 and is counted, without zeroing the rest of the batch, and the warning
+shows one such sample (`FailedSample`). `Scorer` runs it for the loop, in this process or
+in worker processes, under a per-batch deadline: a reward that hangs scores 0 and is
+counted too, and the run goes on.
 """
 from __future__ import annotations
 
@@ -288,6 +289,63 @@ def _finite_or_none(value) -> float | None:
     return value if math.isfinite(value) else None
 
 
+_EXAMPLE_CHARS = 200  # of a prompt, completion or outcome, in a warning
+
+
+def _clip(text: str, limit: int = _EXAMPLE_CHARS) -> str:
+    """`text`, its middle cut to keep `limit` characters: a prompt's question and a
+    completion's answer are at their ends."""
+    return text if len(text) <= limit else f"{text[:limit // 2]} [...] {text[-(limit // 2):]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedSample:
+    """A sample a reward failed on, as `safe_rewards` warns of it: str() is one line."""
+
+    prompt: str
+    completion: str
+    outcome: str  # what the reward returned or raised for it
+
+    def __str__(self) -> str:
+        return f"prompt {_clip(self.prompt)!r}, completion {_clip(self.completion)!r}: {_clip(self.outcome)}"
+
+
+def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+                     **fields) -> tuple[np.ndarray, int, FailedSample | None]:
+    """`safe_rewards`, and the first sample that failed (None if none did)."""
+    batch = len(completions)
+    problems = {}  # sample -> what went wrong, where its score does not tell
+    try:
+        scores = list(fn(list(prompts), list(completions), **fields))
+        if len(scores) != batch:
+            raise ValueError(f"{len(scores)} scores for {batch} samples")
+    except Exception as error:  # noqa: BLE001 - any reward bug must not stop training
+        logger.debug("reward %s failed on the batch (%r); scoring samples one by one.",
+                     getattr(fn, "__name__", fn), error)
+        scores = []
+        for i in range(batch):
+            try:
+                single = fn([prompts[i]], [completions[i]], **{k: v[i:i + 1] for k, v in fields.items()})
+            except Exception as error:  # noqa: BLE001
+                scores.append(None)
+                problems[i] = f"raised {error!r}"
+                continue
+            if hasattr(single, "__len__") and len(single) == 1:
+                scores.append(list(single)[0])
+            else:
+                scores.append(None)
+                problems[i] = f"returned {single!r} for 1 sample"
+    finite = [_finite_or_none(s) for s in scores]
+    failed = [i for i, s in enumerate(finite) if s is None]
+    first = None
+    if failed:
+        i = failed[0]
+        first = FailedSample(str(prompts[i]), str(completions[i]), problems.get(i, f"returned {scores[i]!r}"))
+        logger.warning("reward %s failed on %d of %d samples; they score 0. The first: %s",
+                       getattr(fn, "__name__", fn), len(failed), batch, first)
+    return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), len(failed), first
+
+
 def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
                  **fields) -> tuple[np.ndarray, int]:
     """Scores [B] float32 from `fn`, and how many samples failed (scored 0 instead).
@@ -295,29 +353,11 @@ def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
     The batch is scored in one call; if that raises or returns the wrong number of scores,
     each sample is scored alone so only the bad ones get 0. A score that is NaN, inf or
     not a number is a failure too. Fields must be per-sample sequences of length B.
-    Failures are logged as one warning per call.
+    Failures are logged as one warning per call, which shows the first failed sample: its
+    prompt, completion and what the reward returned or raised (`FailedSample`).
     """
-    batch = len(completions)
-    try:
-        scores = list(fn(list(prompts), list(completions), **fields))
-        if len(scores) != batch:
-            raise ValueError(f"{len(scores)} scores for {batch} samples")
-    except Exception as error:  # noqa: BLE001 - any reward bug must not stop training
-        logger.debug("reward %s failed on the batch (%r); scoring samples one by one.",
-                      getattr(fn, "__name__", fn), error)
-        scores = []
-        for i in range(batch):
-            try:
-                single = fn([prompts[i]], [completions[i]], **{k: v[i:i + 1] for k, v in fields.items()})
-                scores.append(single[0] if len(single) == 1 else None)
-            except Exception:  # noqa: BLE001
-                scores.append(None)
-    finite = [_finite_or_none(s) for s in scores]
-    failures = sum(s is None for s in finite)
-    if failures:
-        logger.warning("reward %s failed on %d of %d samples; they score 0.",
-                        getattr(fn, "__name__", fn), failures, batch)
-    return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), failures
+    scores, failures, _ = _checked_rewards(fn, prompts, completions, **fields)
+    return scores, failures
 
 
 _START_TIMEOUT_S = 300.0  # for the workers of a new pool to be up
@@ -331,12 +371,12 @@ def _wait_for_all(barrier, timeout_s: float) -> None:
         pass
 
 
-def _score_job(job) -> tuple[np.ndarray, int]:
-    """`safe_rewards` for (reward name or function, prompts, completions, fields): what a
-    scoring thread or worker process runs (a worker imports only this module, no JAX, and
-    resolves a reward's name itself, module:function too)."""
+def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None]:
+    """`safe_rewards` for (reward name or function, prompts, completions, fields), with its
+    first failed sample: what a scoring thread or worker process runs (a worker imports
+    only this module, no JAX, and resolves a reward's name itself, module:function too)."""
     reward, prompts, completions, fields = job
-    return safe_rewards(get_reward(reward) if isinstance(reward, str) else reward, prompts, completions, **fields)
+    return _checked_rewards(get_reward(reward) if isinstance(reward, str) else reward, prompts, completions, **fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +386,7 @@ class Scores:
     scores: np.ndarray  # [B] float32; 0 where a sample failed
     failures: int  # samples scored 0: their reward raised, was not finite, or not in time
     timed_out: int  # of those, the samples whose scoring passed the batch's deadline
+    failed_sample: FailedSample | None = None  # the first whose reward raised or was not finite, to show
 
 
 class Scorer:
@@ -381,7 +422,7 @@ class Scorer:
         jobs = [(self.reward, [prompts[i] for i in part], [completions[i] for i in part],
                  {k: [v[i] for i in part] for k, v in fields.items()}) for part in parts if len(part)]
         results = self._in_workers(jobs, deadline) if self.workers else [self._inline(job, deadline) for job in jobs]
-        scores, failures, timed_out = [np.zeros((0,), np.float32)], 0, 0
+        scores, failures, timed_out, failed_sample = [np.zeros((0,), np.float32)], 0, 0, None
         for job, result in zip(jobs, results):
             if result is None:
                 n = len(job[2])
@@ -390,10 +431,11 @@ class Scorer:
             else:
                 scores.append(result[0])
                 failures += result[1]
+                failed_sample = failed_sample or result[2]
         if timed_out:
             logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
                            getattr(self.reward, "__name__", self.reward), timed_out, len(completions), self.timeout_s)
-        return Scores(np.concatenate(scores), failures, timed_out)
+        return Scores(np.concatenate(scores), failures, timed_out, failed_sample)
 
     @staticmethod
     def _inline(job, deadline: float | None):
