@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import checkpoint, sharding
-from tlt_jax.data import tasks
+from tlt_jax.data import packing, tasks
 from tlt_jax.data.packing import pack_examples, pack_spans
 from tlt_jax.drafter_training import trainer as dt
 from tlt_jax.drafter_training.buffer import DrafterBuffer
@@ -72,7 +72,7 @@ def _pack_examples_before_pack_spans(tokenizer, examples, seq_len):
     """`sft.pack_examples` as it was before it used `pack_spans` (logging left out)."""
     rows, row = [], []
     for example in examples:
-        ids, mask = tasks.encode_for_sft(tokenizer, example)
+        ids, mask = packing.encode_for_sft(tokenizer, example)
         if len(ids) > seq_len:
             continue
         if sum(len(i) for i, _ in row) + len(ids) > seq_len:

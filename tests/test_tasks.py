@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from tlt_jax.data import tasks
+from tlt_jax.data import packing, tasks
 
 NUM_SAMPLES = 300
 
@@ -127,7 +127,7 @@ def test_tokenizer_round_trip(tmp_path, train_examples):
     assert len(tok) == 4 + len(tasks.ALPHABET)
     for examples in train_examples.values():
         for e in examples[:20]:
-            ids, mask = tasks.encode_for_sft(tok, e)
+            ids, mask = packing.encode_for_sft(tok, e)
             assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and tok.unk_token_id not in ids
             assert len(ids) == len(e.prompt) + len(e.solution) + 2  # one id per character
             assert tok.decode(ids, skip_special_tokens=True) == e.prompt + e.solution

@@ -5,7 +5,8 @@ template or a format string); a completion is the text of the answer's tokens wi
 its end token (any of the model's end tokens). `evaluate_samples` also returns one
 record per sample, what `eval_samples.jsonl` holds: the prompt as templated text, the
 completion, the reference answer, the reward, the length, and whether the sample ended
-on an end token or ran into `max_tokens`.
+on an end token or was cut off (`max_tokens`, or the
+engine's cache length).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tlt_jax import sampling
 from tlt_jax.data import prompts, rewards, tasks
 
 _DEFAULT_FORMAT = prompts.PromptFormat()
+_ENDED = ("eos", "stop")  # finish reasons of a sample that ended on its own (not on max_tokens or the cache)
 
 
 def encode_prompts(tokenizer, examples: Sequence[tasks.Example],
@@ -37,8 +39,8 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
                      prompt_format: prompts.PromptFormat = _DEFAULT_FORMAT,
                      end_token_ids: Sequence[int] | None = None) -> tuple[dict, list[dict]]:
     """(metrics, samples): the mean of `reward` over the samples (accuracy: pass@1 averaged
-    over samples for a 0/1 reward), the answer lengths, the share of samples that ran into
-    max_tokens without an end token; and a record per sample (see the module doc)."""
+    over samples for a 0/1 reward), the answer lengths, the share of samples cut off before
+    an end token; and a record per sample (see the module doc)."""
     examples = list(examples)
     out = engine.generate(encode_prompts(tokenizer, examples, prompt_format), num_samples, sampling_params, key)
     completions = decode_completions(tokenizer, out.tokens, end_token_ids)
@@ -47,11 +49,11 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
     scores, _ = rewards.safe_rewards(fn, [e.prompt for e in chosen], completions, **fields)
     lengths = out.lengths
-    truncated = np.asarray([reason == "max_tokens" for reason in out.finish_reason], bool)
+    ended = np.asarray([reason in _ENDED for reason in out.finish_reason], bool)
     metrics = {"accuracy": float(np.mean(scores)) if len(scores) else 0.0,
                "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
                "length_max": int(lengths.max(initial=0)),
-               "truncated_share": float(truncated.mean()) if len(truncated) else 0.0}
+               "truncated_share": float(1.0 - ended.mean()) if len(ended) else 0.0}
     texts = {}
     samples = []
     for i, example_index in enumerate(out.prompt_index.tolist()):
@@ -60,7 +62,7 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
         samples.append({"prompt": texts[example_index], "completion": completions[i],
                         "reference": examples[example_index].answer, "reward": float(scores[i]),
                         "length": int(lengths[i]), "finish_reason": out.finish_reason[i],
-                        "ended": out.finish_reason[i] in ("eos", "stop")})
+                        "ended": bool(ended[i])})
     return metrics, samples
 
 

@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax import checkpoint, evaluation, metrics, sampling, sharding
-from tlt_jax.data import tasks
+from tlt_jax.data import sources, tasks
 from tlt_jax.data.packing import batch_indices, pack_examples
 from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
-from tlt_jax.models.hf_io import save_hf
+from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.tokenizer import load_tokenizer
 from tlt_jax.train_state import (
     OptimizerConfig,
     TrainState,
@@ -54,34 +55,53 @@ class SFTTrainer:
         return self._step(state, batch)
 
 
-def train_sft(config, *, progress: bool = True) -> dict:
-    """The SFT job of `configs/sft.py`: builds the task tokenizer, trains, evaluates by
-    sampling, checkpoints with orbax (resuming when run again) and writes the final model
-    in the Hugging Face format to <run_dir>/hf. Returns the final metrics."""
-    run_dir = config.run_dir
-    os.makedirs(run_dir, exist_ok=True)
+def _start(config, run_dir: str):
+    """(model config, params, tokenizer): the checkpoint of `model_dir`, or, with model_dir
+    empty, a model of `config.model` from random weights with the synthetic tasks' tokenizer."""
+    if config.get("model_dir"):
+        model_cfg, params = load_hf(config.model_dir)
+        return model_cfg, params, load_tokenizer(config.model_dir)
+    if sources.kind(config.data) != "tasks":
+        raise ValueError(f"data.source={config.data.source!r} needs a model with its tokenizer: set "
+                         "--config.model_dir to a Hugging Face checkpoint.")
     tokenizer = tasks.build_task_tokenizer(os.path.join(run_dir, "tokenizer"))
     model_cfg = from_config_dict(config.model).replace(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return model_cfg, tfm.init_params(model_cfg, jax.random.PRNGKey(config.seed)), tokenizer
+
+
+def train_sft(config, *, progress: bool = True) -> dict:
+    """The SFT job of `configs/sft.py`: starts from `model_dir` (or random weights on the
+    synthetic tasks), trains on the solutions of `data` (any source: `data.sources`) in
+    the model's prompt format, evaluates by sampling, checkpoints with orbax (resuming when
+    run again) and writes the final model in the Hugging Face format to <run_dir>/hf.
+    Returns the final metrics."""
+    run_dir = config.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    model_cfg, params, tokenizer = _start(config, run_dir)
     mesh = sharding.make_mesh(config.mesh)
-    task = tasks.from_spec(config.data.tasks.to_dict())
-    train = pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
-                          config.data.seq_len)
-    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.seed, unique=True)
+    problems = sources.load_problems(config.data, tokenizer=tokenizer,
+                                     max_prompt_length=config.eval.max_prompt_length)
+    end_ids = model_cfg.end_token_ids or (tokenizer.eos_token_id,)
+    train = pack_examples(tokenizer, problems.train, config.data.seq_len, problems.prompt_format, end_ids[0])
     trainer = SFTTrainer(model_cfg, OptimizerConfig(**config.optimizer), mesh)
-    state = trainer.init_state(tfm.init_params(model_cfg, jax.random.PRNGKey(config.seed)))
+    state = trainer.init_state(params)
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     state, meta = ckpt.resume(state)
     start = meta["step"] if meta else 0
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
     engine = RolloutEngine(model_cfg, state.params, mesh, RolloutConfig(
         num_slots=config.eval.num_slots, max_prompt_length=config.eval.max_prompt_length,
-        max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=model_cfg.eos_token_id))
+        max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=end_ids))
     greedy = sampling.SamplingParams(temperature=0.0, max_tokens=config.data.seq_len)
+    reward = sources.correctness_reward(config.data, config.get("reward") or sources.default_reward(config.data))
 
     def run_eval(state, step):
         engine.update_params(state.params)
-        result = evaluation.evaluate(engine, tokenizer, eval_examples, greedy, jax.random.PRNGKey(step))
+        result, samples = evaluation.evaluate_samples(engine, tokenizer, problems.eval, greedy,
+                                                      jax.random.PRNGKey(step), reward=reward,
+                                                      prompt_format=problems.prompt_format, end_token_ids=end_ids)
+        writer.write_samples(step, samples)
         return {f"eval_{k}": v for k, v in result.items()}
 
     def step_fn(state, step):

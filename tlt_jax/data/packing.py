@@ -15,6 +15,9 @@ import numpy as np
 from absl import logging
 
 from tlt_jax.data import tasks
+from tlt_jax.data.prompts import PromptFormat
+
+_DEFAULT_FORMAT = PromptFormat()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,20 +85,35 @@ def pack_spans(lengths: Sequence[int], seq_len: int) -> Packing:
     return Packing(seq_len, lengths_N, row_N, offset_N, segment_N, row + 1)
 
 
-def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int) -> dict:
-    """Packs examples greedily into rows of seq_len tokens (no padding wasted on short
-    traces; `pack_spans`, which packs the drafter's data too). Returns int32 tokens /
-    positions / segment_ids [n, seq_len] (segment 0 is padding) and the target mask
-    [n, seq_len-1], True where position t predicts a solution token or <eos> of its own
-    example. Examples longer than seq_len are dropped, counted."""
-    encoded = [tasks.encode_for_sft(tokenizer, example) for example in examples]
+def encode_for_sft(tokenizer, example: tasks.Example, prompt_format: PromptFormat = _DEFAULT_FORMAT,
+                   end_token_id: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the prompt (as `prompt_format` makes it: with the synthetic tasks'
+    default, <bos> then the prompt), the solution and the end token (default the
+    tokenizer's eos), and a mask that is 1 on the positions the model must predict (the
+    solution and the end token) and 0 on the prompt."""
+    prompt_ids = prompt_format.example_ids(tokenizer, example)
+    solution_ids = tokenizer(example.solution, add_special_tokens=False)["input_ids"]
+    end = tokenizer.eos_token_id if end_token_id is None else end_token_id
+    ids = prompt_ids + solution_ids + [end]
+    return ids, [0] * len(prompt_ids) + [1] * (len(solution_ids) + 1)
+
+
+def pack_examples(tokenizer, examples: Sequence[tasks.Example], seq_len: int,
+                  prompt_format: PromptFormat = _DEFAULT_FORMAT, end_token_id: int | None = None) -> dict:
+    """Packs examples (`encode_for_sft`) greedily into rows of seq_len tokens (no padding
+    wasted on short traces; `pack_spans`, which packs the drafter's data too). Returns
+    int32 tokens / positions / segment_ids [n, seq_len] (segment 0 is padding) and the
+    target mask [n, seq_len-1], True where position t predicts a solution token or the end
+    token of its own example. Examples longer than seq_len are dropped, counted."""
+    encoded = [encode_for_sft(tokenizer, example, prompt_format, end_token_id) for example in examples]
     packing = pack_spans([len(ids) for ids, _ in encoded], seq_len)
     if packing.dropped:
         logging.warning("%d of %d examples are longer than seq_len=%d and were dropped.", packing.dropped,
                         len(examples), seq_len)
     if not packing.num_rows:
         raise ValueError(f"Every example is longer than seq_len={seq_len}; raise seq_len.")
-    return packing.rows([ids for ids, _ in encoded], [mask for _, mask in encoded], pad_id=tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return packing.rows([ids for ids, _ in encoded], [mask for _, mask in encoded], pad_id=pad)
 
 
 def batch_indices(step: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:

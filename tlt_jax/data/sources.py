@@ -45,6 +45,12 @@ def correctness_reward(data_config, reward: str) -> str:
     return "answer_correctness" if kind(data_config) == "tasks" else reward
 
 
+def default_reward(data_config) -> str:
+    """The verifier a source is scored with unless the config names one: the tasks' own
+    checkers, reasoning-gym's `score_answer`, math-verify for files."""
+    return {"tasks": "task", "reasoning_gym": "reasoning_gym", "files": "math"}[kind(data_config)]
+
+
 def check_reward(data_config, reward: str) -> None:
     """The synthetic tasks' rewards read the tasks' answer format and checkers."""
     if kind(data_config) != "tasks" and reward in ("task", "answer_correctness", "format"):

@@ -397,15 +397,6 @@ def build_task_tokenizer(out_dir: str):
     return build_char_tokenizer(out_dir, ALPHABET)
 
 
-def encode_for_sft(tokenizer, example: Example) -> tuple[list[int], list[int]]:
-    """Token ids <bos> prompt solution <eos>, and a mask that is 1 on the positions the
-    model must predict (solution and <eos>) and 0 on <bos> and the prompt."""
-    prompt_ids = tokenizer(example.prompt)["input_ids"]  # with <bos>
-    solution_ids = tokenizer(example.solution, add_special_tokens=False)["input_ids"]
-    ids = prompt_ids + solution_ids + [tokenizer.eos_token_id]
-    return ids, [0] * len(prompt_ids) + [1] * (len(solution_ids) + 1)
-
-
 def from_spec(spec: Mapping[str, Mapping[str, Any]]) -> Task | Mixture:
     """A task or weighted mixture from a config: {name: {"weight": w, **knobs}}."""
     if not spec:
