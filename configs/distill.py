@@ -21,6 +21,10 @@ from configs import models
 from configs.common import grid
 from configs.sft import tasks_tiny
 
+# The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
+# new field included, is refused unless --config.resume_changes names it.
+RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
+
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset != "tiny":
@@ -37,7 +41,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.tail = False  # False: the paper's top-K loss; True: plus the bucket of the mass outside the top-K
     c.temperature = 1.0  # of teacher and student alike
     c.eval_top_k = 0  # ids per held-out position (>= top_k); 0: the whole vocabulary (exact eval_kl)
-    c.cache_dir = ""  # "": <run_dir>/teacher_cache; a finished cache can be shared by runs
+    c.cache_dir = ""  # "": <run_dir>/teacher_cache; another run's (existing) cache can be shared
     c.cache_dtype = "float32"  # of the cached log-probs: "float32" or "bfloat16"
     # Rows per teacher call while caching. Equal to batch_size, the teacher computes with the
     # shapes of the online loop and both modes' curves are bitwise identical (CPU); other sizes
@@ -57,6 +61,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/distill_tiny"
+    c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
     return c
 
 

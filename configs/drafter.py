@@ -18,6 +18,10 @@ import ml_collections
 
 from configs.sft import tasks_long_tail, tasks_tiny
 
+# The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
+# new field included, is refused unless --config.resume_changes names it.
+RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
+
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     if preset not in ("tiny", "fused", "gpu", "long_tail"):
@@ -53,6 +57,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.acceptance = ml_collections.ConfigDict(dict(num_prompts=32, num_samples=2, depth=4, temperature=1.0,
                                                   max_tokens=96, num_slots=32, max_prompt_length=24))
     c.run_dir = "runs/drafter_tiny"
+    c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
     if preset == "fused":
         c.drafter.feature_layers = (0, 2, 3)
         c.run_dir = "runs/drafter_fused"

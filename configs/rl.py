@@ -1,17 +1,28 @@
 """GRPO on the synthetic reasoning tasks: `--config=configs/rl.py:tiny` (the main job).
 
-Presets: tiny (CPU, minutes: warm-started from the shipped SFT checkpoint, or a freshly
-trained one when it is absent), qwen2.5-0.5b and qwen2.5-1.5b (GPU shapes; their SFT
-warm start is trained first unless --config.sft_dir names a checkpoint).
+Presets: tiny (CPU, minutes: warm-started from the shipped SFT checkpoint), qwen2.5-0.5b
+and qwen2.5-1.5b (GPU shapes; their SFT warm start is trained first unless --config.sft_dir
+names a checkpoint).
 
 `tlt.enabled` turns TLT on: adaptive speculative rollouts (the BEG-MAB tuner of
 `tlt.tuner` picks plain decode or a drafting strategy per chunk by active batch size)
 and the drafter trained on the spot in the idle gaps of each RL step (`tlt.spot`,
 `tlt.drafter`). `--config.tlt.enabled=False` is the baseline: the same run without them.
+
+Warm start: `sft_dir` names a Hugging Face checkpoint; `--config.sft_dir=''` asks for the
+SFT run of `sft` to be trained first (into <run_dir>/sft, once). A given path that does
+not exist is an error, never a reason to train one.
 """
 import ml_collections
 
 from configs import models, sft
+
+# The fields a resumed run may change (`launch.prepare_run_dir`): they alter neither what is
+# learned nor how it is scored (speculation is lossless, so TLT's switch and its tuner are
+# among them). A change to any other field, a new one included, is refused unless
+# --config.resume_changes names it.
+RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "save_hf",
+                "reward_workers", "tlt.enabled", "tlt.tuner", "sft.run_dir")
 
 
 def tlt_config() -> ml_collections.ConfigDict:
@@ -38,8 +49,8 @@ def tlt_config() -> ml_collections.ConfigDict:
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.sft = sft.get_config("tiny")  # how to build the warm start when sft_dir holds none
-    c.sft_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer
+    c.sft = sft.get_config("tiny")  # the warm start trained first when sft_dir is ""
+    c.sft_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer; "": train c.sft first
     # RL prompts come from their own seed: the SFT run drew its training problems from
     # seed 0, and a memorised problem gives no learning signal.
     c.data = ml_collections.ConfigDict(dict(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1))
@@ -67,6 +78,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/rl_tiny"
+    c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
     c.tlt = tlt_config()
     if preset == "tiny":
         return c

@@ -6,6 +6,10 @@ import ml_collections
 
 from configs import models
 
+# The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
+# new field included, is refused unless --config.resume_changes names it.
+RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
+
 
 def tasks_tiny():
     """Schoolbook additions of up to 8 digits (Zipf-distributed digit counts): a problem
@@ -36,6 +40,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/sft_tiny"
+    c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
     if preset == "gpu":
         # The speculative-decoding target on the GPU: 180M parameters (16 layers of 1024),
         # large enough that a decode step moves more bytes than the 1-layer drafter's.

@@ -5,13 +5,16 @@ starts from, evaluates it greedily and writes it in the Hugging Face format to <
   python -m experiments.sft --config=configs/sft.py:long_tail
 
 Presets: tiny, gpu, long_tail (configs/sft.py). A rerun with the same run_dir resumes from
-its last checkpoint. Prints the final metrics (loss, eval_accuracy) as one JSON line.
+its last checkpoint; a change of what it learns is refused unless --config.resume_changes
+names it (docs/checkpoints.md). Prints the final metrics (loss, eval_accuracy) as one JSON line.
 """
 import json
+import os
 
 from ml_collections import config_flags
 
-from tlt_jax import launch, metrics
+from configs.sft import RESUME_INERT
+from tlt_jax import checkpoint, launch, metrics
 from tlt_jax.sft import train_sft
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft.py:tiny", "SFT config file:preset; override any "
@@ -22,10 +25,12 @@ def main(argv):
     del argv
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
-    launch.prepare_run_dir(config.run_dir, config)
-    result = train_sft(config)
-    metrics.report(f"SFT: eval accuracy {result.get('eval_accuracy', float('nan')):.3f} after {config.steps} steps; "
-                   f"the model is in {config.run_dir}/hf")
+    launch.prepare_run_dir(config.run_dir, config, RESUME_INERT, resume_step=lambda: checkpoint.resume_step(
+        os.path.join(config.run_dir, "checkpoints")))
+    result = launch.with_config_changes(config.run_dir, train_sft(config))
+    metrics.report(f"SFT: eval accuracy {result.get('eval_accuracy', float('nan')):.3f} after {config.steps} steps"
+                   f"{launch.describe_config_changes(result.get('config_changes'))}; the model is in "
+                   f"{config.run_dir}/hf")
     print(json.dumps(result))
 
 

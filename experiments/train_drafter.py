@@ -6,14 +6,17 @@ acceptance in speculative rollouts.
 
 Writes metrics.jsonl, tensorboard/, drafter_curves.png, checkpoints/ (a rerun resumes) and
 the drafter export <run_dir>/drafter (for experiments.generate --drafter and the RL config's
-tlt.drafter.init); prints the final metrics as one JSON line.
+tlt.drafter.init); prints the final metrics as one JSON line. A change of what a resumed run
+learns is refused unless --config.resume_changes names it (docs/checkpoints.md).
 """
 import json
+import os
 
 from ml_collections import config_flags
 
-from tlt_jax import launch, metrics
-from tlt_jax.drafter_training.trainer import train_drafter
+from configs.drafter import RESUME_INERT
+from tlt_jax import checkpoint, launch, metrics
+from tlt_jax.drafter_training.trainer import check_paths, train_drafter
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/drafter.py:tiny", "Drafter config file:preset; "
                                           "override any field with --config.<field>=<value>.")
@@ -23,14 +26,16 @@ def main(argv):
     del argv
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
-    launch.check_checkpoint_dir(config.target_dir, "--config.target_dir")
-    launch.prepare_run_dir(config.run_dir, config)
-    result = train_drafter(config)
+    check_paths(config)
+    launch.prepare_run_dir(config.run_dir, config, RESUME_INERT, resume_step=lambda: checkpoint.resume_step(
+        os.path.join(config.run_dir, "checkpoints")))
+    result = launch.with_config_changes(config.run_dir, train_drafter(config))
     line = (f"Drafter after {result['steps']} steps: eval top-1 agreement with the target "
             f"{result['eval_top1_agree']:.3f}")
     if "acceptance" in result:
         line += f", acceptance length {result['acceptance']['acceptance_length']:.2f} in speculative rollouts"
-    metrics.report(line + f"; the export is {config.run_dir}/drafter")
+    metrics.report(line + launch.describe_config_changes(result.get("config_changes"))
+                   + f"; the export is {config.run_dir}/drafter")
     print(json.dumps(result))
 
 

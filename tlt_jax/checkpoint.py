@@ -105,6 +105,21 @@ def verify_manifest(step_dir: pathlib.Path, step: int) -> None:
             raise CheckpointIntegrityError(f"step {step}: file {name} fails its sha256 check")
 
 
+def resume_step(directory: str | os.PathLike) -> int:
+    """The step `Checkpointer(directory).resume` restores: the newest step whose manifest
+    verifies (0 when none does, or there is no directory), read without opening orbax."""
+    directory = pathlib.Path(directory)
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()),
+                   reverse=True) if directory.is_dir() else []
+    for step in steps:
+        try:
+            verify_manifest(directory / str(step), step)
+        except CheckpointIntegrityError:
+            continue
+        return step
+    return 0
+
+
 class Checkpointer:
     """Asynchronous, verified checkpoints of a training state in `directory`.
 

@@ -12,6 +12,13 @@ transport of our own.
 - Bad input: a flag or config value refused before the run directory is prepared (a
   ValueError or FileNotFoundError naming the field) is one line on stderr and exit
   status 1; the run directory of an earlier run is left as it was.
+- One run directory, one experiment: `prepare_run_dir` records a new run's config in
+  config.json and checks a rerun against it. A change to a field that alters what is
+  learned or how it is scored (every field but the launcher's `inert` ones) is refused
+  unless `--config.resume_changes` names it; accepted changes are appended to
+  config_history.jsonl with the step they hold from, and config.json keeps the first config.
+- Pointers: `check_path` refuses a given path (a starting checkpoint, drafter, teacher,
+  cache) that does not exist, naming its flag; "" is the field's documented default.
 - Compilation cache: JAX's persistent compilation cache in `--compilation_cache_dir`, so
   running a config again loads its compiled programs instead of compiling them;
   `--nocompilation_cache` turns it off.
@@ -23,9 +30,13 @@ import os
 import socket
 import sys
 import threading
+import time
+from typing import Callable, Sequence
 
 import jax
 from absl import app, flags, logging
+
+from tlt_jax import multihost
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0 for multi-host runs (jax.distributed).")
@@ -98,16 +109,194 @@ def _fail_unless_joined(joined: threading.Event, host: str, port: int) -> None:
     os._exit(1)  # the main thread is blocked inside jax.distributed.initialize
 
 
-def prepare_run_dir(run_dir: str, config) -> str:
-    """Creates the run directory and records the resolved config in it (process 0).
-    Validate the config first: this overwrites the config.json of an earlier run."""
+CONFIG_FILENAME = "config.json"  # the run's first config
+HISTORY_FILENAME = "config_history.jsonl"  # each accepted change of a resumed run, with its step
+# Where the run is and which changes it accepts alter nothing it learns.
+_ALWAYS_INERT = ("run_dir", "resume_changes")
+_ABSENT = "<absent>"
+
+
+def flat_config(config) -> dict:
+    """{dotted field: value} of a ConfigDict or nested dict as config.json records it (JSON
+    values: tuples as lists, other objects as their str); an empty section is one value, {}."""
+    tree = json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else config, default=str))
+    flat = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(f"{prefix}{key}.", value)
+        else:
+            flat[prefix[:-1]] = node
+
+    walk("", tree)
+    return flat
+
+
+def _under(field: str, names: Sequence[str]) -> bool:
+    """Whether `field` is one of `names` or lies in a section among them."""
+    return any(field == n or field.startswith(n + ".") for n in names)
+
+
+def _show(change: dict) -> str:
+    value = lambda key: json.dumps(change[key]) if key in change else _ABSENT
+    return f"{change['field']}: {value('old')} -> {value('new')}"
+
+
+def _recorded_config(run_dir: str) -> dict | None:
+    """The flat config the run in run_dir runs with now: its first config with every
+    accepted change applied; None when run_dir holds no run."""
+    path = os.path.join(run_dir, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            flat = flat_config(json.load(f))
+    except ValueError as e:
+        raise ValueError(f"{path} is not the JSON config a run records ({e}); move it aside to start over "
+                         "in --config.run_dir, or give a new --config.run_dir.") from e
+    for entry in config_history(run_dir):
+        for change in entry["changes"]:
+            if "new" in change:
+                flat[change["field"]] = change["new"]
+            else:
+                flat.pop(change["field"], None)
+    return flat
+
+
+def config_history(run_dir: str) -> list[dict]:
+    """The entries of run_dir's config_history.jsonl, oldest first: {"step": the checkpoint
+    step the run resumed from (the changes hold for the steps after it), "time",
+    "changes": [{"field", "old", "new", "learned"}]}; "old" or "new" is left out for a
+    field that was absent, "learned" is true for a change --config.resume_changes accepted."""
+    path = os.path.join(run_dir, HISTORY_FILENAME)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _compare(run_dir: str, config, inert: Sequence[str]) -> list[dict]:
+    """The changes of `config` from the run recorded in run_dir; ValueError for a change
+    neither inert nor named in resume_changes."""
+    recorded = _recorded_config(run_dir)
+    if recorded is None:
+        return []
+    new = flat_config(config)
+    changes = []
+    for field in sorted(recorded.keys() | new.keys()):
+        if field in recorded and field in new and recorded[field] == new[field]:
+            continue
+        change = {"field": field, **({"old": recorded[field]} if field in recorded else {}),
+                  **({"new": new[field]} if field in new else {})}
+        change["learned"] = not _under(field, (*_ALWAYS_INERT, *inert))
+        changes.append(change)
+    named = [n.strip() for n in str(new.get("resume_changes") or "").split(",") if n.strip()]
+    unknown = [n for n in named if not any(_under(f, [n]) for f in recorded.keys() | new.keys())]
+    if unknown:
+        raise ValueError(f"--config.resume_changes names {', '.join(unknown)}: not a field of the config; name "
+                         "fields as --config.<field> does (a section accepts every field in it).")
+    refused = [c for c in changes if c["learned"] and not _under(c["field"], named)]
+    if refused:
+        accept = ",".join(dict.fromkeys([*named, *(c["field"] for c in refused)]))
+        raise ValueError(f"--config.run_dir={run_dir} holds a run of another config, which this one changes in what "
+                         f"it learns or how it is scored: {'; '.join(map(_show, refused))}. Start a new run with a "
+                         f"new --config.run_dir, or accept exactly these changes with "
+                         f"--config.resume_changes={accept}")
+    return changes
+
+
+def check_resume(run_dir: str, config, inert: Sequence[str] = ()) -> list[dict]:
+    """The changes of `config` from the config of the run already in run_dir (none for a
+    new run), as config_history.jsonl records them. A change to a field that alters what
+    is learned or how it is scored raises ValueError naming each changed field as
+    `old -> new`: every field is such a field unless it lies under `inert` (dotted fields
+    or sections) or is named in the config's `resume_changes` ("field,field"; a section
+    names every field in it). Writes nothing. Every process calls it; process 0 decides."""
+    if jax.process_index() == 0:
+        try:
+            decision = ("changes", _compare(run_dir, config, inert))
+        except ValueError as e:
+            decision = ("error", str(e))
+    else:
+        decision = None
+    kind, value = multihost.broadcast_object(decision)
+    if kind == "error":
+        raise ValueError(value)
+    return value
+
+
+def prepare_run_dir(run_dir: str, config, inert: Sequence[str] = (), *,
+                    resume_step: Callable[[], int] | None = None) -> str:
+    """Checks the config against the run already in run_dir (`check_resume`; a refused
+    change leaves run_dir as it was), then creates run_dir and records (process 0): a new
+    run's config in config.json; a resumed run's accepted changes appended to
+    config_history.jsonl at `resume_step()` (the checkpoint step it resumes from, called
+    only then; 0 without it), and reported in one line. config.json keeps the first config.
+    Validate the config first."""
     global _checking_input
+    changes = check_resume(run_dir, config, inert)
     _checking_input = False
     os.makedirs(run_dir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
+    if jax.process_index() != 0:
+        return run_dir
+    path = os.path.join(run_dir, CONFIG_FILENAME)
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(config.to_dict(), f, indent=2, sort_keys=True, default=str)
+        os.replace(tmp, path)  # a reader never sees half a config
+    elif changes:
+        step = resume_step() if resume_step is not None else 0
+        entry = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changes": changes}
+        with open(os.path.join(run_dir, HISTORY_FILENAME), "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        shown = ", ".join(_show(c) + (" (--config.resume_changes)" if c["learned"] else "") for c in changes)
+        sys.stderr.write(f"Config changes from step {step} of {run_dir}, recorded in {HISTORY_FILENAME}: {shown}\n")
+        sys.stderr.flush()
     return run_dir
+
+
+def config_changes(run_dir: str) -> list[dict]:
+    """The run's config changes midway, for its summary: [{"step", "changes": {field:
+    "old -> new"}}], empty when its config never changed."""
+    return [{"step": e["step"], "changes": {c["field"]: _show(c).split(": ", 1)[1] for c in e["changes"]}}
+            for e in config_history(run_dir)]
+
+
+def with_config_changes(run_dir: str, summary: dict) -> dict:
+    """`summary` with the run's `config_changes` when its config changed midway."""
+    changes = config_changes(run_dir)
+    return {**summary, "config_changes": changes} if changes else summary
+
+
+def describe_config_changes(changes: Sequence[dict] | None) -> str:
+    """The report's clause for a summary's `config_changes` ("" when there are none)."""
+    if not changes:
+        return ""
+    return "; its config changed midway: " + "; ".join(
+        f"from step {e['step']}: " + ", ".join(f"{k} {v}" for k, v in e["changes"].items()) for e in changes)
+
+
+def check_path(config, field: str, *, kind: str = "checkpoint", required: bool = False, hint: str = "") -> None:
+    """Raises FileNotFoundError naming --config.<field> when the path config.<field> (a
+    dotted field) is given and does not exist: a Hugging Face checkpoint directory for
+    kind "checkpoint", any directory for "directory". "" is the field's documented default
+    (a warm start trained first, the teacher's tokenizer...) unless `required`: a mistyped
+    path is never taken for it. `hint` ends the message."""
+    path = config
+    for part in field.split("."):
+        path = path[part]
+    if not path and not required:
+        return
+    flag = f"--config.{field}"
+    if kind == "checkpoint":
+        try:
+            check_checkpoint_dir(path, flag)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{e} {hint}".strip()) from None
+    elif not os.path.isdir(path):
+        raise FileNotFoundError(f"{flag}={path!r} is not a directory{'; ' + hint if hint else '.'}")
 
 
 def check_checkpoint_dir(path: str, flag: str) -> None:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, losses, metrics, sharding
+from tlt_jax import checkpoint, fingerprint, launch, losses, metrics, sharding
 from tlt_jax.data import tasks
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.distill import teacher_cache as tc
@@ -145,7 +145,8 @@ def open_or_build_cache(path: str, tokens_NT: np.ndarray, teacher: TeacherTopK, 
                                             rows_per_shard=rows_per_shard, progress=progress)
             return reader, rows[0]
     except tc.MetadataMismatchError as e:
-        raise tc.MetadataMismatchError(f"{e} (point config.cache_dir elsewhere, or delete {path} to rebuild it)") from e
+        raise tc.MetadataMismatchError(f"{e} (point --config.cache_dir elsewhere, or delete {path} to rebuild "
+                                       "it)") from e
 
 
 # ----------------------------------------------------------------------------- student
@@ -235,6 +236,17 @@ class DistillTrainer:
 # ----------------------------------------------------------------------------- job
 
 
+def check_paths(config) -> None:
+    """FileNotFoundError naming the flag for a teacher, tokenizer or (offline) cache path
+    that does not exist: a mistyped cache_dir is never taken for a new cache."""
+    launch.check_path(config, "teacher_dir", required=True)
+    launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the teacher's.")
+    if config.mode == "offline":
+        launch.check_path(config, "cache_dir", kind="directory",
+                          hint="point it at another run's teacher cache (<run_dir>/teacher_cache), or leave it '' "
+                               "to build one in <run_dir>/teacher_cache.")
+
+
 def _check_config(config, vocab_size: int) -> tuple[int, int]:
     if config.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
@@ -252,6 +264,7 @@ def train_distill(config, *, progress: bool = True) -> dict:
     """Runs (or resumes) the distillation job of `configs/distill.py`; returns a summary:
     the last step's metrics, the final evaluation, the cache's origin and timings."""
     t_start = time.time()
+    check_paths(config)
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tlt_jax import checkpoint, evaluation, fingerprint, losses, metrics, sampling, sharding
+from tlt_jax import checkpoint, evaluation, fingerprint, launch, losses, metrics, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.drafter_training import io
@@ -277,10 +277,17 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
 # ----------------------------------------------------------------------------- job
 
 
+def check_paths(config) -> None:
+    """FileNotFoundError naming the flag for a target or tokenizer path that does not exist."""
+    launch.check_path(config, "target_dir", required=True)
+    launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the target's.")
+
+
 def train_drafter(config, *, progress: bool = True) -> dict:
     """Runs (or resumes) the drafter job of `configs/drafter.py`; returns the last step's
     metrics with the final evaluation, timings and, when configured, rollout acceptance."""
     t_start = time.time()
+    check_paths(config)
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)

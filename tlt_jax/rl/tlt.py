@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from absl import logging
+
 from tlt_jax import multihost
 from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.drafter_training.spot import ALL, SpotConfig, SpotTrainer
@@ -111,7 +113,12 @@ class TLT:
         return out
 
     def load_state_dict(self, d: dict) -> None:
-        self.tuner.load_state_dict(d["tuner"])
+        """Restores `state_dict()`'s output. A tuner whose buckets or arms changed on resume (a
+        change the run accepts: speculation is lossless) starts fresh instead."""
+        try:
+            self.tuner.load_state_dict(d["tuner"])
+        except ValueError:
+            logging.warning("The tuner's buckets or arms differ from those of the resumed run: it starts fresh.")
         self._previous_report = self.tuner.report()
         if self.spot is not None and "spot" in d:
             self.spot.load_state_dict(d["spot"])

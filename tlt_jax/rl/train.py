@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, metrics, multihost, sampling, sharding
+from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, sampling, sharding
 from tlt_jax.data import rewards, tasks
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
@@ -40,28 +40,41 @@ from tlt_jax.train_state import OptimizerConfig
 
 _TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time", "tuner/", "spot/")
 RESULT_FILENAME = "result.json"  # the summary of a finished run, returned again when it is run again
+WARM_START_FIELD = "sft_dir"  # the config field naming the starting checkpoint ("": train config.sft first)
 
 
-def _warm_start(config):
-    """(model config, params, tokenizer) of the SFT checkpoint, built first when absent."""
-    sft_dir = config.sft_dir
-    if not (sft_dir and os.path.exists(os.path.join(sft_dir, "config.json"))):
+def _check_warm_start(config, field: str = WARM_START_FIELD) -> None:
+    launch.check_path(config, field, hint=f"Or pass --config.{field}='' to train the warm start of --config.sft "
+                                          "first.")
+
+
+def _warm_start(config, field: str = WARM_START_FIELD):
+    """(model config, params, tokenizer) of the starting checkpoint `config.<field>`; when
+    the field is "" the warm start of `config.sft` is trained first into <run_dir>/sft (once)."""
+    path = config[field]
+    if path:
+        _check_warm_start(config, field)
+    else:
         from tlt_jax.sft import train_sft
         config.sft.run_dir = os.path.join(config.run_dir, "sft")
-        sft_dir = os.path.join(config.sft.run_dir, "hf")
-        if not os.path.exists(os.path.join(sft_dir, "config.json")):
-            metrics.report(f"No SFT checkpoint at {config.sft_dir!r}: training one into {config.sft.run_dir}")
+        path = os.path.join(config.sft.run_dir, "hf")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            metrics.report(f"--config.{field}='': training the warm start of --config.sft into {config.sft.run_dir}")
             train_sft(config.sft)
-    model_cfg, params = load_hf(sft_dir)
-    return model_cfg, params, load_tokenizer(sft_dir)
+    model_cfg, params = load_hf(path)
+    return model_cfg, params, load_tokenizer(path)
 
 
 def _drafter_warm_start(c, target_config, target_params):
     """(DrafterConfig, params) of the RL run's drafter: an offline export (`c.init`) or a
     fresh one of the configured architecture."""
     if c.init:
-        return drafter_io.load_drafter(c.init, target_config,
-                                       target_fingerprint=fingerprint.fingerprint_arrays(target_params))
+        try:
+            return drafter_io.load_drafter(c.init, target_config,
+                                           target_fingerprint=fingerprint.fingerprint_arrays(target_params))
+        except ValueError as e:  # made for another target model
+            raise ValueError(f"--config.tlt.drafter.init={c.init!r}: {e} Or set --config.tlt.drafter.init='' to "
+                             "start the drafter from scratch.") from e
     dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers))
     dcfg.layer_config(target_config)  # feature layers outside the target fail here
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
@@ -116,8 +129,9 @@ def _check_mesh(mesh_config) -> None:
 
 
 def check_config(config) -> None:
-    """Raises ValueError naming the field for settings that cannot run, before anything
-    is loaded or written (the launcher calls it before touching the run directory)."""
+    """Raises ValueError naming the field for settings that cannot run, and
+    FileNotFoundError naming the flag for a given path that does not exist, before
+    anything is loaded or written (the launcher calls it before touching the run directory)."""
     for name in ("steps", "eval_every", "checkpoint_every", "prompts_per_step", "num_samples"):
         if config[name] < 1:
             raise ValueError(f"{name}={config[name]} must be >= 1.")
@@ -136,6 +150,7 @@ def check_config(config) -> None:
     if config.reward not in rewards.REWARDS:
         raise ValueError(f"reward={config.reward!r}; choose from {sorted(rewards.REWARDS)}.")
     _check_mesh(config.mesh)
+    _check_warm_start(config)
     if not config.tlt.enabled:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
@@ -144,9 +159,9 @@ def check_config(config) -> None:
     c = config.tlt.drafter
     if not c.init and c.num_layers < 1:
         raise ValueError(f"tlt.drafter.num_layers={c.num_layers}: a drafter needs at least one layer.")
-    if c.init and not os.path.isdir(c.init):
-        raise ValueError(f"tlt.drafter.init={c.init!r} is not a drafter export; train one with `python -m "
-                         "experiments.train_drafter` or set tlt.drafter.init='' to start from scratch.")
+    launch.check_path(config, "tlt.drafter.init", kind="directory",
+                      hint="pass a drafter export (`python -m experiments.train_drafter` writes one), or set "
+                           "--config.tlt.drafter.init='' to start the drafter from scratch.")
     if not tuner.strategies:
         logging.warning("tlt.tuner offers no drafting strategy: TLT will only train the drafter.")
 
@@ -163,7 +178,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         _report_result(finished)
         return finished
     metrics.report(f"RL run in {run_dir}: {config.steps} steps, TLT {'on' if config.tlt.enabled else 'off'}, "
-                   f"warm start {config.sft_dir or '(trained first)'}")
+                   f"warm start {config[WARM_START_FIELD] or '(trained first)'}")
     os.makedirs(run_dir, exist_ok=True)
     model_cfg, params, tokenizer = _warm_start(config)
     mesh = sharding.make_mesh(config.mesh)
@@ -303,6 +318,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                "run_dir": run_dir}
     if tlt is not None:
         summary["tlt"] = tlt_summary(records, tlt.drafter.version)
+    if leader:
+        summary = launch.with_config_changes(run_dir, summary)
     summary = multihost.broadcast_object(summary)  # process 0 read the records
     if end == config.steps and leader:
         metrics.write_json(os.path.join(run_dir, RESULT_FILENAME), summary)
@@ -349,6 +366,7 @@ def _report_result(summary: dict) -> None:
         line += (f"; TLT: {t['speculative_token_share']:.0%} of rollout tokens speculative, mean acceptance "
                  f"length {t['acceptance_length_mean']:.2f}, drafter version {t['drafter_version']}, "
                  f"{t['rollout_tokens_per_s_median']:.0f} rollout tokens/s")
+    line += launch.describe_config_changes(summary.get("config_changes"))
     metrics.report(line + f". Metrics, plots and exports in {summary['run_dir']}")
 
 
