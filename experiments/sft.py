@@ -25,6 +25,8 @@ def main(argv):
     del argv
     launch.maybe_initialize_distributed()
     config = _CONFIG.value
+    if "model_dir" in config:  # the starting checkpoint; "": random weights
+        launch.check_path(config, "model_dir")
     launch.prepare_run_dir(config.run_dir, config, RESUME_INERT, resume_step=lambda: checkpoint.resume_step(
         os.path.join(config.run_dir, "checkpoints")))
     result = launch.with_config_changes(config.run_dir, train_sft(config))

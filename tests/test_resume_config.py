@@ -272,6 +272,17 @@ def test_a_given_path_that_does_not_exist_is_an_error_naming_its_flag(check, con
     assert str(missing.value).startswith(flag)
 
 
+def test_the_sft_launcher_names_a_missing_starting_checkpoint(tmp_path):
+    (tmp_path / "config.py").write_text("from configs import sft\n\n\ndef get_config():\n"
+                                        "    c = sft.get_config('tiny')\n    c.model_dir = '/nonexistent/model'\n"
+                                        "    return c\n")
+    out = subprocess.run([sys.executable, "-m", "experiments.sft", f"--config={tmp_path / 'config.py'}",
+                          f"--config.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "Error: --config.model_dir='/nonexistent/model' does not exist" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_drafter_and_drafter_of_another_target_name_the_flag():
     config = rl.get_config("tiny")
     config.tlt.drafter.init = "/nonexistent/drafter"
