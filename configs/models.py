@@ -56,9 +56,10 @@ def model_config(name: str) -> ml_collections.ConfigDict:
     if name not in _PRESETS:
         raise ValueError(f"Unknown model preset {name!r}; presets: {', '.join(PRESET_NAMES)}.")
     fields = {**_DEFAULTS, **_PRESETS[name]}
+    # eos_token_id takes one id or several: --config.model.eos_token_id='(151645, 151643)'.
     placeholders = {"rope_scaling": ml_collections.config_dict.placeholder(dict),
                     "bos_token_id": ml_collections.config_dict.placeholder(int),
-                    "eos_token_id": ml_collections.config_dict.placeholder(int)}
+                    "eos_token_id": ml_collections.config_dict.placeholder(object)}
     for key, placeholder in placeholders.items():
         if fields[key] is None:
             fields[key] = placeholder

@@ -15,10 +15,11 @@ import torch
 import transformers
 from safetensors.numpy import save_file
 
+from configs import models
 from experiments.make_random_hf import hf_config, random_model, write_random_checkpoint
 from tlt_jax.models import hf_io
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig, RopeScaling
+from tlt_jax.models.config import ModelConfig, RopeScaling, from_config_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -151,7 +152,74 @@ def test_config_from_transformers4_spelling_matches_v5():
               rope_scaling={"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     assert hf_io.config_from_hf(v4) == hf_io.config_from_hf(v5)
-    assert hf_io.config_from_hf({**v4, "eos_token_id": [7, 8, 9]}).eos_token_id == 7
+
+
+def test_model_config_end_tokens_in_one_canonical_form():
+    """An id, a list or a tuple, from a config dict or JSON, as HF spells them: one
+    canonical form (hashable, so still a static jit argument), every id in end_token_ids."""
+    base = dict(**TINY, head_dim=8)
+    assert ModelConfig(**base).end_token_ids == () and ModelConfig(**base, eos_token_id=[]).eos_token_id is None
+    one = ModelConfig(**base, eos_token_id=np.int64(7))
+    assert one.eos_token_id == 7 and type(one.eos_token_id) is int and one.end_token_ids == (7,)
+    assert ModelConfig(**base, eos_token_id=(7,)) == one
+    several = ModelConfig(**base, eos_token_id=[7, 3, 7, 9])
+    assert several.eos_token_id == several.end_token_ids == (7, 3, 9)
+    assert hash(several) == hash(ModelConfig(**base, eos_token_id=(7, 3, 9)))
+    assert several.replace(eos_token_id=3).end_token_ids == (3,)
+    tiny = models.model_config("tiny")
+    assert from_config_dict(tiny).eos_token_id is None
+    tiny.eos_token_id = (5, 6)  # as --config.model.eos_token_id='(5, 6)' sets it
+    assert from_config_dict(tiny).end_token_ids == (5, 6)
+    from_json = json.loads(json.dumps({**tiny.to_dict(), "eos_token_id": [5, 6]}))
+    assert from_config_dict(from_json) == from_config_dict(tiny)
+    for bad in ("2", 1.5, [-1], [2, None], True):
+        with pytest.raises(ValueError, match="eos_token_id must be"):
+            ModelConfig(**base, eos_token_id=bad)
+
+
+def test_end_tokens_of_config_and_generation_config():
+    """Llama-3-Instruct's three end tokens: config.json lists two, generation_config.json
+    all three; the union keeps config.json's order. Written back: a list in both files."""
+    hf = hf_io.config_to_hf(ModelConfig(**TINY, head_dim=8))
+    assert hf_io.config_from_hf({**hf, "eos_token_id": [7, 8, 9]}).eos_token_id == (7, 8, 9)
+    llama3 = hf_io.config_from_hf({**hf, "eos_token_id": [9, 7]}, generation_config={"eos_token_id": [7, 9, 8]})
+    assert llama3.end_token_ids == (9, 7, 8)
+    assert hf_io.config_from_hf({**hf, "eos_token_id": 9}, generation_config={"eos_token_id": 9}).eos_token_id == 9
+    assert hf_io.config_from_hf({**hf, "eos_token_id": None}, generation_config={}).eos_token_id is None
+    assert hf_io.config_to_hf(llama3)["eos_token_id"] == [9, 7, 8]
+    assert hf_io.config_to_hf(llama3.replace(eos_token_id=9))["eos_token_id"] == 9
+
+
+def test_chat_checkpoint_with_two_end_tokens_in_bfloat16(tmp_path):
+    """A Qwen2.5-Instruct-like checkpoint written by transformers in bfloat16: config.json
+    names <|im_end|> (5), generation_config.json <|im_end|> and <|endoftext|> (5, 3). It
+    loads with both end tokens and its bfloat16 weights as they are; save_hf writes both
+    back where transformers reads them, and the round trip is exact."""
+    model = random_model(hf_config("qwen2", **TINY, bos_token_id=None, eos_token_id=5))
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[5, 3])
+    path = _save(model, tmp_path / "chat", torch.bfloat16)
+    with open(os.path.join(path, hf_io.CONFIG_FILE)) as fh:
+        assert json.load(fh)["eos_token_id"] == 5
+    config, params = hf_io.load_hf(path)
+    assert config.eos_token_id == config.end_token_ids == (5, 3)
+    assert config.param_dtype == config.dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(ml_dtypes.bfloat16)}
+    np.testing.assert_array_equal(params["layers"]["wq"][1].reshape(TINY["hidden_size"], -1).T.view(np.uint16),
+                                  model.model.layers[1].self_attn.q_proj.weight.detach().view(torch.int16).numpy()
+                                  .view(np.uint16))
+
+    hf_io.save_hf(tmp_path / "out", config, params)
+    with open(tmp_path / "out" / hf_io.CONFIG_FILE) as fh:
+        assert json.load(fh)["eos_token_id"] == [5, 3]
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [5, 3]
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == [5, 3]
+    config2, params2 = hf_io.load_hf(tmp_path / "out")
+    assert config2 == config
+    _assert_trees_equal(params, params2)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert reloaded.dtype == torch.bfloat16
+    assert reloaded.generation_config.eos_token_id == [5, 3]
+    assert torch.equal(reloaded.model.layers[1].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight)
 
 
 @pytest.mark.parametrize("change, message", [

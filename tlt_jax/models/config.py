@@ -7,7 +7,8 @@ ml_collections ConfigDict (`from_config_dict`) or from a Hugging Face config.jso
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import numbers
+from typing import Any, Iterable, Mapping
 
 import jax.numpy as jnp
 
@@ -32,6 +33,13 @@ class ModelConfig:
 
     `param_dtype` is the storage dtype of the weights, `dtype` the compute dtype of
     activations; attention softmax and norms always accumulate in float32.
+
+    `eos_token_id` is spelt as in a Hugging Face config.json: None, one id, or several
+    (chat models end a turn on more than one token, e.g. Qwen2.5-Instruct's <|im_end|>
+    and <|endoftext|>). Any int, sequence or None given is stored in one canonical form,
+    so equal sets of end tokens compare and hash equal: None when there are none, an int
+    when there is one, else a tuple of distinct ids in their order. Code that needs
+    every end token reads `end_token_ids`.
     """
 
     vocab_size: int
@@ -51,9 +59,11 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
+        ids = end_token_ids(self.eos_token_id)
+        object.__setattr__(self, "eos_token_id", None if not ids else ids[0] if len(ids) == 1 else ids)
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"Unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}.")
@@ -64,6 +74,11 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}.")
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """Every token that ends a sequence, in the checkpoint's order (empty: none)."""
+        return end_token_ids(self.eos_token_id)
 
     @property
     def jnp_param_dtype(self):
@@ -86,8 +101,22 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def end_token_ids(eos_token_id) -> tuple[int, ...]:
+    """None, an int or a sequence of ints (a config.json / generation_config.json
+    `eos_token_id`) as a tuple of distinct ints in their first order."""
+    if eos_token_id is None:
+        return ()
+    ids = (eos_token_id,) if isinstance(eos_token_id, (numbers.Integral, str)) else eos_token_id
+    ids = tuple(ids) if isinstance(ids, Iterable) else (ids,)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be None, a token id or a sequence of token ids (non-negative "
+                         f"ints); got {eos_token_id!r}.")
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 def from_config_dict(cfg: Mapping[str, Any]) -> ModelConfig:
-    """Builds a ModelConfig from an ml_collections ConfigDict (or a plain mapping)."""
+    """Builds a ModelConfig from an ml_collections ConfigDict (or a plain mapping, e.g.
+    read from JSON: `eos_token_id` may be a list)."""
     fields = dict(cfg)
     scaling = fields.get("rope_scaling")
     if scaling:

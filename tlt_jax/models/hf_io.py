@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tlt_jax import faults, sharding
-from tlt_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from tlt_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling, end_token_ids
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -67,11 +67,15 @@ _ST_DTYPES = {
 # ----------------------------------------------------------------------------- config
 
 
-def config_from_hf(hf: Mapping[str, Any], dtype=None) -> ModelConfig:
+def config_from_hf(hf: Mapping[str, Any], dtype=None,
+                   generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict (transformers 4 or 5 spelling).
 
     `dtype` (e.g. "bfloat16") overrides the checkpoint's dtype for both the stored
-    parameters and the compute; by default both follow `dtype` / `torch_dtype`.
+    parameters and the compute; by default both follow `dtype` / `torch_dtype`. The end
+    tokens are config.json's `eos_token_id` (an id or a list) followed by those of
+    `generation_config` (a generation_config.json dict) not already among them: chat
+    models often list their end-of-turn tokens only there.
     """
     model_type = hf.get("model_type")
     if model_type not in _FAMILIES:
@@ -92,9 +96,8 @@ def config_from_hf(hf: Mapping[str, Any], dtype=None) -> ModelConfig:
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = jnp.dtype(dtype).name
-    eos = hf.get("eos_token_id", family.eos_token_id)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None  # ModelConfig holds one id; Llama-3 chat models list several.
+    eos = end_token_ids(hf.get("eos_token_id", family.eos_token_id))
+    eos += end_token_ids((generation_config or {}).get("eos_token_id"))
     rope_theta, rope_scaling = _rope_from_hf(hf, family)
     return ModelConfig(
         model_type=model_type,
@@ -145,7 +148,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "attention_dropout": 0.0,
         "dtype": c.param_dtype,
         "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
+        "eos_token_id": _hf_token_ids(c.eos_token_id),
         "use_cache": True,
     }
     if c.model_type == "llama":
@@ -154,6 +157,11 @@ def config_to_hf(config: ModelConfig) -> dict:
         hf.update(use_sliding_window=False, sliding_window=None,
                   layer_types=["full_attention"] * c.num_layers)
     return hf
+
+
+def _hf_token_ids(ids):
+    """An id, or a list of several, as transformers writes them."""
+    return list(ids) if isinstance(ids, tuple) else ids
 
 
 def _require(hf, key, allowed, default):
@@ -261,6 +269,7 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict]:
     Returns (config, params): params in our layout as host numpy arrays (bfloat16 via
     ml_dtypes) of `config.param_dtype`, i.e. `dtype` when given, else the checkpoint's
     dtype. Place them on devices with `jax.device_put` / `transformer.shard_params`.
+    The end tokens are those of config.json and, when present, generation_config.json.
     """
     path = os.fspath(path)
     config_path = os.path.join(path, CONFIG_FILE)
@@ -270,11 +279,15 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict]:
         raise FileNotFoundError(f"{path!r} is not a Hugging Face checkpoint: no {CONFIG_FILE}.")
     with open(config_path) as fh:
         hf = json.load(fh)
+    generation_config = None
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_FILE)):
+        with open(os.path.join(path, GENERATION_CONFIG_FILE)) as fh:
+            generation_config = json.load(fh)
     tensors = _read_weights(path)
     if dtype is None and not (hf.get("dtype") or hf.get("torch_dtype")):
         embed = tensors.get("model.embed_tokens.weight")  # config.json silent: the weights decide
         dtype = None if embed is None else embed.dtype
-    config = config_from_hf(hf, dtype=dtype)
+    config = config_from_hf(hf, dtype=dtype, generation_config=generation_config)
     return config, _params_from_tensors(config, tensors, path)
 
 
@@ -432,7 +445,7 @@ def _write_checkpoint(path, hf_config, config, host, tensors, np_dtype, max_shar
         _write_json(os.path.join(tmp, CONFIG_FILE), hf_config)
         if config.bos_token_id is not None or config.eos_token_id is not None:
             _write_json(os.path.join(tmp, GENERATION_CONFIG_FILE),
-                        {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+                        {"bos_token_id": config.bos_token_id, "eos_token_id": _hf_token_ids(config.eos_token_id)})
 
         def producer(t: _Tensor) -> Callable[[], np.ndarray]:
             def make():
