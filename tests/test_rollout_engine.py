@@ -24,10 +24,10 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, num_slots, data=1, steps=8, max_length=40, tensor=1, **layout):
+def _engine(params, num_slots, data=1, steps=8, max_length=40, tensor=1, eos_token_id=0, **layout):
     mesh = sharding.make_mesh({"data": data, "tensor": tensor}, jax.devices()[:data * tensor])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=steps,
-                       eos_token_id=0, **layout)
+                       eos_token_id=eos_token_id, **layout)
     return RolloutEngine(CFG, params, mesh, rc)
 
 
@@ -114,6 +114,26 @@ def test_cache_full_and_update_params(params, tmp_path):
     assert r.tokens[0].tolist() == [0] and r.finish_reason == ["eos"]  # all-zero logits: argmax 0 = eos
     metrics.plot_rollout_timeline(r.timeline, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_every_end_token_stops_a_sequence(params):
+    """With two end tokens (a chat model's <|im_end|> and <|endoftext|>), each answer is
+    the unstopped greedy answer cut after its first end token, whichever of the two it
+    is, with finish reason "eos"; both tokens end some answer here."""
+    assert RolloutConfig(eos_token_id=5).eos_token_id == (5,) and RolloutConfig().eos_token_id == ()
+    assert RolloutConfig(eos_token_id=[5, 3]) == RolloutConfig(eos_token_id=(5, 3))
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
+    free = _engine(params, 4, eos_token_id=None).generate(PROMPTS, 1, sp, jax.random.PRNGKey(0))
+    assert set(free.finish_reason) == {"max_tokens"}
+    ends = (int(free.tokens[0][3]), int(free.tokens[1][3]))  # the second ends answer 1 sooner, at its 2nd token
+    r = _engine(params, 4, eos_token_id=ends).generate(PROMPTS, 1, sp, jax.random.PRNGKey(0))
+    ended_by = []
+    for full, tokens, reason in zip(free.tokens, r.tokens, r.finish_reason):
+        hits = np.flatnonzero(np.isin(full, ends))
+        np.testing.assert_array_equal(tokens, full[:hits[0] + 1] if len(hits) else full)
+        assert reason == ("eos" if len(hits) else "max_tokens")
+        ended_by += [int(full[hits[0]])] if len(hits) else []
+    assert set(ended_by) == set(ends)
 
 
 def test_bad_input(params):

@@ -31,10 +31,10 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False):
+def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False, eos_token_id=0):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=4,
-                       eos_token_id=0, max_draft_depth=4, time_spec_phases=time_spec_phases)
+                       eos_token_id=eos_token_id, max_draft_depth=4, time_spec_phases=time_spec_phases)
     return RolloutEngine(CFG, params, mesh, rc, dcfg, dparams)
 
 
@@ -207,6 +207,27 @@ def test_greedy_speculation_equals_plain_greedy(params, dcfg):
     spec = warm.generate(PROMPTS, 2, sp, jax.random.PRNGKey(3), speculation=speculation)
     chunks = [c for c in spec.timeline.groups[0].chunks if isinstance(c, SpecChunk)]
     assert [tokens for _, tokens, _ in speculation.heard] == [sum(c.tokens_per_step) for c in chunks] != []
+
+
+def test_speculative_steps_stop_on_every_end_token(params):
+    """Two end tokens, each the end of some greedy answer: a speculative step that accepts
+    either of them, wherever it falls among the tokens committed at once, ends the answer
+    there with finish reason "eos", as plain decode does (n-gram drafts and EAGLE chains)."""
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
+    free = _engine(params, eos_token_id=None).generate(PROMPTS, 1, sp, jax.random.PRNGKey(3))
+    ends = (int(free.tokens[0][4]), int(free.tokens[2][4]))
+    cut = [full[:np.flatnonzero(np.isin(full, ends))[0] + 1] if np.isin(full, ends).any() else full
+           for full in free.tokens]
+    assert {int(c[-1]) for c in cut} >= set(ends)  # each end token ends some answer
+    plain = _engine(params, eos_token_id=ends).generate(PROMPTS, 1, sp, jax.random.PRNGKey(3))
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    engine = _engine(params, DCFG, dparams, eos_token_id=ends)
+    for r in [plain] + [engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(3), speculation=_Recording(strategy))
+                        for strategy in (STRATEGIES[0], STRATEGIES[2])]:
+        for expected, tokens in zip(cut, r.tokens):
+            np.testing.assert_array_equal(tokens, expected)
+        assert r.finish_reason == ["eos" if c[-1] in ends else "max_tokens" for c in cut]
+        assert r is plain or r.timeline.summary()["speculative_steps"] > 0
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tlt_jax import multihost, sampling, sharding
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.config import ModelConfig, end_token_ids
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
@@ -66,7 +66,9 @@ class RolloutConfig:
     # Speculative steps per device loop: each commits several tokens per sequence, and
     # shorter speculative chunks let the tuner hear (and re-decide) more often in the tail.
     spec_steps_per_sync: int = 4
-    eos_token_id: int | None = None
+    # The tokens that end a sequence (finish reason "eos"): an id or several, as
+    # ModelConfig.eos_token_id spells them; stored as a tuple (empty: none).
+    eos_token_id: int | tuple[int, ...] | None = None
     # Decode's weight layout (see RolloutEngine._engine_layout): per layer, the layer loop
     # unrolled (transformer.unstack_layers: longer compiles, no per-step weight copies on
     # the GPU), and q/k/v and gate/up fused into one matmul each (fuse_projections; not
@@ -82,6 +84,7 @@ class RolloutConfig:
     time_spec_phases: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "eos_token_id", end_token_ids(self.eos_token_id))
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be below "
                              f"max_length={self.max_length} (the KV cache holds prompt and answer).")
@@ -145,16 +148,17 @@ class SlotState:
     spec: SpecSlots | None = None
 
 
-def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_id, max_length):
-    """Why a sequence stops after its latest token (0: it goes on). The cache holds the
-    prompt and every generated token but the last, hence the `>` for cache_full."""
+def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_ids, max_length):
+    """Why a sequence stops after its latest token (0: it goes on): any of `eos_ids` is
+    "eos". The cache holds the prompt and every generated token but the last, hence the
+    `>` for cache_full."""
     code = jnp.zeros_like(token_B)
     code = jnp.where(prompt_length_B + num_generated_B > max_length, 4, code)
     code = jnp.where(num_generated_B >= sp.max_tokens, 3, code)
     if sp.stop_tokens:
         code = jnp.where(jnp.isin(token_B, jnp.asarray(sp.stop_tokens)), 2, code)
-    if eos_id is not None:
-        code = jnp.where(token_B == eos_id, 1, code)
+    if eos_ids:
+        code = jnp.where(jnp.isin(token_B, jnp.asarray(eos_ids, token_B.dtype)), 1, code)
     return code
 
 
