@@ -58,7 +58,7 @@ def random_model(config, seed: int = 0, init_std: float = 0.1):
 
 
 def write_random_checkpoint(out_dir: str, family: str, *, dtype: str = "float32", tokenizer=True,
-                            seed: int = 0, end_token_ids=None, **config_kwargs) -> str:
+                            seed: int = 0, init_std: float = 0.1, end_token_ids=None, **config_kwargs) -> str:
     """Saves `random_model(hf_config(family, **config_kwargs))` to out_dir with a tokenizer
     whose special-token ids the config uses: True, a character tokenizer; False, none; or
     a transformers tokenizer to save beside the weights (e.g. `tokenizer.build_bpe_tokenizer`'s).
@@ -74,7 +74,7 @@ def write_random_checkpoint(out_dir: str, family: str, *, dtype: str = "float32"
         vocab = config_kwargs.setdefault("vocab_size", 128)
         if vocab < len(tokenizer):
             raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)} tokens.")
-    model = random_model(hf_config(family, **config_kwargs), seed=seed)
+    model = random_model(hf_config(family, **config_kwargs), seed=seed, init_std=init_std)
     if end_token_ids:
         import transformers
         model.generation_config = transformers.GenerationConfig(

@@ -15,7 +15,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
 from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
-from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import (
     OptimizerConfig,
     TrainState,
@@ -82,7 +82,7 @@ def train_sft(config, *, progress: bool = True) -> dict:
     mesh = sharding.make_mesh(config.mesh)
     problems = sources.load_problems(config.data, tokenizer=tokenizer,
                                      max_prompt_length=config.eval.max_prompt_length)
-    end_ids = model_cfg.end_token_ids or (tokenizer.eos_token_id,)
+    end_ids = end_token_ids(tokenizer, model_cfg.end_token_ids)
     train = pack_examples(tokenizer, problems.train, config.data.seq_len, problems.prompt_format, end_ids[0])
     trainer = SFTTrainer(model_cfg, OptimizerConfig(**config.optimizer), mesh)
     state = trainer.init_state(params)

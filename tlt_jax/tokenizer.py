@@ -90,3 +90,16 @@ def build_bpe_tokenizer(out_dir: str, texts, vocab_size: int = 512):
     os.makedirs(out_dir, exist_ok=True)
     wrapped.save_pretrained(out_dir)
     return load_tokenizer(out_dir)
+
+
+def end_token_ids(tokenizer, model_end_ids=()) -> tuple[int, ...]:
+    """Every end token of a model and its tokenizer, the tokenizer's eos first: what the
+    engine stops on and completions are cut at. The first is what SFT appends to a
+    solution (a chat model's end of turn, e.g. <|im_end|> or <|eot_id|>, where the
+    checkpoint's config lists <|end_of_text|> first)."""
+    eos = tokenizer.eos_token_id
+    ids = ([eos] if eos is not None else []) + [int(i) for i in model_end_ids if i != eos]
+    if not ids:
+        raise ValueError("Neither the model's config nor its tokenizer names an end token; set eos_token_id in the "
+                         "checkpoint's config.json or generation_config.json.")
+    return tuple(ids)
