@@ -1,21 +1,37 @@
-"""GRPO on the synthetic reasoning tasks: `--config=configs/rl.py:tiny` (the main job).
+"""GRPO configs: `--config=configs/rl.py:tiny` (the main job) and presets for your own model.
 
-Presets: tiny (CPU, minutes: warm-started from the shipped SFT checkpoint), qwen2.5-0.5b
-and qwen2.5-1.5b (GPU shapes; their SFT warm start is trained first unless --config.sft_dir
-names a checkpoint).
+Presets:
+  tiny                       CPU, minutes: the shipped SFT checkpoint on synthetic additions.
+  tiny-speculate-always      tiny with every rollout chunk speculative (the lossless check).
+  hf                         any local Hugging Face Llama / Qwen2 checkpoint (--config.model_dir)
+                             on a dataset from disk (--config.data.train / .eval) or a
+                             reasoning-gym environment, in the tokenizer's chat template, with
+                             TLT on at TLT's published defaults and a drafter trained from scratch.
+  qwen2.5-math-1.5b-gsm8k    hf at GPU shapes: Qwen2.5-Math-1.5B-Instruct on GSM8K's parquet.
+  qwen2.5-7b-math            hf at GPU shapes: Qwen2.5-7B(-Instruct) on MATH (boxed answers).
+docs/your_model.md walks through the hf presets.
 
 `tlt.enabled` turns TLT on: adaptive speculative rollouts (the BEG-MAB tuner of
 `tlt.tuner` picks plain decode or a drafting strategy per chunk by active batch size)
 and the drafter trained on the spot in the idle gaps of each RL step (`tlt.spot`,
 `tlt.drafter`). `--config.tlt.enabled=False` is the baseline: the same run without them.
 
-Warm start: `sft_dir` names a Hugging Face checkpoint; `--config.sft_dir=''` asks for the
-SFT run of `sft` to be trained first (into <run_dir>/sft, once). A given path that does
-not exist is an error, never a reason to train one.
+The model: `model_dir` names a Hugging Face checkpoint with its tokenizer;
+`--config.model_dir=''` asks for the SFT run of `sft` to be trained first (into
+<run_dir>/sft, once), in the presets that have one. A given path that does not exist is
+an error, never a reason to train one.
+
+Data (`data`): `source` is `tasks` (the synthetic generators of `data.tasks`), `files`
+(`data.train` / `data.eval`: JSONL, JSON, Parquet, CSV or a save_to_disk directory, columns
+`prompt_field`, `answer_field` by dotted path) or `reasoning_gym:NAME[=WEIGHT],...`;
+`chat_template` applies the tokenizer's chat template (with `system_prompt`), else
+`prompt_template` formats the example's fields. `reward` names a registered reward (task,
+answer_correctness, format, gsm8k, math, reasoning_gym) or any `module.path:function`.
 """
 import ml_collections
 
-from configs import models, sft
+from configs import sft
+from configs.common import data_config
 
 # The fields a resumed run may change (`launch.prepare_run_dir`): they alter neither what is
 # learned nor how it is scored (speculation is lossless, so TLT's switch and its tuner are
@@ -49,11 +65,11 @@ def tlt_config() -> ml_collections.ConfigDict:
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.sft = sft.get_config("tiny")  # the warm start trained first when sft_dir is ""
-    c.sft_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer; "": train c.sft first
+    c.sft = sft.get_config("tiny")  # the warm start trained first when model_dir is ""
+    c.model_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer; "": train c.sft first
     # RL prompts come from their own seed: the SFT run drew its training problems from
     # seed 0, and a memorised problem gives no learning signal.
-    c.data = ml_collections.ConfigDict(dict(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1))
+    c.data = data_config(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1)
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, temperature=1.0, top_p=1.0))
     c.num_samples = 8  # G
@@ -92,21 +108,56 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.tlt.tuner.max_active = c.rollout.num_slots
         c.run_dir = "runs/rl_tiny_speculate_always"
         return c
-    if preset not in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+    if preset not in HF_PRESETS:
         raise ValueError(f"Unknown rl preset {preset!r}; presets: tiny, tiny-speculate-always, "
-                         "qwen2.5-0.5b, qwen2.5-1.5b.")
-    c.sft.model = models.model_config(preset)
-    c.sft.run_dir = f"runs/sft_{preset}"
-    c.sft_dir = ""
-    c.rollout.update(num_slots=256, max_tokens=512)
-    c.sft.data.seq_len = 24 + 512
-    c.prompts_per_step, c.num_samples = 64, 8
-    c.learner.micro_batch_size = 16
-    c.learner.remat = True
-    c.learner.optimizer.learning_rate = 1e-6
-    c.steps = 200
-    c.run_dir = f"runs/rl_{preset}"
-    c.tlt.drafter.init = ""
+                         f"{', '.join(HF_PRESETS)}.")
+    return hf_config(c, preset)
+
+
+HF_PRESETS = ("hf", "qwen2.5-math-1.5b-gsm8k", "qwen2.5-7b-math")
+
+
+def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.ConfigDict:
+    """Your checkpoint and data: the tiny config's run around a model from model_dir,
+    prompts in its chat template, TLT at the reference's defaults (speculation while at
+    most 32 sequences run, buckets 1/2/5/21, epsilon 0.1, window 300) and a drafter that
+    starts from nothing."""
+    c.sft = None  # no warm start is trained: the model is the user's
+    c.model_dir = ""  # required: --config.model_dir=DIR
+    c.data = data_config(source="files", num_train=0, num_eval=256, seed=0, chat_template=True)
+    c.reward = "math"
+    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512)
+    c.prompts_per_step, c.num_samples = 8, 8
+    c.learner.update(micro_batch_size=8, num_minibatches=1, remat=True)
+    c.learner.optimizer.update(learning_rate=1e-6, warmup_steps=0, weight_decay=0.0)
+    c.grpo.kl_coef = 0.0
+    c.track_kl = False  # no reference copy of the policy in memory
+    c.steps, c.eval_every, c.checkpoint_every = 100, 20, 20
+    c.tlt.drafter.init = ""  # from scratch; or an offline export (experiments.train_drafter)
+    c.tlt.drafter.update(seq_len=1024, batch_size=8)
+    c.mesh.update(data=-1, fsdp=1, tensor=1)
+    c.run_dir = "runs/rl_hf"
+    if preset == "qwen2.5-math-1.5b-gsm8k":
+        # Qwen2.5-Math-1.5B-Instruct on GSM8K's parquet (question, answer "... #### 72"), one
+        # H200: rollout budgets of the GSM8K recipes (G=8, 1k new tokens), the learner in
+        # micro-batches that `experiments.plan_memory` fits.
+        c.data.update(prompt_field="question", answer_field="answer",
+                      system_prompt="Please reason step by step, and put your final answer within \\boxed{}.")
+        c.rollout.update(num_slots=512, max_prompt_length=512, max_tokens=1024)
+        c.prompts_per_step, c.num_samples = 64, 8
+        c.learner.update(micro_batch_size=16, num_minibatches=4)
+        c.steps, c.eval_every, c.checkpoint_every = 200, 20, 20
+        c.run_dir = "runs/rl_qwen2.5-math-1.5b-gsm8k"
+    elif preset == "qwen2.5-7b-math":
+        # Qwen2.5-7B on MATH (problem, boxed solution), tensor-parallel over 2 devices a group.
+        c.data.update(prompt_field="problem", answer_field="solution",
+                      system_prompt="Please reason step by step, and put your final answer within \\boxed{}.")
+        c.rollout.update(num_slots=256, max_prompt_length=1024, max_tokens=3072)
+        c.prompts_per_step, c.num_samples = 64, 8
+        c.learner.update(micro_batch_size=4, num_minibatches=8)
+        c.mesh.update(data=-1, fsdp=1, tensor=2)
+        c.steps, c.eval_every, c.checkpoint_every = 300, 25, 25
+        c.run_dir = "runs/rl_qwen2.5-7b-math"
     return c
 
 

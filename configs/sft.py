@@ -1,14 +1,22 @@
-"""Supervised warm start on the synthetic tasks' traces: `--config=configs/sft.py:tiny`.
+"""Supervised fine-tuning: `--config=configs/sft.py:tiny` (the synthetic tasks' warm start).
 
-Presets: tiny (0.8M parameters, the RL job's policy, minutes on a CPU) and gpu (180M
-parameters, the speculative-decoding target of experiments/device_check.sh)."""
+Presets: tiny (0.8M parameters from random weights, the RL job's policy, minutes on a
+CPU), gpu (180M parameters, the speculative-decoding target of
+experiments/device_check.sh), long_tail (bench_tlt's warm start), hf (your checkpoint,
+--config.model_dir, on your data in its chat template) and example (the README's CPU
+example: the small model of experiments.make_example_model on reasoning-gym tasks)."""
 import ml_collections
 
 from configs import models
+from configs.common import data_config
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
+
+
+# The reasoning-gym tasks of the README's CPU example (`pip install -e '.[envs]'`).
+EXAMPLE_SOURCE = "reasoning_gym:basic_arithmetic,chain_sum,leg_counting"
 
 
 def tasks_tiny():
@@ -28,7 +36,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = models.model_config("tiny")
     c.model.update(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
-    c.data = ml_collections.ConfigDict(dict(tasks=tasks_tiny(), num_train=50000, num_eval=128, seq_len=128))
+    c.model_dir = ""  # a Hugging Face checkpoint to start from; "": config.model from random weights
+    c.data = data_config(tasks=tasks_tiny(), num_train=50000, num_eval=128, seq_len=128)
+    c.reward = ""  # the eval's verifier ("": the source's own, `sources.default_reward`)
     c.eval = ml_collections.ConfigDict(dict(num_slots=64, max_prompt_length=24))
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-3, warmup_steps=50, schedule="cosine",
                                                  decay_steps=400, weight_decay=0.01, b1=0.9, b2=0.98,
@@ -56,6 +66,24 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.decay_steps = 300
         c.steps, c.eval_every, c.checkpoint_every = 300, 300, 100
         c.run_dir = "runs/sft_long_tail"
+    elif preset in ("hf", "example"):
+        # Your checkpoint on your data (docs/your_model.md): its tokenizer's chat template, the
+        # answers (data.response_field, default data.answer_field) as targets.
+        c.model_dir = ""  # required: --config.model_dir=DIR
+        c.data = data_config(source="files", num_train=0, num_eval=64, chat_template=True, seq_len=1024)
+        c.eval.update(num_slots=32, max_prompt_length=512)
+        c.optimizer.update(learning_rate=1e-5, warmup_steps=10, decay_steps=1000)
+        c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 1000, 100, 100, 16
+        c.run_dir = "runs/sft_hf"
+        if preset == "example":
+            # The README's CPU example: teaches the small model of experiments.make_example_model
+            # reasoning-gym's answer format (<answer>...</answer>) before RL.
+            c.model_dir = "runs/example/base"
+            c.data.update(source=EXAMPLE_SOURCE, num_train=2000, num_eval=64, seq_len=160)
+            c.eval.max_prompt_length = 128
+            c.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=300)
+            c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 300, 100, 100, 32
+            c.run_dir = "runs/example/sft"
     elif preset != "tiny":
-        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail.")
+        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, hf, example.")
     return c

@@ -132,7 +132,7 @@ def build_target(layers: int, cache_dir: str, warm_start: str = "assets") -> tup
 
 def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed: int, steps: int):
     c = rl_configs.get_config("tiny")
-    c.sft_dir, c.seed, c.steps = target_dir, seed, steps
+    c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"])
     if preset.get("warm_start", "assets") != "assets":

@@ -68,7 +68,7 @@ def compare(hf_dir: str, prompt: str, num_tokens: int, atol: float) -> dict:
 def main(argv):
     del argv
     launch.maybe_initialize_distributed()
-    launch.check_checkpoint_dir(_HF_DIR.value, "--hf_dir")
+    launch.check_checkpoint_dir(_HF_DIR.value, "--hf_dir", tokenizer=False)
     result = compare(_HF_DIR.value, _PROMPT.value, _NUM_TOKENS.value, _ATOL.value)
     if jax.process_index() == 0:
         print(json.dumps(result), flush=True)

@@ -1,6 +1,6 @@
 """configs/rl.py:tiny made small and deterministic for tests/test_multihost.py, where a run
 of one process and a run of two must learn exactly alike (pass the warm start with
---config.sft_dir: a small random policy compiles fast).
+--config.model_dir: a small random policy compiles fast).
 
 TLT is on with one arm, an EAGLE chain, for every active batch size: the tuner draws
 nothing and what it measures decides nothing; the drafter keeps its weights (learning

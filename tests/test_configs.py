@@ -14,7 +14,7 @@ from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rl import train as rl_train
 from tlt_jax.rollout import tuner as tuner_lib
 
-PRESETS = {rl: ["tiny", "tiny-speculate-always", "qwen2.5-0.5b", "qwen2.5-1.5b"], sft: ["tiny", "gpu", "long_tail"],
+PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS], sft: ["tiny", "gpu", "long_tail", "hf", "example"],
            drafter: ["tiny", "fused", "gpu", "long_tail"], distill: ["tiny"],
            generate: list(models.PRESET_NAMES)}
 
@@ -23,8 +23,12 @@ PRESETS = {rl: ["tiny", "tiny-speculate-always", "qwen2.5-0.5b", "qwen2.5-1.5b"]
 def test_every_documented_preset_builds(module):
     for preset in PRESETS[module]:
         config = module.get_config(preset)
-        if module is rl:
+        if module is rl and preset in rl.HF_PRESETS:  # your model: checked on one in tests/test_your_model.py
+            with pytest.raises(ValueError, match="--config.model_dir is required"):
+                rl_train.check_config(config)
+        elif module is rl:
             rl_train.check_config(config)
+        if module is rl:
             assert config.tlt.enabled, preset  # TLT is on in every RL preset
     with pytest.raises(ValueError, match="preset"):
         module.get_config("no-such-preset")
@@ -65,7 +69,7 @@ def test_shipped_drafter_loads_against_the_shipped_sft_model(caplog):
     """The RL job's default drafter export fits its default warm start exactly (no
     warning); weights the RL updates changed only warn; another model is refused."""
     c = rl.get_config("tiny")
-    target_config, target_params = load_hf(c.sft_dir)
+    target_config, target_params = load_hf(c.model_dir)
     with caplog.at_level("WARNING"):
         dcfg, params = rl_train._drafter_warm_start(c.tlt.drafter, target_config, target_params)
     assert dcfg.num_layers >= 1 and params and "other weights" not in caplog.text

@@ -89,7 +89,7 @@ def _assert_same_learning(a: dict, b: dict, skip=()):
 def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_start, tmp_path):  # noqa: F811
     # Four launches share the launchers' compilation cache: the resumed runs reuse the
     # programs the first two compiled.
-    config = (CONFIG, f"--config.sft_dir={warm_start}")
+    config = (CONFIG, f"--config.model_dir={warm_start}")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     # One process, 3 steps; two processes, 2 steps (their last step also evaluates).
     first = _finish(_launch(1, *config, f"--config.run_dir={one}"),

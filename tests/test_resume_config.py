@@ -51,7 +51,7 @@ def _flat(config, key):
 
 # What is learned or how it is scored, per launcher: refused on resume.
 REFUSED = [
-    (rl, "sft_dir", "runs/other_sft/hf"),  # the model
+    (rl, "model_dir", "runs/other_sft/hf"),  # the model
     (rl, "sft.model.num_layers", 3),
     (rl, "data.seed", 2),  # the data
     (rl, "data.num_eval", 100),  # how it is scored
@@ -256,15 +256,15 @@ def _module_config(module, **fields):
 
 
 @pytest.mark.parametrize("check, config, flag", [
-    (rl_train.check_config, _module_config(rl, sft_dir="/nonexistent/sft"), "--config.sft_dir='/nonexistent/sft'"),
-    (rl_train.check_config, _module_config(rl, sft_dir="assets"), "--config.sft_dir='assets' has no config.json"),
+    (rl_train.check_config, _module_config(rl, model_dir="/nonexistent/sft"), "--config.model_dir='/nonexistent/sft'"),
+    (rl_train.check_config, _module_config(rl, model_dir="assets"), "--config.model_dir='assets' has no config.json"),
     (distill_train.check_paths, _module_config(distill, teacher_dir="/nope"), "--config.teacher_dir='/nope'"),
     (distill_train.check_paths, _module_config(distill, teacher_dir=""), "--config.teacher_dir=''"),
     (distill_train.check_paths, _module_config(distill, tokenizer_dir="/nope"), "--config.tokenizer_dir='/nope'"),
     (distill_train.check_paths, _module_config(distill, cache_dir="/nope"), "--config.cache_dir='/nope'"),
     (drafter_trainer.check_paths, _module_config(drafter, target_dir="/nope"), "--config.target_dir='/nope'"),
     (drafter_trainer.check_paths, _module_config(drafter, tokenizer_dir="/nope"), "--config.tokenizer_dir='/nope'"),
-], ids=["rl:sft_dir", "rl:sft_dir-no-checkpoint", "distill:teacher_dir", "distill:teacher_dir-empty",
+], ids=["rl:model_dir", "rl:model_dir-no-checkpoint", "distill:teacher_dir", "distill:teacher_dir-empty",
         "distill:tokenizer_dir", "distill:cache_dir", "drafter:target_dir", "drafter:tokenizer_dir"])
 def test_a_given_path_that_does_not_exist_is_an_error_naming_its_flag(check, config, flag):
     with pytest.raises(FileNotFoundError) as missing:
@@ -298,7 +298,7 @@ def test_missing_drafter_and_drafter_of_another_target_name_the_flag():
 
     from tlt_jax.models.hf_io import load_hf
     c = rl.get_config("tiny")
-    target_config, target_params = load_hf(c.sft_dir)
+    target_config, target_params = load_hf(c.model_dir)
     with pytest.raises(ValueError, match=r"^--config.tlt.drafter.init='assets/drafter_tiny': .*another target model"):
         rl_train._drafter_warm_start(c.tlt.drafter, target_config.replace(num_layers=2), target_params)
 
@@ -316,7 +316,7 @@ def test_a_tuner_changed_on_resume_starts_fresh(caplog):
 def _rl_launcher(warm_start, run_dir, *args):  # noqa: F811
     overrides = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "steps": 2, "checkpoint_every": 2}.items()]
     return subprocess.run([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
-                           f"--config.sft_dir={warm_start}", f"--config.run_dir={run_dir}", *overrides, *args],
+                           f"--config.model_dir={warm_start}", f"--config.run_dir={run_dir}", *overrides, *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -356,8 +356,8 @@ def test_the_rl_launcher_refuses_a_changed_resume_and_records_an_accepted_one(wa
 
     # The issue's own case: a mistyped warm start is named, not trained.
     out = subprocess.run([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
-                          f"--config.run_dir={tmp_path / 'typo'}", "--config.sft_dir=/nonexistent"],
+                          f"--config.run_dir={tmp_path / 'typo'}", "--config.model_dir=/nonexistent"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "Error: --config.sft_dir='/nonexistent' does not exist" in out.stderr
+    assert "Error: --config.model_dir='/nonexistent' does not exist" in out.stderr
     assert not pathlib.Path(tmp_path / "typo").exists()

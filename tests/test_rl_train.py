@@ -41,9 +41,9 @@ def warm_start(tmp_path_factory):
     return str(out)
 
 
-def _config(sft_dir, run_dir, **extra):
+def _config(model_dir, run_dir, **extra):
     c = rl.get_config("tiny")
-    c.sft_dir, c.run_dir = sft_dir, run_dir
+    c.model_dir, c.run_dir = model_dir, run_dir
     for key, value in {**OVERRIDES, **extra}.items():
         *parents, leaf = key.split(".")
         target = c
@@ -56,7 +56,7 @@ def _config(sft_dir, run_dir, **extra):
 def _launch_rl(warm_start, run_dir, **popen_kwargs):
     args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     return subprocess.Popen([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
-                             f"--config.sft_dir={warm_start}", f"--config.run_dir={run_dir}", *args], **popen_kwargs)
+                             f"--config.model_dir={warm_start}", f"--config.run_dir={run_dir}", *args], **popen_kwargs)
 
 
 def _learning_records(run_dir):
@@ -116,7 +116,7 @@ def test_resume_after_sigkill_continues_exactly(warm_start, tmp_path, monkeypatc
     killed = str(tmp_path / "killed")
     args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "reward": "length"}.items()]
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, "--config=configs/rl.py:tiny",
-                             f"--config.sft_dir={warm_start}", f"--config.run_dir={killed}", *args],
+                             f"--config.model_dir={warm_start}", f"--config.run_dir={killed}", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = os.path.join(killed, "checkpoints", "2", checkpoint.MANIFEST_NAME)
     deadline = time.time() + 300

@@ -76,22 +76,22 @@ def _losses(run_dir):
 
 
 def test_sft_run_resumes_exactly_and_rl_builds_its_warm_start_from_it(tmp_path, monkeypatch):
-    """An RL run whose sft_dir is '' (it asks for a warm start) trains its SFT config (4
+    """An RL run whose model_dir is '' (it asks for a warm start) trains its SFT config (4
     steps) into its run directory once, and loads it; the same SFT run stopped after 2
-    steps and run again to 4 ends with the same losses and weights. A given sft_dir that
+    steps and run again to 4 ends with the same losses and weights. A given model_dir that
     does not exist is an error naming the flag, and trains nothing."""
     config = rl_configs.get_config("tiny")
-    config.update(sft_dir=str(tmp_path / "nowhere"), run_dir=str(tmp_path / "rl"))
+    config.update(model_dir=str(tmp_path / "nowhere"), run_dir=str(tmp_path / "rl"))
     config.sft = _tiny_sft_config("", 4)
     with monkeypatch.context() as m:
-        m.setattr(sft_lib, "train_sft", lambda *a, **k: pytest.fail("a mistyped sft_dir trained a warm start"))
-        with pytest.raises(FileNotFoundError, match=r"--config.sft_dir='.*nowhere' does not exist.*sft_dir=''"):
+        m.setattr(sft_lib, "train_sft", lambda *a, **k: pytest.fail("a mistyped model_dir trained a warm start"))
+        with pytest.raises(FileNotFoundError, match=r"--config.model_dir='.*nowhere' does not exist.*model_dir=''"):
             rl_train.check_config(config)
-        with pytest.raises(FileNotFoundError, match="--config.sft_dir"):
+        with pytest.raises(FileNotFoundError, match="--config.model_dir"):
             rl_train._warm_start(config)
     assert not (tmp_path / "rl").exists()
-    config.sft_dir = ""
-    _, params, tokenizer = rl_train._warm_start(config)
+    config.model_dir = ""
+    _, params, tokenizer, _ = rl_train._warm_start(config)
     full = _losses(tmp_path / "rl" / "sft")
     assert sorted(full) == [1, 2, 3, 4] and full[4] != full[2] and tokenizer.eos_token_id == 2
     _, written = load_hf(str(tmp_path / "rl" / "sft" / "hf"))

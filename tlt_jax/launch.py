@@ -10,8 +10,8 @@ transport of our own.
   Library logs (absl, jax, orbax) show from WARNING up; `--verbosity=0` adds their INFO
   lines, `--verbosity=1` their debug lines and full tracebacks.
 - Bad input: a flag or config value refused before the run directory is prepared (a
-  ValueError or FileNotFoundError naming the field) is one line on stderr and exit
-  status 1; the run directory of an earlier run is left as it was.
+  ValueError or FileNotFoundError naming the field, an ImportError naming a missing
+  extra) is one line on stderr and exit status 1; the run directory of an earlier run is left as it was.
 - One run directory, one experiment: `prepare_run_dir` records a new run's config in
   config.json and checks a rerun against it. A change to a field that alters what is
   learned or how it is scored (every field but the launcher's `inert` ones) is refused
@@ -278,12 +278,14 @@ def describe_config_changes(changes: Sequence[dict] | None) -> str:
         f"from step {e['step']}: " + ", ".join(f"{k} {v}" for k, v in e["changes"].items()) for e in changes)
 
 
-def check_path(config, field: str, *, kind: str = "checkpoint", required: bool = False, hint: str = "") -> None:
+def check_path(config, field: str, *, kind: str = "checkpoint", required: bool = False, hint: str = "",
+               tokenizer: bool = True) -> None:
     """Raises FileNotFoundError naming --config.<field> when the path config.<field> (a
     dotted field) is given and does not exist: a Hugging Face checkpoint directory for
     kind "checkpoint", any directory for "directory". "" is the field's documented default
     (a warm start trained first, the teacher's tokenizer...) unless `required`: a mistyped
-    path is never taken for it. `hint` ends the message."""
+    path is never taken for it. `hint` ends the message; `tokenizer`: the checkpoint
+    must hold its tokenizer too."""
     path = config
     for part in field.split("."):
         path = path[part]
@@ -292,20 +294,27 @@ def check_path(config, field: str, *, kind: str = "checkpoint", required: bool =
     flag = f"--config.{field}"
     if kind == "checkpoint":
         try:
-            check_checkpoint_dir(path, flag)
+            check_checkpoint_dir(path, flag, tokenizer)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{e} {hint}".strip()) from None
     elif not os.path.isdir(path):
         raise FileNotFoundError(f"{flag}={path!r} is not a directory{'; ' + hint if hint else '.'}")
 
 
-def check_checkpoint_dir(path: str, flag: str) -> None:
+def check_checkpoint_dir(path: str, flag: str, tokenizer: bool = True) -> None:
     """Raises FileNotFoundError naming `flag` unless `path` is a Hugging Face checkpoint
-    directory (one with a config.json)."""
+    directory: a config.json, safetensors weights and (with `tokenizer`) a tokenizer."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "does not exist" if not os.path.exists(path) else "has no config.json"
-        raise FileNotFoundError(f"{flag}={path!r} {what}; pass a Hugging Face checkpoint directory (config.json and "
-                                "*.safetensors, as transformers' save_pretrained writes).")
+    elif not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        what = "has no weights (*.safetensors; a torch .bin checkpoint must be re-saved with safe_serialization)"
+    elif tokenizer and not any(os.path.isfile(os.path.join(path, name))
+                               for name in ("tokenizer.json", "tokenizer_config.json")):
+        what = "has no tokenizer (tokenizer.json / tokenizer_config.json: save the tokenizer beside the weights)"
+    else:
+        return
+    raise FileNotFoundError(f"{flag}={path!r} {what}; pass a Hugging Face checkpoint directory (config.json, "
+                            "*.safetensors and the tokenizer, as transformers' save_pretrained writes them).")
 
 
 def _parse_flags(argv):
@@ -357,7 +366,7 @@ def run(main, shared_help: str = _SHARED_HELP) -> None:
             enable_compilation_cache(_COMPILATION_CACHE_DIR.value)
         try:
             return main(argv)
-        except (ValueError, FileNotFoundError, flags.ValidationError) as e:
+        except (ValueError, FileNotFoundError, ImportError, flags.ValidationError) as e:
             if not _checking_input or logging.get_verbosity() >= logging.DEBUG:
                 raise
             message = " ".join(str(e).split())

@@ -7,13 +7,13 @@ import os
 import jax
 import jax.numpy as jnp
 
-from tlt_jax import checkpoint, evaluation, metrics, sampling, sharding
-from tlt_jax.data import sources, tasks
+from tlt_jax import checkpoint, evaluation, launch, metrics, sampling, sharding
+from tlt_jax.data import rewards, sources, tasks
 from tlt_jax.data.packing import batch_indices, pack_examples
 from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
-from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import (
@@ -55,15 +55,27 @@ class SFTTrainer:
         return self._step(state, batch)
 
 
+def check_config(config) -> None:
+    """Raises (naming the field) before anything is written: a given model_dir that is not
+    a checkpoint with its tokenizer, a model type we do not support, bad data (missing
+    files or fields, no prompt that fits eval.max_prompt_length), an unknown reward."""
+    launch.check_path(config, "model_dir")
+    if config.get("reward"):
+        rewards.get_reward(config.reward)
+    if config.get("model_dir"):
+        load_hf_config(config.model_dir)
+        sources.problems_for(config.model_dir, config.data, config.eval.max_prompt_length)
+    elif sources.kind(config.data) != "tasks":
+        raise ValueError(f"data.source={config.data.source!r} needs a model with its tokenizer: set "
+                         "--config.model_dir to a Hugging Face checkpoint.")
+
+
 def _start(config, run_dir: str):
     """(model config, params, tokenizer): the checkpoint of `model_dir`, or, with model_dir
     empty, a model of `config.model` from random weights with the synthetic tasks' tokenizer."""
     if config.get("model_dir"):
         model_cfg, params = load_hf(config.model_dir)
         return model_cfg, params, load_tokenizer(config.model_dir)
-    if sources.kind(config.data) != "tasks":
-        raise ValueError(f"data.source={config.data.source!r} needs a model with its tokenizer: set "
-                         "--config.model_dir to a Hugging Face checkpoint.")
     tokenizer = tasks.build_task_tokenizer(os.path.join(run_dir, "tokenizer"))
     model_cfg = from_config_dict(config.model).replace(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -76,12 +88,14 @@ def train_sft(config, *, progress: bool = True) -> dict:
     the model's prompt format, evaluates by sampling, checkpoints with orbax (resuming when
     run again) and writes the final model in the Hugging Face format to <run_dir>/hf.
     Returns the final metrics."""
+    check_config(config)
     run_dir = config.run_dir
     os.makedirs(run_dir, exist_ok=True)
     model_cfg, params, tokenizer = _start(config, run_dir)
     mesh = sharding.make_mesh(config.mesh)
-    problems = sources.load_problems(config.data, tokenizer=tokenizer,
-                                     max_prompt_length=config.eval.max_prompt_length)
+    max_prompt = config.eval.max_prompt_length
+    problems = (sources.problems_for(config.model_dir, config.data, max_prompt) if config.get("model_dir") else
+                sources.load_problems(config.data, tokenizer=tokenizer, max_prompt_length=max_prompt))
     end_ids = end_token_ids(tokenizer, model_cfg.end_token_ids)
     train = pack_examples(tokenizer, problems.train, config.data.seq_len, problems.prompt_format, end_ids[0])
     trainer = SFTTrainer(model_cfg, OptimizerConfig(**config.optimizer), mesh)

@@ -13,6 +13,8 @@ rollout's `max_prompt_length` are dropped and counted per split, never truncated
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Sequence
 
 from tlt_jax.data import environments, files, prompts, tasks
@@ -97,3 +99,20 @@ def load_problems(data_config, *, tokenizer, max_prompt_length: int = 0) -> Prob
     train, dropped_train = _filter(train, prompt_ids, max_prompt_length, "train")
     eval_, dropped_eval = _filter(eval_, prompt_ids, max_prompt_length, "eval")
     return Problems(train, eval_, {"train": dropped_train, "eval": dropped_eval}, fmt)
+
+
+def problems_for(model_dir: str, data_config, max_prompt_length: int = 0) -> Problems:
+    """`load_problems` in the prompt format of model_dir's tokenizer, once per process and
+    arguments: a launcher's input check loads them (bad data fails before its run
+    directory is written) and the run takes the same ones."""
+    return _problems_for(model_dir, data_config.to_json(), max_prompt_length)
+
+
+@functools.lru_cache(maxsize=2)
+def _problems_for(model_dir: str, data_json: str, max_prompt_length: int) -> Problems:
+    import ml_collections
+
+    from tlt_jax.tokenizer import load_tokenizer
+
+    return load_problems(ml_collections.ConfigDict(json.loads(data_json)), tokenizer=load_tokenizer(model_dir),
+                         max_prompt_length=max_prompt_length)

@@ -239,7 +239,7 @@ class DistillTrainer:
 def check_paths(config) -> None:
     """FileNotFoundError naming the flag for a teacher, tokenizer or (offline) cache path
     that does not exist: a mistyped cache_dir is never taken for a new cache."""
-    launch.check_path(config, "teacher_dir", required=True)
+    launch.check_path(config, "teacher_dir", required=True, tokenizer=not config.tokenizer_dir)
     launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the teacher's.")
     if config.mode == "offline":
         launch.check_path(config, "cache_dir", kind="directory",

@@ -279,7 +279,7 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
 
 def check_paths(config) -> None:
     """FileNotFoundError naming the flag for a target or tokenizer path that does not exist."""
-    launch.check_path(config, "target_dir", required=True)
+    launch.check_path(config, "target_dir", required=True, tokenizer=not config.tokenizer_dir)
     launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the target's.")
 
 

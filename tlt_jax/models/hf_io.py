@@ -272,6 +272,25 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict]:
     The end tokens are those of config.json and, when present, generation_config.json.
     """
     path = os.fspath(path)
+    hf, generation_config = _read_configs(path)
+    tensors = _read_weights(path)
+    if dtype is None and not (hf.get("dtype") or hf.get("torch_dtype")):
+        embed = tensors.get("model.embed_tokens.weight")  # config.json silent: the weights decide
+        dtype = None if embed is None else embed.dtype
+    config = config_from_hf(hf, dtype=dtype, generation_config=generation_config)
+    return config, _params_from_tensors(config, tensors, path)
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory without reading its weights (a launcher's
+    check before a run: an unsupported model type fails here, naming the supported ones).
+    The dtype is config.json's, float32 when it names none."""
+    hf, generation_config = _read_configs(os.fspath(path))
+    return config_from_hf(hf, generation_config=generation_config)
+
+
+def _read_configs(path: str) -> tuple[dict, dict | None]:
+    """config.json and, when present, generation_config.json of a checkpoint directory."""
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist.")
@@ -283,12 +302,7 @@ def load_hf(path: str | os.PathLike, dtype=None) -> tuple[ModelConfig, dict]:
     if os.path.isfile(os.path.join(path, GENERATION_CONFIG_FILE)):
         with open(os.path.join(path, GENERATION_CONFIG_FILE)) as fh:
             generation_config = json.load(fh)
-    tensors = _read_weights(path)
-    if dtype is None and not (hf.get("dtype") or hf.get("torch_dtype")):
-        embed = tensors.get("model.embed_tokens.weight")  # config.json silent: the weights decide
-        dtype = None if embed is None else embed.dtype
-    config = config_from_hf(hf, dtype=dtype, generation_config=generation_config)
-    return config, _params_from_tensors(config, tensors, path)
+    return hf, generation_config
 
 
 def _params_from_tensors(c: ModelConfig, tensors: Mapping[str, np.ndarray], path: str) -> dict:

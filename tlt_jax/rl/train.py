@@ -1,4 +1,5 @@
-"""The RL run of `configs/rl.py`: SFT warm start, GRPO steps, checkpoints, metrics, plots.
+"""The RL run of `configs/rl.py`: the model of model_dir, GRPO steps on the problems of
+`data` in the model's prompt format, checkpoints, metrics, eval samples, plots.
 
 Resuming: the checkpoint holds the train state (policy and optimizer), the reference
 policy, the RNG key, the data position, the step and the config; a run killed at any
@@ -23,38 +24,42 @@ import numpy as np
 from absl import logging
 
 from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, sampling, sharding
-from tlt_jax.data import rewards, tasks
+from tlt_jax.data import environments, rewards, sources
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.models import drafter as drafter_lib
-from tlt_jax.models.hf_io import load_hf, save_hf
+from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
 from tlt_jax.rl import grpo
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.rl.loop import RLLoop, RLStepConfig
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout import tuner as tuner_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
-from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import OptimizerConfig
 
 _TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time", "tuner/", "spot/")
 RESULT_FILENAME = "result.json"  # the summary of a finished run, returned again when it is run again
-WARM_START_FIELD = "sft_dir"  # the config field naming the starting checkpoint ("": train config.sft first)
+WARM_START_FIELD = "model_dir"  # the config field naming the starting checkpoint ("": train config.sft first)
 
 
 def _check_warm_start(config, field: str = WARM_START_FIELD) -> None:
-    launch.check_path(config, field, hint=f"Or pass --config.{field}='' to train the warm start of --config.sft "
-                                          "first.")
+    if not config[field] and config.get("sft") is None:
+        raise ValueError(f"--config.{field} is required: give a Hugging Face checkpoint directory (config.json, "
+                         "*.safetensors and its tokenizer).")
+    hint = (f"Or pass --config.{field}='' to train the warm start of --config.sft first."
+            if config.get("sft") is not None else "")
+    launch.check_path(config, field, hint=hint)
 
 
 def _warm_start(config, field: str = WARM_START_FIELD):
-    """(model config, params, tokenizer) of the starting checkpoint `config.<field>`; when
-    the field is "" the warm start of `config.sft` is trained first into <run_dir>/sft (once)."""
+    """(model config, params, tokenizer, path) of the starting checkpoint `config.<field>`;
+    when the field is "" the warm start of `config.sft` is trained first into <run_dir>/sft
+    (once)."""
     path = config[field]
-    if path:
-        _check_warm_start(config, field)
-    else:
+    _check_warm_start(config, field)
+    if not path:
         from tlt_jax.sft import train_sft
         config.sft.run_dir = os.path.join(config.run_dir, "sft")
         path = os.path.join(config.sft.run_dir, "hf")
@@ -62,7 +67,7 @@ def _warm_start(config, field: str = WARM_START_FIELD):
             metrics.report(f"--config.{field}='': training the warm start of --config.sft into {config.sft.run_dir}")
             train_sft(config.sft)
     model_cfg, params = load_hf(path)
-    return model_cfg, params, load_tokenizer(path)
+    return model_cfg, params, load_tokenizer(path), path
 
 
 def _drafter_warm_start(c, target_config, target_params):
@@ -147,10 +152,20 @@ def check_config(config) -> None:
                          f"{samples} samples.")
     if config.advantage not in grpo.ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage={config.advantage!r}; choose from {sorted(grpo.ADVANTAGE_ESTIMATORS)}.")
-    if config.reward not in rewards.REWARDS:
-        raise ValueError(f"reward={config.reward!r}; choose from {sorted(rewards.REWARDS)}.")
+    rewards.get_reward(config.reward)  # a registered name or an importable module.path:function
+    sources.check_reward(config.data, config.reward)
+    if sources.kind(config.data) == "reasoning_gym":
+        environments.parse_source(config.data.source)
     _check_mesh(config.mesh)
     _check_warm_start(config)
+    if config[WARM_START_FIELD]:  # the model and the data, read now so bad input fails before anything is written
+        model_cfg = load_hf_config(config[WARM_START_FIELD])
+        seq_len = r.max_prompt_length + r.max_tokens
+        if seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"rollout.max_prompt_length + rollout.max_tokens = {seq_len} is beyond the "
+                             f"{model_cfg.max_position_embeddings} positions of --config.{WARM_START_FIELD}'s "
+                             "model (max_position_embeddings); lower them.")
+        sources.problems_for(config[WARM_START_FIELD], config.data, config.rollout.max_prompt_length)
     if not config.tlt.enabled:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
@@ -178,13 +193,17 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         _report_result(finished)
         return finished
     metrics.report(f"RL run in {run_dir}: {config.steps} steps, TLT {'on' if config.tlt.enabled else 'off'}, "
-                   f"warm start {config[WARM_START_FIELD] or '(trained first)'}")
+                   f"model {config[WARM_START_FIELD] or '(SFT trained first)'}")
     os.makedirs(run_dir, exist_ok=True)
-    model_cfg, params, tokenizer = _warm_start(config)
+    model_cfg, params, tokenizer, model_path = _warm_start(config)
     mesh = sharding.make_mesh(config.mesh)
-    task = tasks.from_spec(config.data.tasks.to_dict())
-    train_examples = tasks.make_split(task, "train", config.data.num_train, config.data.seed)
-    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.data.seed, unique=True)
+    problems = sources.problems_for(model_path, config.data, config.rollout.max_prompt_length)
+    end_ids = end_token_ids(tokenizer, model_cfg.end_token_ids)
+    dropped = {split: n for split, n in problems.dropped.items() if n}
+    if dropped:
+        counts = ", ".join(f"{n} of {split}" for split, n in dropped.items())
+        metrics.report(f"Dropped prompts longer than rollout.max_prompt_length={config.rollout.max_prompt_length}: "
+                       f"{counts}")
 
     r = config.rollout
     sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
@@ -195,7 +214,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
     engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
         num_slots=r.num_slots, max_prompt_length=r.max_prompt_length, max_length=seq_len,
-        steps_per_sync=r.steps_per_sync, eos_token_id=model_cfg.eos_token_id,
+        steps_per_sync=r.steps_per_sync, eos_token_id=end_ids,
         max_draft_depth=max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8), dcfg, dparams)
     lc = config.learner
     learner = Learner(model_cfg, LearnerConfig(
@@ -218,9 +237,10 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         drafter_s = online.warm_up() if tlt.spot is not None else 0.0  # where the drafter trains
         metrics.report(f"Compiled plain decode and {len(tuner.strategies)} drafting strategies in {decode_s:.1f} s, "
                        f"the drafter step in {drafter_s:.1f} s")
-    loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=train_examples,
-                  eval_examples=eval_examples, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
-                  seed=config.seed, ref_params=ref_params, tlt=tlt)
+    loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
+                  eval_examples=problems.eval, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
+                  seed=config.seed, ref_params=ref_params, tlt=tlt, prompt_format=problems.prompt_format,
+                  correctness_reward=sources.correctness_reward(config.data, config.reward), end_token_ids=end_ids)
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
     # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
@@ -254,8 +274,10 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
     if sft_eval is None:
         sft_eval = loop.evaluate(0)
-        writer.write(0, {"eval_accuracy": sft_eval["eval_accuracy"], "eval_length_mean": sft_eval["eval_length_mean"]})
-        metrics.report(f"SFT checkpoint: eval accuracy {sft_eval['eval_accuracy']:.3f}")
+        writer.write(0, {k: sft_eval[k] for k in ("eval_accuracy", "eval_length_mean", "eval_truncated_share")})
+        writer.write_samples(0, loop.last_eval_samples)
+        metrics.report(f"Starting checkpoint: eval accuracy {sft_eval['eval_accuracy']:.3f}, "
+                       f"{sft_eval['eval_truncated_share']:.0%} cut off at max_tokens")
 
     def save(step):
         with loop.gap("checkpoint"):
@@ -279,6 +301,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                 last_eval = loop.evaluate(step + 1)
                 record.update(last_eval)
+                writer.write_samples(step + 1, loop.last_eval_samples)
             writer.write(step + 1, record)
             bar.update(record)
             loop.check_finite(step + 1)
@@ -314,6 +337,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     final_eval = last_eval or next((r for r in reversed(records) if r["step"] == end and "eval_accuracy" in r), {})
     summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
                "final_eval_accuracy": final_eval.get("eval_accuracy"),
+               "final_eval_truncated_share": final_eval.get("eval_truncated_share"),
+               "dropped_prompts": problems.dropped,
                "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
                "run_dir": run_dir}
     if tlt is not None:
