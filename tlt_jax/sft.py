@@ -63,7 +63,10 @@ def check_config(config) -> None:
     if config.get("reward"):
         rewards.get_reward(config.reward)
     if config.get("model_dir"):
-        load_hf_config(config.model_dir)
+        try:
+            load_hf_config(config.model_dir)
+        except ValueError as e:  # an architecture we do not support
+            raise ValueError(f"--config.model_dir={config.model_dir!r}: {e}") from e
         sources.problems_for(config.model_dir, config.data, config.eval.max_prompt_length)
     elif sources.kind(config.data) != "tasks":
         raise ValueError(f"data.source={config.data.source!r} needs a model with its tokenizer: set "

@@ -159,7 +159,8 @@ def check_config(config) -> None:
     _check_mesh(config.mesh)
     _check_warm_start(config)
     if config[WARM_START_FIELD]:  # the model and the data, read now so bad input fails before anything is written
-        model_cfg = load_hf_config(config[WARM_START_FIELD])
+        model_cfg = _prefixed(f"--config.{WARM_START_FIELD}={config[WARM_START_FIELD]!r}: ",
+                              lambda: load_hf_config(config[WARM_START_FIELD]))
         seq_len = r.max_prompt_length + r.max_tokens
         if seq_len > model_cfg.max_position_embeddings:
             raise ValueError(f"rollout.max_prompt_length + rollout.max_tokens = {seq_len} is beyond the "
