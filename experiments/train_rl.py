@@ -8,10 +8,13 @@ change of what it learns is refused unless --config.resume_changes names it (doc
 
   python -m experiments.train_rl --config=configs/rl.py:tiny                 # CPU, minutes
   python -m experiments.train_rl --config=configs/rl.py:tiny --config.tlt.enabled=False --config.run_dir=runs/base
-  python -m experiments.train_rl --config=configs/rl.py:qwen2.5-1.5b --config.mesh.tensor=2 \
+  python -m experiments.train_rl --config=configs/rl.py:hf --config.model_dir=DIR \
+      --config.data.train=train.parquet --config.data.eval=test.parquet   # your model and data
+  python -m experiments.train_rl --config=configs/rl.py:hf --config.model_dir=DIR ... --config.mesh.tensor=2 \
       --coordinator_address=host0:1234 --num_processes=2 --process_id=0
 
-Presets: tiny, tiny-speculate-always, qwen2.5-0.5b, qwen2.5-1.5b (configs/rl.py; docs/tlt.md).
+Presets: tiny, tiny-speculate-always, hf, qwen2.5-math-1.5b-gsm8k, qwen2.5-7b-math (configs/rl.py;
+docs/your_model.md, docs/tlt.md).
 """
 import json
 import os

@@ -14,6 +14,7 @@ import pytest
 from configs import rl, sft
 from tests._bpe_model import write_bpe_qwen2
 from tlt_jax import evaluation
+from tlt_jax.data import sources
 from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.rl import loop as loop_lib
 from tlt_jax.rl import train as rl_train
@@ -169,3 +170,23 @@ def test_the_launcher_refuses_bad_data_before_writing(model_dir, parquet, tmp_pa
     assert out.returncode == 1, out.stderr[-2000:]
     assert out.stderr.startswith("Error: data.eval=") and "does not exist" in out.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("preset,columns", [
+    ("qwen2.5-math-1.5b-gsm8k", {"question": "Tom has 3 apples and buys 4. How many now?",
+                                 "answer": "3 + 4 = 7\n#### 7"}),
+    ("qwen2.5-7b-math", {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "solution": "$\\boxed{\\frac{3}{4}}$"}),
+])
+def test_the_gpu_presets_take_their_documented_layouts(tmp_path_factory, preset, columns):
+    """docs/your_model.md's commands: the preset, model_dir and the two files, nothing else."""
+    model = write_bpe_qwen2(str(tmp_path_factory.mktemp("long_context")), max_position_embeddings=4096)
+    path = str(tmp_path_factory.mktemp("layout") / "rows.parquet")
+    datasets.Dataset.from_list([columns] * 4).to_parquet(path)
+    c = rl.get_config(preset)
+    c.model_dir = model
+    c.data.update(train=path, eval=path)
+    rl_train.check_config(c)
+    problems = sources.problems_for(model, c.data, c.rollout.max_prompt_length)
+    assert problems.train[0].answer == list(columns.values())[1]
+    assert problems.prompt_format.example_text(load_tokenizer(model), problems.train[0]).startswith(
+        "<|im_start|>system\nPlease reason step by step")
