@@ -38,7 +38,7 @@ from configs.common import data_config
 # among them). A change to any other field, a new one included, is refused unless
 # --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "save_hf",
-                "reward_workers", "tlt.enabled", "tlt.tuner", "sft.run_dir")
+                "reward_workers", "tlt.enabled", "tlt.tuner", "sft.run_dir", "wandb")
 
 
 def tlt_config() -> ml_collections.ConfigDict:
@@ -94,6 +94,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.seed = 0
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/rl_tiny"
+    # Weights & Biases beside TensorBoard: --config.wandb.project=NAME (offline by default,
+    # into <run_dir>/wandb for `wandb sync`; --config.wandb.mode=online streams).
+    c.wandb = ml_collections.ConfigDict(dict(project="", name="", mode="offline"))
     c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
     c.tlt = tlt_config()
     if preset == "tiny":

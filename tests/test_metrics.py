@@ -1,6 +1,8 @@
 """Tests of tlt_jax/metrics.py: JSONL round trip, truncation on resume, TensorBoard, plots."""
 
 import glob
+import importlib.machinery
+import importlib.util
 import io
 import os
 import struct
@@ -168,3 +170,39 @@ def test_progress_bar_shows_chosen_metrics():
     text = out.getvalue()
     assert "3/3" in text and "reward/mean=0.3704" in text and "loss=2" in text
     assert "ignored" not in text
+
+
+def test_wandb_logs_the_records_of_one_run_per_directory(tmp_path, monkeypatch):
+    """With wandb.project set, every record also goes to W&B, offline by default, as one W&B
+    run per run directory that a resumed run continues (a stand-in module records the calls)."""
+    import sys
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    config = metrics.WandbConfig(project="tlt")
+    for resume in (None, 1):
+        with metrics.MetricsWriter(tmp_path / "run", resume_step=resume, wandb=config) as writer:
+            writer.write(2 if resume else 1, {"reward_mean": 0.5, "lengths": np.arange(3)})
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] and inits[0]["mode"] == "offline"
+    assert inits[0]["project"] == "tlt" and inits[0]["resume"] == "allow" and inits[0]["name"] == "run"
+    assert [c for c in calls if c[0] == "log"] == [("log", 1, {"reward_mean": 0.5}), ("log", 2, {"reward_mean": 0.5})]
+    assert calls.count(("finish",)) == 2
+    with pytest.raises(ValueError, match="wandb.mode='sometimes'"):
+        metrics.WandbConfig(project="tlt", mode="sometimes").check()
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install wandb"):
+        metrics.WandbConfig(project="tlt").check()

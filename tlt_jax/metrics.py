@@ -18,6 +18,8 @@ read `label(key)`, not raw metric names.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -68,6 +70,38 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging beside TensorBoard (`--config.wandb.project=...`; the
+    `wandb` package, `pip install wandb`). mode "offline" (the default: no network needed)
+    keeps the run under <run_dir>/wandb for a later `wandb sync`; "online" streams it."""
+
+    project: str = ""  # "": no W&B logging
+    name: str = ""  # "": the run directory's name
+    mode: str = "offline"  # offline | online
+
+    def check(self) -> None:
+        if not self.project:
+            return
+        if self.mode not in ("offline", "online"):
+            raise ValueError(f"wandb.mode={self.mode!r}; choose offline or online.")
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ImportError(f"wandb.project={self.project!r} needs the wandb package, which is not installed: "
+                              "pip install wandb (or set --config.wandb.project='').")
+
+    def start(self, run_dir: str):
+        """The W&B run of this run directory: resumed (the same id) when it is run again."""
+        import wandb
+
+        self.check()
+        run_dir = os.path.abspath(run_dir)
+        run_id = "tlt-" + hashlib.blake2b(run_dir.encode(), digest_size=6).hexdigest()
+        return wandb.init(project=self.project, name=self.name or os.path.basename(run_dir), id=run_id,
+                          resume="allow", dir=run_dir, mode=self.mode)
+
+
 class MetricsWriter:
     """Writes per-step metrics to `<run_dir>/metrics.jsonl` and TensorBoard (process 0).
 
@@ -77,12 +111,14 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str | os.PathLike, use_tensorboard: bool = True,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, wandb: WandbConfig | None = None):
         """
         Args:
           run_dir: directory of the run (created if missing).
           use_tensorboard: also write TensorBoard event files.
           resume_step: the step a resumed run restarts after; later records are dropped.
+          wandb: also log the scalars to Weights & Biases (one W&B run per run directory,
+            resumed with it; `WandbConfig`).
         """
         self.path = os.path.join(run_dir, METRICS_FILENAME)
         self.samples_path = os.path.join(run_dir, EVAL_SAMPLES_FILENAME)
@@ -90,9 +126,12 @@ class MetricsWriter:
         self._enabled = jax.process_index() == 0
         self._file = None
         self._tensorboard = None
+        self._wandb = None
         if not self._enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        if wandb is not None and wandb.project:
+            self._wandb = wandb.start(run_dir)
         if resume_step is None:
             self._open(purge_step=None)
         else:
@@ -158,6 +197,8 @@ class MetricsWriter:
                 self._tensorboard.add_histogram(name, array.ravel(), step)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k not in _RESERVED_KEYS}, step=int(step))
 
     def write_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
         """Appends one JSON record per sample, `{"step": step, **sample}`, to eval_samples.jsonl."""
@@ -168,6 +209,9 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._close_files()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self

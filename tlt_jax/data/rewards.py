@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tlt_jax.data import tasks
+from tlt_jax.data import environments, tasks
 
 RewardFn = Callable[..., list[float]]
 logger = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ REWARDS: dict[str, RewardFn] = {
 SCORE_RANGE = (0.0, 1.0)  # every reward of REWARDS scores within it (plots clip reward bands to it)
 # Rewards that need a package: reward -> (module, how to install it).
 _NEEDS = {"math": ("math_verify", "pip install -e ."),
-          "reasoning_gym": ("reasoning_gym", "pip install -e '.[envs]'")}
+          "reasoning_gym": ("reasoning_gym", environments.INSTALL_HINT)}
 
 
 def get_reward(name: str) -> RewardFn:

@@ -133,6 +133,10 @@ def _check_mesh(mesh_config) -> None:
                          f"one process's devices{where}; make mesh.data a multiple of {processes}.")
 
 
+def _wandb_config(config) -> metrics.WandbConfig:
+    return metrics.WandbConfig(**config.get("wandb", {}))
+
+
 def check_config(config) -> None:
     """Raises ValueError naming the field for settings that cannot run, and
     FileNotFoundError naming the flag for a given path that does not exist, before
@@ -157,6 +161,7 @@ def check_config(config) -> None:
     if sources.kind(config.data) == "reasoning_gym":
         environments.parse_source(config.data.source)
     _check_mesh(config.mesh)
+    _wandb_config(config).check()
     _check_warm_start(config)
     if config[WARM_START_FIELD]:  # the model and the data, read now so bad input fails before anything is written
         model_cfg = _prefixed(f"--config.{WARM_START_FIELD}={config[WARM_START_FIELD]!r}: ",
@@ -272,7 +277,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                 _restore_drafter(tlt.drafter, drafter_ckpt, start)
             tlt.drafter.to_engine()
         metrics.report(f"Resumed {run_dir} at step {start} of {config.steps}")
-    writer = metrics.MetricsWriter(run_dir, resume_step=start)
+    writer = metrics.MetricsWriter(run_dir, resume_step=start, wandb=_wandb_config(config))
     if sft_eval is None:
         sft_eval = loop.evaluate(0)
         writer.write(0, {k: sft_eval[k] for k in ("eval_accuracy", "eval_length_mean", "eval_truncated_share")})
