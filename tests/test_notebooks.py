@@ -16,8 +16,8 @@ def _read(name):
     return nbformat.read(os.path.join(COLAB, name), as_version=4)
 
 
-def test_the_four_notebooks_exist():
-    assert [n[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04"], NOTEBOOKS
+def test_the_five_notebooks_exist():
+    assert [n[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05"], NOTEBOOKS
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
