@@ -104,7 +104,7 @@ class FileProblems(Sequence[tasks.Example]):
                                   ("data.response_field", self.response_field)):
             if path not in known:
                 raise ValueError(f"{config_name}={path!r} is not a field of {flag}; its fields: {', '.join(known)}.")
-        self._top = {path.split(".")[0] for path in (self.prompt_field,)}
+        self._prompt_column = self.prompt_field.split(".")[0]  # the other columns are reward fields
         rows = np.arange(len(table), dtype=np.int64)
         self.dropped = 0
         if prompt_ids is not None and max_prompt_length > 0:
@@ -125,7 +125,7 @@ class FileProblems(Sequence[tasks.Example]):
                              f"{type(prompt).__name__}, neither text nor a list of {{role, content}} messages.")
         if not isinstance(prompt, str):
             prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
-        fields = {k: v for k, v in row.items() if k not in self._top}
+        fields = {k: v for k, v in row.items() if k != self._prompt_column}
         task = str(row.get("data_source") or self.name)
         return tasks.Example(prompt=prompt, solution=_answer_text(get_field(row, self.response_field)),
                              answer=_answer_text(get_field(row, self.answer_field)), task=task, fields=fields)

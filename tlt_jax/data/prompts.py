@@ -39,7 +39,7 @@ class PromptFormat:
     def from_config(cls, data_config) -> PromptFormat:
         """From a config's `data` section (its chat_template, system_prompt and
         prompt_template; absent fields keep the defaults)."""
-        get = lambda name, default: data_config.get(name, default) if hasattr(data_config, "get") else default
+        get = data_config.get
         return cls(chat_template=bool(get("chat_template", False)), system_prompt=get("system_prompt", "") or "",
                    prompt_template=get("prompt_template", "{prompt}") or "{prompt}")
 
