@@ -322,3 +322,64 @@ def test_fingerprints(tmp_path):
     assert fingerprint.fingerprint_tokens(tokens_NT.astype(np.int64), rows_per_block=3) == fp
     assert fingerprint.fingerprint_tokens(tokens_NT.reshape(10, -1)) != fp
     assert fingerprint.fingerprint_tokens(tokens_NT[::-1]) != fp
+
+
+def _layout(tokens_NT, split_at):
+    """Positions and segment ids of rows that pack two sequences, the second from `split_at`."""
+    t_NT = np.broadcast_to(np.arange(tokens_NT.shape[1], dtype=np.int32), tokens_NT.shape)
+    return (np.where(t_NT < split_at, t_NT, t_NT - split_at).astype(np.int32),
+            np.where(t_NT < split_at, 1, 2).astype(np.int32))
+
+
+def test_the_teacher_is_given_the_layout_and_the_cache_records_it(tmp_path):
+    """With a layout, the teacher gets (tokens, positions, segment_ids) of each batch; the
+    cache's metadata records the layout, so a cache of the same tokens packed differently is
+    refused naming layout_fingerprint, before the teacher runs."""
+    tokens_NT = fake.make_tokens(num_seq=5)
+    layout = _layout(tokens_NT, split_at=2)
+    seen = []
+
+    def teacher(tokens_BT, positions_BT, segment_ids_BT):
+        assert tokens_BT.dtype == positions_BT.dtype == segment_ids_BT.dtype == np.int32
+        seen.append((positions_BT.copy(), segment_ids_BT.copy()))
+        return fake.fake_teacher(tokens_BT)
+
+    meta = fake.make_meta(tokens_NT, layout_fingerprint=tc.layout_fingerprint(*layout))
+    reader = _write(tmp_path / "c", tokens_NT, meta, teacher, layout=layout)
+    assert len(seen) == 2  # 5 rows in batches of 3
+    np.testing.assert_array_equal(np.concatenate([p for p, _ in seen])[:5], layout[0])
+    np.testing.assert_array_equal(np.concatenate([s for _, s in seen])[:5], layout[1])
+    assert tc.read_cache_meta(tmp_path / "c").layout_fingerprint == meta.layout_fingerprint
+    np.testing.assert_array_equal(_read_all(reader)[0], _expected(tokens_NT, "bfloat16")[0])
+
+    other = _layout(tokens_NT, split_at=3)
+    assert tc.layout_fingerprint(*other) != meta.layout_fingerprint
+    assert tc.layout_fingerprint(other[1], other[0]) != tc.layout_fingerprint(*other)  # which array is which counts
+    other_meta = dataclasses.replace(meta, layout_fingerprint=tc.layout_fingerprint(*other))
+    with pytest.raises(tc.MetadataMismatchError, match="layout_fingerprint is 'sha256:"):
+        tc.TeacherCacheReader(tmp_path / "c", other_meta)
+    with pytest.raises(tc.MetadataMismatchError, match="layout_fingerprint"):
+        _write(tmp_path / "c", tokens_NT, other_meta, lambda *a: pytest.fail("the teacher ran"), layout=other)
+    with pytest.raises(tc.MetadataMismatchError, match="meta.layout_fingerprint is"):  # meta and layout disagree
+        _write(tmp_path / "d", tokens_NT, meta, teacher, layout=other)
+    with pytest.raises(tc.MetadataMismatchError, match="meta.layout_fingerprint is"):  # a layout, not given
+        _write(tmp_path / "d", tokens_NT, meta, teacher)
+
+
+def test_a_cache_of_the_old_format_is_refused_not_misread(tmp_path):
+    """A format-1 cache (its teacher recovered the layout from <bos> / <pad> tokens) is
+    refused by the reader and the writer with the format named, and nothing is computed."""
+    tokens_NT = fake.make_tokens(num_seq=4)
+    meta = fake.make_meta(tokens_NT)
+    old = {k: v for k, v in dataclasses.replace(meta, format_version=1).store_metadata().items()
+           if k != "layout_fingerprint"}
+    store = tc.ShardedArrayStore.open_or_create(tmp_path / "old", fields=meta.fields(fake.SEQ_LEN), num_rows=4,
+                                                metadata=old, rows_per_shard=4)
+    ids, logp = fake.fake_teacher(tokens_NT)
+    store.write_shard(0, {"ids": ids, "logp": logp})
+    message = f"has format_version 1, this code reads format_version {tc.FORMAT_VERSION} .*cannot be reused"
+    with pytest.raises(tc.MetadataMismatchError, match=message):
+        tc.TeacherCacheReader(tmp_path / "old", meta)
+    with pytest.raises(tc.MetadataMismatchError, match=message):
+        _write(tmp_path / "old", tokens_NT, meta, lambda *a: pytest.fail("the teacher ran"))
+    assert tc.read_cache_meta(tmp_path / "old").format_version == 1  # still inspectable

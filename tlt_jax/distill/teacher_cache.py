@@ -12,7 +12,8 @@ Two layers:
   time with a completion marker per shard. A killed writer resumes where it stopped and
   a reader never takes a partly written shard for a complete one. The drafter data
   buffer reuses it with its own fields and metadata.
-* The teacher cache on top: `CacheMeta` (what the cache was made from),
+* The teacher cache on top: `CacheMeta` (what the cache was made from: the teacher, the
+  tokenizer, the tokens and the packed layout the teacher attended with),
   `write_teacher_cache` (resumable writer) and `TeacherCacheReader` (checked reader);
   `losses.topk_from_logits` turns teacher logits into cache rows.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -51,7 +53,11 @@ from tqdm import auto as tqdm_auto
 from tlt_jax import faults
 from tlt_jax.fingerprint import fingerprint_tokens
 
-FORMAT_VERSION = 1  # of the teacher cache (its fields and their meaning)
+# Of the teacher cache (its fields and their meaning). 2: the layout of packed rows
+# (positions, segment ids) is given to the teacher and recorded (`layout_fingerprint`);
+# 1 left it to be recovered from the tokens (<bos>, <pad>), wrong for tokenizers without
+# a <bos> or whose <pad> is also an end token.
+FORMAT_VERSION = 2
 STORE_VERSION = 1  # of the generic store layout
 CACHE_KIND = "teacher_topk_cache"
 LOGP_DTYPES = ("bfloat16", "float32")
@@ -397,7 +403,9 @@ class CacheMeta:
     """What a teacher cache was made from; a reader must expect exactly this.
 
     Fingerprints are opaque strings, normally from `fingerprint_arrays` (teacher params),
-    `fingerprint_path` (tokenizer directory) and `fingerprint_tokens` (dataset).
+    `fingerprint_path` (tokenizer directory), `fingerprint_tokens` (dataset) and
+    `layout_fingerprint` (the rows' positions and segment ids; "" when the teacher sees
+    the tokens alone, each row one sequence from position 0).
     `temperature` divides the teacher logits before the log-softmax; `logp_dtype` is the
     on-disk dtype of the log-probs ("bfloat16" or "float32").
     """
@@ -407,6 +415,7 @@ class CacheMeta:
     top_k: int
     temperature: float = 1.0
     logp_dtype: str = "bfloat16"
+    layout_fingerprint: str = ""
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self):
@@ -429,11 +438,30 @@ class CacheMeta:
                 "logp": FieldSpec(self.logp_dtype, (seq_len, self.top_k))}
 
 
-TeacherFn = Callable[[np.ndarray], tuple[Any, Any]]
+def layout_fingerprint(positions_NT, segment_ids_NT) -> str:
+    """Fingerprint of the layout of packed rows: positions and segment ids [N, T] (segment
+    0 is padding), as the teacher attends with them."""
+    parts = "\n".join(f"{name}={fingerprint_tokens(x_NT)}" for name, x_NT in
+                      (("positions", positions_NT), ("segment_ids", segment_ids_NT)))
+    return "sha256:" + hashlib.sha256(parts.encode()).hexdigest()
+
+
+def _check_format(path: str, metadata: Mapping[str, Any], expected: CacheMeta) -> None:
+    """A cache of another format version is refused as such, before its other fields are
+    compared (their meaning may differ)."""
+    found = metadata.get("format_version")
+    if found != expected.format_version:
+        raise MetadataMismatchError(
+            f"teacher cache at {path} has format_version {found!r}, this code reads format_version "
+            f"{expected.format_version!r} (format 2 records the packed rows' layout, positions and segment ids, "
+            "beside their tokens); it cannot be reused: delete it, or write the new cache elsewhere")
+
+
+TeacherFn = Callable[..., tuple[Any, Any]]
 
 
 def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherFn,
-                        meta: CacheMeta, *, batch_size: int,
+                        meta: CacheMeta, *, batch_size: int, layout=None,
                         rows_per_shard: int | None = None,
                         progress: bool = True) -> TeacherCacheReader:
     """Runs `teacher_fn` over `tokens_NT` and stores its top-K ids and log-probs at `path`.
@@ -446,12 +474,16 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
       path: cache directory (created if absent; must be empty or a cache).
       tokens_NT: [N sequences, T positions] integer tokens (numpy array or memmap).
       teacher_fn: tokens_BT int32 [batch_size, T] -> (ids_BTK, logp_BTK), numpy or jax,
-        with K = meta.top_k and log-probs at meta.temperature (see `topk_from_logits`).
-        Always called with exactly `batch_size` rows (the last batch is padded by
-        repeating a row) so a jitted teacher compiles once.
+        with K = meta.top_k and log-probs at meta.temperature (see `topk_from_logits`);
+        with a `layout`, (tokens_BT, positions_BT, segment_ids_BT) -> the same. Always
+        called with exactly `batch_size` rows (the last batch is padded by repeating a
+        row) so a jitted teacher compiles once.
       meta: what the cache is made from; `meta.dataset_fingerprint` must equal
-        `fingerprint_tokens(tokens_NT)` (checked).
+        `fingerprint_tokens(tokens_NT)` and `meta.layout_fingerprint`
+        `layout_fingerprint(*layout)` ("" without a layout) (both checked).
       batch_size: sequences per teacher call; free to change between resumes.
+      layout: None, or (positions_NT, segment_ids_NT) of packed rows (segment 0 is
+        padding): what the teacher attends with, given to it beside the tokens.
       rows_per_shard: sequences per shard (the resume and file granularity), fixed when
         the cache is created; None keeps the existing value or picks ~256 MiB shards.
       progress: show a tqdm progress bar over sequences.
@@ -469,6 +501,16 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
         raise MetadataMismatchError(
             f"meta.dataset_fingerprint is {meta.dataset_fingerprint!r} but tokens_NT hashes "
             f"to {dataset_fingerprint!r}")
+    if layout is not None:
+        layout = tuple(layout)
+        if len(layout) != 2 or any(tuple(x.shape) != (num_rows, seq_len) for x in layout):
+            raise ValueError(f"layout must be (positions_NT, segment_ids_NT), each of shape {(num_rows, seq_len)}")
+    layout_fp = "" if layout is None else layout_fingerprint(*layout)
+    if meta.layout_fingerprint != layout_fp:
+        raise MetadataMismatchError(
+            f"meta.layout_fingerprint is {meta.layout_fingerprint!r} but the layout given hashes to {layout_fp!r}")
+    if os.path.isfile(os.path.join(os.fspath(path), _STORE_FILE)):
+        _check_format(os.fspath(path), _load_store_json(os.fspath(path))["metadata"], meta)
     store = None
 
     def disk_full() -> str:
@@ -494,8 +536,9 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
             for begin in range(0, len(rows_M), batch_size):
                 rows_B = rows_M[begin:begin + batch_size]
                 padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
-                tokens_BT = np.asarray(tokens_NT[padded_B], dtype=np.int32)
-                ids_BTK, logp_BTK = teacher_fn(tokens_BT)
+                inputs = [np.asarray(x_NT[padded_B], dtype=np.int32)
+                          for x_NT in (tokens_NT, *(layout or ()))]
+                ids_BTK, logp_BTK = teacher_fn(*inputs)
                 ids_BTK, logp_BTK = np.asarray(ids_BTK), np.asarray(logp_BTK)
                 for name, x in (("ids", ids_BTK), ("logp", logp_BTK)):
                     if x.shape != (batch_size, *shape_TK):
@@ -550,6 +593,7 @@ class TeacherCacheReader:
         if self._store.metadata.get("kind") != CACHE_KIND:
             raise NotAStoreError(f"{self.path} is a store of kind "
                                  f"{self._store.metadata.get('kind')!r}, not a teacher cache")
+        _check_format(self.path, self._store.metadata, expected)
         problems = _differences(self._store.metadata, _json_normal(expected.store_metadata()))
         if problems:
             raise MetadataMismatchError(
