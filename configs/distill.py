@@ -2,14 +2,28 @@ r"""Distillation from a cached teacher: `--config=configs/distill.py:tiny`.
 
 The teacher is a Hugging Face checkpoint directory with its tokenizer (`teacher_dir`; by
 default the shipped `assets/sft_tiny`, trained here on the addition traces; any checkpoint
-`load_hf` reads works); the student is a smaller model with the teacher's vocabulary,
-randomly initialised. `mode="offline"` caches the teacher's top-K once under the run
-directory (or `cache_dir`) and trains from the cache; `mode="online"` runs the teacher in
-the loop on the same batches (same curves, teacher compute every step).
+`load_hf` reads works). The student is a smaller model with the teacher's vocabulary: a
+checkpoint (`student_dir`: a pruned or smaller model of the teacher's family, the case the
+method is for; a different vocabulary is refused) or, with student_dir "", `student` from
+random weights. The data is any source of `tlt_jax.data.sources` (`data.source`: the
+synthetic tasks, files from disk, reasoning-gym), prompts in the teacher's format.
+`mode="offline"` caches the teacher's top-K once under the run directory (or `cache_dir`)
+and trains from the cache; `mode="online"` runs the teacher in the loop on the same
+batches (same curves, teacher compute every step).
 
 tiny: K = 8 of a 37-token vocabulary (K <= V is required; the paper's K = 100 assumes a
 real vocabulary); the held-out targets keep the whole vocabulary (`eval_top_k=0`), so
 `eval_kl` is the exact full-vocabulary KL. About 2 minutes on two CPU cores.
+
+llama3-8b-to-3b-32k: the paper's setting on one H200. A top-100 teacher cache of a
+Llama-3.1-8B(-Instruct) checkpoint (`--config.teacher_dir`; shape `configs/models.py:
+llama3.1-8b`) over a dataset from disk (`--config.data.train=`, `--config.data.eval=`:
+JSONL / Parquet / ... with prompt and response columns, prompts in the teacher's chat
+template; `--config.data.response_field=` names the targets' column), then a Llama-3.2-3B
+student (`--config.student_dir` = a checkpoint with the teacher's vocabulary, e.g.
+Llama-3.2-3B(-Instruct); '' = `student`, that shape, from random weights) trained on rows
+of 32,768 tokens, remat per layer, fused top-K KL. Its memory is planned for that shape;
+a student of another shape needs its own plan (experiments/plan_memory.py).
 
 `get_sweep` compares the two losses (see experiments/sweep.py):
   python -m experiments.sweep --launcher=experiments.distill --config=configs/distill.py:tiny \
@@ -18,7 +32,7 @@ real vocabulary); the held-out targets keep the whole vocabulary (`eval_top_k=0`
 import ml_collections
 
 from configs import models
-from configs.common import grid
+from configs.common import data_config, grid
 from configs.sft import tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
@@ -26,16 +40,22 @@ from configs.sft import tasks_tiny
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
+PRESETS = ("tiny", "llama3-8b-to-3b-32k")
+
+
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset != "tiny":
-        raise ValueError(f"Unknown distill preset {preset!r}; presets: tiny.")
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown distill preset {preset!r}; presets: {', '.join(PRESETS)}.")
     c = ml_collections.ConfigDict()
     c.teacher_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the teacher's directory
-    # Vocabulary size and special ids come from the teacher.
+    # A checkpoint to start the student from, with the teacher's vocabulary (checked); "":
+    # config.student from random weights, its vocabulary size and special ids the teacher's.
+    c.student_dir = ""
     c.student = models.model_config("tiny")
     c.student.update(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-    c.data = ml_collections.ConfigDict(dict(tasks=tasks_tiny(), num_train=8000, num_eval=256, seq_len=128))
+    # Any source of tlt_jax.data.sources; prompts in the teacher's format, responses as targets.
+    c.data = data_config(tasks=tasks_tiny(), num_train=8000, num_eval=256, seq_len=128)
     c.mode = "offline"  # or "online": the teacher in the loop
     c.top_k = 8  # teacher ids kept per position; <= the vocabulary size
     c.tail = False  # False: the paper's top-K loss; True: plus the bucket of the mass outside the top-K
@@ -62,6 +82,22 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/distill_tiny"
     c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
+    if preset == "llama3-8b-to-3b-32k":
+        c.teacher_dir = ""  # required: --config.teacher_dir=DIR, a Llama-3.1-8B(-Instruct) checkpoint
+        c.student = models.model_config("llama3.2-3b")  # bf16 weights and compute
+        c.data = data_config(source="files", num_train=0, num_eval=64, chat_template=True, seq_len=32768)
+        c.top_k, c.eval_top_k = 100, 100  # the paper's K; the whole vocabulary would be 128256 per position
+        c.cache_dtype = "bfloat16"  # 32768 x 100 x (4 + 2) bytes = 19.7 MB of cache per row
+        # Memory by plan_memory (`python -m experiments.plan_memory --presets=llama3.2-3b
+        # --steps=distill --seq_lens=32768`, XLA:CPU's buffer assignment, an upper bound for
+        # bf16): 61.6 GB at 32k for one row, 127.3 GB for four, the most that fit 141 GB. The
+        # teacher leaves the device once its cache is written. The teacher pass holds the
+        # 8B's bf16 weights (16 GB) and one row's [32768, 128256] logits.
+        c.batch_size, c.eval_batch_size, c.cache_batch_size = 4, 1, 1
+        c.remat, c.loss_impl = True, "auto"
+        c.optimizer.update(learning_rate=1e-4, warmup_steps=50, decay_steps=2000)
+        c.steps, c.eval_every, c.checkpoint_every = 2000, 200, 100
+        c.run_dir = "runs/distill_llama3-8b-to-3b-32k"
     return c
 
 

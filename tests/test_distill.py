@@ -127,3 +127,16 @@ def test_a_run_stopped_midway_resumes_exactly_from_a_shared_cache(offline_run, t
     assert sorted(b) == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
         np.testing.assert_array_equal([a[s][key] for s in sorted(a)], [b[s][key] for s in sorted(b)], err_msg=key)
+
+
+def test_the_32k_preset_is_the_papers_setting_and_names_its_required_teacher():
+    c = distill_config.get_config("llama3-8b-to-3b-32k")
+    assert (c.top_k, c.eval_top_k, c.cache_dtype, c.data.seq_len, c.data.source, c.remat) == (
+        100, 100, "bfloat16", 32768, "files", True)
+    student = from_config_dict(c.student)
+    assert student == from_config_dict(models.model_config("llama3.2-3b"))
+    assert from_config_dict(models.model_config("llama3.1-8b")).vocab_size == student.vocab_size
+    with pytest.raises(FileNotFoundError, match="^--config.teacher_dir=''"):
+        train.check_paths(c)
+    with pytest.raises(ValueError, match="presets: tiny, llama3-8b-to-3b-32k"):
+        distill_config.get_config("llama3-70b")

@@ -8,10 +8,18 @@ Both modes feed the student the same rows in the same order with the same teache
 online path rounds log-probs to the cache's dtype), so with one seed their loss curves agree;
 the cache only saves the teacher's compute.
 
-Data: the SFT traces of the configured tasks packed into rows (`sft.pack_examples`). The
-distillation targets are the positions that predict solution tokens and <eos> (the pack
-mask): that is where an SFT teacher was trained; its distribution over prompt tokens was
-never fitted and is not worth copying.
+Student: `student_dir`, a checkpoint with the teacher's vocabulary (a pruned or smaller
+model of its family: what the method is for), or, with student_dir "", `config.student`
+from random weights.
+
+Data: the `data` section through `tlt_jax.data.sources` (the synthetic tasks, files from
+disk, reasoning-gym), each prompt in the teacher's format (its chat template or
+`data.prompt_template`) followed by the response and the tokenizer's end token, packed
+into rows of `data.seq_len` tokens (`packing.pack_examples`). The distillation targets are
+the positions that predict response tokens and the end token (the pack mask): that is
+where an SFT teacher was trained; its distribution over prompt tokens was never fitted and
+is not worth copying. The teacher attends with the rows' own layout (positions, segment
+ids), which the cache records beside the tokens.
 
 Loss (`config.tail`): False is the paper's top-K loss sum_S p (log p - log q); True adds the
 bucket of the mass outside the top-K, a true KL of the two distributions coarsened to K + 1
@@ -41,13 +49,14 @@ import numpy as np
 from absl import logging
 
 from tlt_jax import checkpoint, fingerprint, launch, losses, metrics, sharding
-from tlt_jax.data import tasks
+from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
+from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
-from tlt_jax.models.hf_io import load_hf, save_hf
-from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
+from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import (
     OptimizerConfig,
     TrainState,
@@ -63,36 +72,23 @@ MODES = ("offline", "online")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "tokenizer.model")
 
-TeacherTopK = Callable[[np.ndarray], tuple[jax.Array, jax.Array]]
+# (tokens_BT, positions_BT, segment_ids_BT) -> (ids_BTK, logp_BTK): the teacher's top-K.
+TeacherTopK = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
+LAYOUT = ("positions", "segment_ids")  # what the teacher attends with, beside the tokens
+_DEFAULT_FORMAT = PromptFormat()  # the synthetic tasks' prompts
 
 
 # ----------------------------------------------------------------------------- data
 
 
-def packed_layout(tokens_BT, bos_id: int, pad_id: int):
-    """(positions_BT, segment_ids_BT) of `pack_examples` rows, recovered from the tokens.
-
-    The teacher cache hashes and feeds the teacher tokens only, so the layout the teacher
-    attends with must be a function of the tokens: each example starts with <bos> and padding
-    (<pad>, segment 0, position 0) only fills the end of a row. `packed_dataset` checks this
-    against what `pack_examples` wrote.
-    """
-    t_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
-    is_bos = tokens_BT == bos_id
-    segment_ids = jnp.cumsum(is_bos, axis=1, dtype=jnp.int32) * (tokens_BT != pad_id)
-    start_BT = jax.lax.cummax(jnp.where(is_bos, t_BT, 0), axis=1)
-    return jnp.where(segment_ids > 0, t_BT - start_BT, 0), segment_ids
-
-
-def packed_dataset(tokenizer, examples, seq_len: int) -> dict[str, np.ndarray]:
-    """`pack_examples` rows, checked to have the layout `packed_layout` recovers."""
-    rows = pack_examples(tokenizer, examples, seq_len)
-    positions, segment_ids = jax.jit(packed_layout, static_argnums=(1, 2))(
-        rows["tokens"], tokenizer.bos_token_id, tokenizer.pad_token_id)
-    if not (np.array_equal(positions, rows["positions"]) and np.array_equal(segment_ids, rows["segment_ids"])):
-        raise ValueError("The packed rows' layout is not recoverable from their tokens (every example must start "
-                         "with <bos>, and <bos>/<pad> must occur nowhere else); the teacher cannot see it.")
-    return rows
+def packed_dataset(tokenizer, examples, seq_len: int, prompt_format: PromptFormat = _DEFAULT_FORMAT,
+                   end_token_id: int | None = None) -> dict[str, np.ndarray]:
+    """The rows the teacher and the student read: `pack_examples` rows (tokens, positions,
+    segment_ids [N, T], mask [N, T-1]), each prompt in `prompt_format` followed by its
+    response and `end_token_id` (default the tokenizer's eos). The teacher is given their
+    positions and segment ids as they are (`make_teacher_topk`): nothing about the layout
+    is inferred from the tokens."""
+    return pack_examples(tokenizer, examples, seq_len, prompt_format, end_token_id)
 
 
 def tokenizer_fingerprint(path: str) -> str:
@@ -107,43 +103,54 @@ def tokenizer_fingerprint(path: str) -> str:
 # ----------------------------------------------------------------------------- teacher
 
 
-def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float, logp_dtype: str,
-                      bos_id: int, pad_id: int) -> TeacherTopK:
-    """tokens_BT -> (ids_BTK int32, logp_BTK in `logp_dtype`): the teacher's top-k at `temperature`.
+def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float,
+                      logp_dtype: str) -> TeacherTopK:
+    """(tokens_BT, positions_BT, segment_ids_BT) -> (ids_BTK int32, logp_BTK in `logp_dtype`):
+    the teacher's top-k at `temperature`, attending within each packed segment.
 
     One function for both modes: the cache writer calls it offline, the loop online. Log-probs
     leave it already rounded to the cache's dtype, so the student sees the same values either way.
     """
-    def fn(params, tokens_BT):
-        positions_BT, segment_ids_BT = packed_layout(tokens_BT, bos_id, pad_id)
+    def fn(params, tokens_BT, positions_BT, segment_ids_BT):
         h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
         ids_BTK, logp_BTK = losses.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
         return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
 
-    out_sh = sharding.batch_sharding(mesh, 3)
+    rows_sh, out_sh = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3)
     jitted = sharding.jit_sharded(
-        fn, in_shardings=(tfm.param_shardings(model_cfg, params, mesh), sharding.batch_sharding(mesh, 2)),
+        fn, in_shardings=(tfm.param_shardings(model_cfg, params, mesh), rows_sh, rows_sh, rows_sh),
         out_shardings=(out_sh, out_sh))
-    return lambda tokens_BT: jitted(params, tokens_BT)
+    return lambda tokens_BT, positions_BT, segment_ids_BT: jitted(params, tokens_BT, positions_BT, segment_ids_BT)
 
 
-def open_or_build_cache(path: str, tokens_NT: np.ndarray, teacher: TeacherTopK, meta: tc.CacheMeta, *,
+def cache_meta(rows: dict, *, teacher_fingerprint: str, tokenizer_fingerprint: str, top_k: int, temperature: float,
+               logp_dtype: str) -> tc.CacheMeta:
+    """What the cache of `rows` (packed_dataset) is made from: its tokens and their layout."""
+    return tc.CacheMeta(teacher_fingerprint=teacher_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
+                        dataset_fingerprint=fingerprint.fingerprint_tokens(rows["tokens"]),
+                        layout_fingerprint=tc.layout_fingerprint(*(rows[name] for name in LAYOUT)),
+                        top_k=top_k, temperature=temperature, logp_dtype=logp_dtype)
+
+
+def open_or_build_cache(path: str, rows: dict, teacher: TeacherTopK, meta: tc.CacheMeta, *,
                         batch_size: int, rows_per_shard: int | None, progress: bool):
-    """(reader, rows the teacher ran on): a complete matching cache is read as is; a missing or
-    partial one is (re)built; one made differently raises MetadataMismatchError naming the fields."""
-    rows = [0]
+    """(reader, rows the teacher ran on): a complete matching cache of `rows` (packed_dataset)
+    is read as is; a missing or partial one is (re)built; one made differently raises
+    MetadataMismatchError naming the fields."""
+    computed = [0]
 
-    def counted(tokens_BT):
-        rows[0] += len(tokens_BT)
-        return teacher(tokens_BT)
+    def counted(*inputs_BT):
+        computed[0] += len(inputs_BT[0])
+        return teacher(*inputs_BT)
 
     try:
         try:
             return tc.TeacherCacheReader(path, meta), 0
         except (tc.NotAStoreError, tc.IncompleteStoreError):
-            reader = tc.write_teacher_cache(path, tokens_NT, counted, meta, batch_size=batch_size,
+            reader = tc.write_teacher_cache(path, rows["tokens"], counted, meta, batch_size=batch_size,
+                                            layout=tuple(rows[name] for name in LAYOUT),
                                             rows_per_shard=rows_per_shard, progress=progress)
-            return reader, rows[0]
+            return reader, computed[0]
     except tc.MetadataMismatchError as e:
         raise tc.MetadataMismatchError(f"{e} (point --config.cache_dir elsewhere, or delete {path} to rebuild "
                                        "it)") from e
@@ -237,14 +244,49 @@ class DistillTrainer:
 
 
 def check_paths(config) -> None:
-    """FileNotFoundError naming the flag for a teacher, tokenizer or (offline) cache path
-    that does not exist: a mistyped cache_dir is never taken for a new cache."""
+    """Raises, naming the flag, before anything is written: a teacher, student, tokenizer or
+    (offline) cache path that does not exist (a mistyped cache_dir is never taken for a new
+    cache), a model type we do not support, a student whose vocabulary is not the teacher's,
+    a bad mode or top-K, bad data (missing files or fields)."""
     launch.check_path(config, "teacher_dir", required=True, tokenizer=not config.tokenizer_dir)
+    launch.check_path(config, "student_dir", tokenizer=False, hint="or '' for config.student from random weights.")
     launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the teacher's.")
     if config.mode == "offline":
         launch.check_path(config, "cache_dir", kind="directory",
                           hint="point it at another run's teacher cache (<run_dir>/teacher_cache), or leave it '' "
                                "to build one in <run_dir>/teacher_cache.")
+    teacher_cfg = _hf_config(config, "teacher_dir")
+    _check_config(config, teacher_cfg.vocab_size)
+    tokenizer_dir = config.tokenizer_dir or config.teacher_dir
+    if config.get("student_dir"):
+        _check_student(config, teacher_cfg, _hf_config(config, "student_dir"), tokenizer_dir)
+    sources.problems_for(tokenizer_dir, config.data)
+
+
+def _hf_config(config, field: str) -> ModelConfig:
+    try:
+        return load_hf_config(config[field])
+    except ValueError as e:  # an architecture we do not support
+        raise ValueError(f"--config.{field}={config[field]!r}: {e}") from e
+
+
+def _check_student(config, teacher_cfg: ModelConfig, student_cfg: ModelConfig, tokenizer_dir: str) -> None:
+    """The student learns the teacher's distribution token by token: same vocabulary size and,
+    when the student's checkpoint holds a tokenizer, the same tokens with the same ids."""
+    flags = f"--config.student_dir={config.student_dir!r} and --config.teacher_dir={config.teacher_dir!r}"
+    fix = ("distil into a student with the teacher's vocabulary (a pruned or smaller model of its family), or "
+           "set --config.student_dir='' to start config.student from random weights.")
+    if student_cfg.vocab_size != teacher_cfg.vocab_size:
+        raise ValueError(f"{flags} have different vocabularies (the student's embedding has {student_cfg.vocab_size} "
+                         f"rows, the teacher's {teacher_cfg.vocab_size}); {fix}")
+    if any(os.path.isfile(os.path.join(config.student_dir, name)) for name in ("tokenizer.json",
+                                                                               "tokenizer_config.json")):
+        student_vocab = load_tokenizer(config.student_dir).get_vocab()
+        teacher_vocab = load_tokenizer(tokenizer_dir).get_vocab()
+        if student_vocab != teacher_vocab:
+            differ = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda kv: kv[1])
+            raise ValueError(f"{flags} have different vocabularies: their tokenizers differ in "
+                             f"{len(differ)} (token, id) pairs, e.g. {differ[:3]}; {fix}")
 
 
 def _check_config(config, vocab_size: int) -> tuple[int, int]:
@@ -277,19 +319,20 @@ def train_distill(config, *, progress: bool = True) -> dict:
         raise ValueError(f"The tokenizer has {len(tokenizer)} tokens, the teacher's vocabulary only {vocab}.")
     top_k, eval_top_k = _check_config(config, vocab)
 
-    task = tasks.from_spec(config.data.tasks.to_dict())
-    rows = {"train": packed_dataset(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
-                                    config.data.seq_len),
-            "eval": packed_dataset(tokenizer, tasks.make_split(task, "eval", config.data.num_eval, config.seed,
-                                                               unique=True), config.data.seq_len)}
+    problems = sources.problems_for(tokenizer_dir, config.data)
+    end_id = end_token_ids(tokenizer, teacher_cfg.end_token_ids)[0]
+    rows = {split: packed_dataset(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_id)
+            for split, examples in (("train", problems.train), ("eval", problems.eval))}
     split_k = {"train": top_k, "eval": eval_top_k}
     teacher_fp = fingerprint.fingerprint_arrays(teacher_params)
 
+    # Placed (once for both splits) and compiled only if it runs: not for a complete cache.
+    placed_teacher = functools.cache(lambda: tfm.shard_params(teacher_cfg, teacher_params, mesh))
+
     @functools.cache
-    def teacher(split) -> TeacherTopK:  # placed and compiled only if it runs: not for a complete cache
-        return make_teacher_topk(teacher_cfg, tfm.shard_params(teacher_cfg, teacher_params, mesh), mesh,
-                                 k=split_k[split], temperature=config.temperature, logp_dtype=config.cache_dtype,
-                                 bos_id=tokenizer.bos_token_id, pad_id=tokenizer.pad_token_id)
+    def teacher(split) -> TeacherTopK:
+        return make_teacher_topk(teacher_cfg, placed_teacher(), mesh, k=split_k[split],
+                                 temperature=config.temperature, logp_dtype=config.cache_dtype)
 
     # Targets of rows `idx` of a split: the cache's, or the teacher's computed now.
     cache_rows, t_cache = 0, time.time()
@@ -298,15 +341,16 @@ def train_distill(config, *, progress: bool = True) -> dict:
         tok_fp = tokenizer_fingerprint(tokenizer_dir)
         readers = {}
         for split, k in split_k.items():
-            meta = tc.CacheMeta(teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp,
-                                dataset_fingerprint=fingerprint.fingerprint_tokens(rows[split]["tokens"]), top_k=k,
-                                temperature=config.temperature, logp_dtype=config.cache_dtype)
+            meta = cache_meta(rows[split], teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp, top_k=k,
+                              temperature=config.temperature, logp_dtype=config.cache_dtype)
             readers[split], computed = open_or_build_cache(
-                os.path.join(cache_dir, split), rows[split]["tokens"],
-                lambda tokens_BT, split=split: teacher(split)(tokens_BT), meta,
+                os.path.join(cache_dir, split), rows[split],
+                lambda *inputs_BT, split=split: teacher(split)(*inputs_BT), meta,
                 batch_size=config.cache_batch_size, rows_per_shard=config.cache_rows_per_shard or None,
                 progress=progress)
             cache_rows += computed
+        teacher.cache_clear()  # the teacher's device memory goes back before the student trains
+        placed_teacher.cache_clear()
         logging.info("Teacher cache at %s: teacher ran on %d rows", cache_dir, cache_rows)
 
         def targets(split, idx):
@@ -314,15 +358,20 @@ def train_distill(config, *, progress: bool = True) -> dict:
             return {"ids": ids, "logp": logp}
     else:
         def targets(split, idx):
-            ids, logp = teacher(split)(rows[split]["tokens"][idx])
+            ids, logp = teacher(split)(*(rows[split][name][idx] for name in ("tokens", *LAYOUT)))
             return {"ids": ids, "logp": logp}
     t_cache = time.time() - t_cache
 
-    student_cfg = from_config_dict(config.student).replace(
-        vocab_size=vocab, bos_token_id=teacher_cfg.bos_token_id, eos_token_id=teacher_cfg.eos_token_id)
+    if config.get("student_dir"):
+        student_cfg, student_params = load_hf(config.student_dir)
+    else:
+        student_cfg = from_config_dict(config.student).replace(
+            vocab_size=vocab, bos_token_id=teacher_cfg.bos_token_id, eos_token_id=teacher_cfg.eos_token_id)
+        student_params = tfm.init_params(student_cfg, jax.random.PRNGKey(config.seed))
     trainer = DistillTrainer(student_cfg, OptimizerConfig(**config.optimizer), mesh, temperature=config.temperature,
                              tail=config.tail, top_k=top_k, loss_impl=config.loss_impl, remat=config.remat)
-    state = trainer.init_state(tfm.init_params(student_cfg, jax.random.PRNGKey(config.seed)))
+    state = trainer.init_state(student_params)
+    del student_params  # the train state holds the student now
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     state, meta = ckpt.resume(state)
     start = meta["step"] if meta else 0
