@@ -3,7 +3,8 @@ r"""Offline drafter training (the warm start of the drafter): `--config=configs/
 The target is a Hugging Face checkpoint with its tokenizer (`target_dir`; by default the
 shipped SFT model `assets/sft_tiny`); the drafter, an EAGLE layer on the target's frozen
 embedding and LM head, learns the target's top-K distribution (and, unfused, its next
-hidden state) on the traces of the RL tasks. The export lands in <run_dir>/drafter
+hidden state) on the traces of `data` (by default the RL tasks; any source SFT reads, in
+the target's prompt format). The export lands in <run_dir>/drafter
 (`tlt_jax.drafter_training.io.load_drafter`).
 
 Presets:
@@ -16,6 +17,7 @@ Presets:
 """
 import ml_collections
 
+from configs.common import data_config
 from configs.sft import tasks_long_tail, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
@@ -30,7 +32,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
     c.drafter = ml_collections.ConfigDict(dict(num_layers=1, feature_layers=()))
-    c.data = ml_collections.ConfigDict(dict(tasks=tasks_tiny(), num_train=20000, num_eval=256, seq_len=128, seed=0))
+    # Any source of tlt_jax.data.sources (the synthetic tasks, files from disk, reasoning-gym),
+    # prompts in the target's format: --config.data.source=files --config.data.train=...
+    # --config.data.chat_template=True for a chat model on your data.
+    c.data = data_config(tasks=tasks_tiny(), num_train=20000, num_eval=256, seq_len=128, seed=0)
     c.top_k = 8  # target ids kept per position; <= the vocabulary size
     c.temperature = 1.0  # of the target's distribution and the drafter's alike
     c.kl_weight = 1.0

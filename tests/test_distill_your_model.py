@@ -1,4 +1,4 @@
-"""Distillation on models and data as a user brings them: Qwen2
+"""Distillation and the offline drafter on models and data as a user brings them: Qwen2
 checkpoints with a byte-level BPE tokenizer (chat template, no <bos>, <pad> =
 <|endoftext|>, which is also an end token) and rows from a JSONL or Parquet file, prompts
 in the chat template. The teacher must attend with each packed row's own layout: its cached
@@ -13,11 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import distill as distill_config
+from configs import drafter as drafter_config
 from configs.common import data_config
 from experiments.make_random_hf import write_random_checkpoint
 from tests._bpe_model import write_bpe_qwen2
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.distill import train
+from tlt_jax.drafter_training import io
+from tlt_jax.drafter_training import trainer as drafter_trainer
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.tokenizer import build_bpe_tokenizer, load_tokenizer
@@ -148,3 +151,17 @@ def test_a_student_of_another_vocabulary_is_refused(user):
             train.check_paths(config)
     assert not (root / "refused").exists()
 
+
+def test_offline_drafter_on_a_parquet_file(user, monkeypatch):
+    root, paths = user
+    c = drafter_config.get_config("tiny")
+    c.update(target_dir=paths["teacher"], data=_chat_rows("parquet", paths), top_k=4, steps=STEPS, batch_size=8,
+             eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS, run_dir=str(root / "drafter"))
+    c.acceptance.update(num_prompts=2, num_samples=1, depth=2, max_tokens=4, num_slots=2, max_prompt_length=64)
+    packed = _spy(monkeypatch, drafter_trainer, "pack_examples")
+    summary = drafter_trainer.train_drafter(c, progress=False)
+    _check_chat_rows(packed[0], load_tokenizer(paths["teacher"]), _problems(1)[0])
+    assert summary["steps"] == STEPS and np.isfinite(summary["loss"]) and 0 <= summary["eval_top1_agree"] <= 1
+    assert summary["acceptance"]["acceptance_length"] >= 1
+    target_cfg, _ = load_hf(paths["teacher"])
+    io.load_drafter(summary["drafter_dir"], target_cfg)

@@ -25,10 +25,12 @@ width `feature_noise`, so that it tolerates the error of its own features when i
 beyond the first token.
 
 `train_drafter` is the offline job of `configs/drafter.py` (the warm start of the drafter
-that the spot trainer keeps aligned during RL): SFT traces through the frozen target, AdamW
-on the drafter alone, held-out evaluation, orbax checkpoints with resume, metrics and plots,
-the export (`io.save_drafter`) to <run_dir>/drafter and, optionally, the acceptance length
-the export reaches in the rollout engine.
+that the spot trainer keeps aligned during RL): SFT traces of the `data` section (any
+source of `tlt_jax.data.sources`, prompts in the target's format: its chat template or
+`data.prompt_template`) through the frozen target, AdamW on the drafter alone, held-out
+evaluation, orbax checkpoints with resume, metrics and plots, the export
+(`io.save_drafter`) to <run_dir>/drafter and, optionally, the acceptance length the export
+reaches in the rollout engine.
 """
 from __future__ import annotations
 
@@ -41,16 +43,16 @@ import numpy as np
 import optax
 
 from tlt_jax import checkpoint, evaluation, fingerprint, launch, losses, metrics, sampling, sharding
-from tlt_jax.data import tasks
+from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.drafter_training import io
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.hf_io import load_hf
+from tlt_jax.models.hf_io import load_hf, load_hf_config
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
-from tlt_jax.tokenizer import load_tokenizer
+from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import (
     OptimizerConfig,
     TrainState,
@@ -261,13 +263,16 @@ class DrafterTrainer:
 
 def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config, drafter_params, mesh,
                        prompts, *, num_samples: int, depth: int, temperature: float, max_tokens: int,
-                       num_slots: int, max_prompt_length: int, seed: int = 0) -> dict:
-    """Speculative rollouts of `prompts` with an EAGLE chain of `depth` drafts at every step:
-    the timeline's summary (acceptance_length: tokens committed per sequence and verify step,
-    the bonus token included) and the samples' mean length."""
+                       num_slots: int, max_prompt_length: int, seed: int = 0,
+                       end_token_ids: tuple[int, ...] | None = None) -> dict:
+    """Speculative rollouts of `prompts` with an EAGLE chain of `depth` drafts at every step,
+    each ending on any of `end_token_ids` (default the target config's): the timeline's
+    summary (acceptance_length: tokens committed per sequence and verify step, the bonus
+    token included) and the samples' mean length."""
     engine = RolloutEngine(target_config, target_params, mesh, RolloutConfig(
         num_slots=num_slots, max_prompt_length=max_prompt_length, max_length=max_prompt_length + max_tokens,
-        eos_token_id=target_config.eos_token_id, max_draft_depth=depth), drafter_config, drafter_params)
+        eos_token_id=end_token_ids or target_config.eos_token_id, max_draft_depth=depth), drafter_config,
+        drafter_params)
     out = engine.generate(prompts, num_samples, sampling.SamplingParams(temperature=temperature, max_tokens=max_tokens),
                           jax.random.PRNGKey(seed), speculation=speculative.FixedSpeculation(
                               speculative.Strategy("eagle", depth=depth), max_active=num_slots))
@@ -278,9 +283,38 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
 
 
 def check_paths(config) -> None:
-    """FileNotFoundError naming the flag for a target or tokenizer path that does not exist."""
+    """Raises, naming the flag, before anything is written: a target or tokenizer path that
+    does not exist, a target model type we do not support, a bad top_k, bad data (missing
+    files or fields, no held-out prompt the acceptance check can take)."""
     launch.check_path(config, "target_dir", required=True, tokenizer=not config.tokenizer_dir)
     launch.check_path(config, "tokenizer_dir", kind="directory", hint="or '' for the target's.")
+    try:
+        target_cfg = load_hf_config(config.target_dir)
+    except ValueError as e:  # an architecture we do not support
+        raise ValueError(f"--config.target_dir={config.target_dir!r}: {e}") from e
+    if not 1 <= config.top_k <= target_cfg.vocab_size:
+        raise ValueError(f"top_k={config.top_k} must lie in [1, {target_cfg.vocab_size}] (the target's vocabulary).")
+    problems = sources.problems_for(config.tokenizer_dir or config.target_dir, config.data)
+    a = config.acceptance
+    if a.num_prompts:
+        acceptance_prompts(load_tokenizer(config.tokenizer_dir or config.target_dir), problems.eval,
+                           problems.prompt_format, a.num_prompts, a.max_prompt_length)
+
+
+def acceptance_prompts(tokenizer, examples, prompt_format, num_prompts: int, max_prompt_length: int) -> list:
+    """The token ids of the first `num_prompts` held-out prompts that fit the engine's
+    max_prompt_length (longer ones are passed over, never truncated)."""
+    prompts = []
+    for example in examples:
+        if len(prompts) == num_prompts:
+            break
+        ids = evaluation.encode_prompts(tokenizer, [example], prompt_format)[0]
+        if len(ids) <= max_prompt_length:
+            prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"No held-out prompt fits acceptance.max_prompt_length={max_prompt_length} tokens; raise "
+                         "it, or set acceptance.num_prompts=0.")
+    return prompts
 
 
 def train_drafter(config, *, progress: bool = True) -> dict:
@@ -292,17 +326,15 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     mesh = sharding.make_mesh(config.mesh)
     target_cfg, host_target = load_hf(config.target_dir)
-    tokenizer = load_tokenizer(config.tokenizer_dir or config.target_dir)
+    tokenizer_dir = config.tokenizer_dir or config.target_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
     dcfg = drafter_lib.DrafterConfig(num_layers=config.drafter.num_layers,
                                      feature_layers=tuple(config.drafter.feature_layers))
-    if not 1 <= config.top_k <= target_cfg.vocab_size:
-        raise ValueError(f"top_k={config.top_k} must lie in [1, {target_cfg.vocab_size}] (the target's vocabulary).")
 
-    task = tasks.from_spec(config.data.tasks.to_dict())
-    eval_examples = tasks.make_split(task, "eval", config.data.num_eval, config.data.seed, unique=True)
-    rows = {"train": pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train,
-                                                               config.data.seed), config.data.seq_len),
-            "eval": pack_examples(tokenizer, eval_examples, config.data.seq_len)}
+    problems = sources.problems_for(tokenizer_dir, config.data)
+    end_ids = end_token_ids(tokenizer, target_cfg.end_token_ids)
+    rows = {split: pack_examples(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_ids[0])
+            for split, examples in (("train", problems.train), ("eval", problems.eval))}
 
     trainer = DrafterTrainer(target_cfg, dcfg, OptimizerConfig(**config.optimizer), mesh, top_k=config.top_k,
                              feature_weight=config.feature_weight, kl_weight=config.kl_weight,
@@ -353,12 +385,13 @@ def train_drafter(config, *, progress: bool = True) -> dict:
                "drafter_dir": drafter_dir}
     a = config.acceptance
     if a.num_prompts:
-        prompts = evaluation.encode_prompts(tokenizer, eval_examples[:a.num_prompts])
+        prompts = acceptance_prompts(tokenizer, problems.eval, problems.prompt_format, a.num_prompts,
+                                     a.max_prompt_length)
         t_accept = time.time()
         summary["acceptance"] = rollout_acceptance(
             target_cfg, host_target, dcfg, jax.device_get(state.params), mesh, prompts,
             num_samples=a.num_samples, depth=a.depth, temperature=a.temperature, max_tokens=a.max_tokens,
-            num_slots=a.num_slots, max_prompt_length=a.max_prompt_length, seed=config.seed)
+            num_slots=a.num_slots, max_prompt_length=a.max_prompt_length, seed=config.seed, end_token_ids=end_ids)
         summary["acceptance_seconds"] = time.time() - t_accept
     summary["total_seconds"] = time.time() - t_start
     return summary
