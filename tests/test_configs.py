@@ -15,7 +15,7 @@ from tlt_jax.rl import train as rl_train
 from tlt_jax.rollout import tuner as tuner_lib
 
 PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS], sft: ["tiny", "gpu", "long_tail", "hf", "example"],
-           drafter: ["tiny", "fused", "gpu", "long_tail"], distill: ["tiny"],
+           drafter: ["tiny", "fused", "gpu", "long_tail"], distill: ["tiny", "llama3-8b-to-3b-32k"],
            generate: list(models.PRESET_NAMES)}
 
 
