@@ -17,6 +17,11 @@ parameters hold only `fc`, `layers` (the transformer's stacked layout) and, with
 fusion, `fuse` (3D -> D); checkpoints therefore never store the shared weights.
 The layers run through `transformer.forward` / `decode`, so the drafter has the same
 attention, RoPE and KV-cache layout as the target.
+
+With `layout="eagle"` the layer reads u_t unnormalised (no attn_norm) and g_t is its output
+as is (no final norm): EAGLE-1/2 as SGLang and vLLM run it (`LlamaForCausalLMEagle`,
+`Qwen2ForCausalLMEagle`, `EagleLlamaForCausalLM`), the layout those engines load
+(`eagle_io`).
 """
 from __future__ import annotations
 
@@ -29,19 +34,30 @@ import jax.numpy as jnp
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 
+LAYOUTS = ("tlt", "eagle")
+
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """num_layers: decoder layers (EAGLE uses one). feature_layers: target layers
     (0-based) whose outputs are fused into the feature (EAGLE-3 uses a low, a middle
-    and a high layer); empty: the target's final hidden state is the feature."""
+    and a high layer); empty: the target's final hidden state is the feature.
+    layout: "tlt" normalises the layers' input (attn_norm) and their output (the
+    target's final norm); "eagle" does neither, as the EAGLE-1/2 drafters of SGLang and
+    vLLM (one layer: they skip the input norm of the first layer only)."""
 
     num_layers: int = 1
     feature_layers: tuple[int, ...] = ()
+    layout: str = "tlt"
 
     def __post_init__(self):
         if self.num_layers < 1:
             raise ValueError(f"DrafterConfig.num_layers must be >= 1, got {self.num_layers}.")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"DrafterConfig.layout={self.layout!r}; choose one of {LAYOUTS}.")
+        if self.layout == "eagle" and self.num_layers != 1:
+            raise ValueError(f"DrafterConfig(layout='eagle') has one layer, got num_layers={self.num_layers}: "
+                             "EAGLE drafters skip the input norm of their first layer only.")
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
 
     def layer_config(self, target: ModelConfig) -> ModelConfig:
@@ -59,7 +75,7 @@ def init_drafter(target_config: ModelConfig, config: DrafterConfig, key: jax.Arr
     dtype = target_config.jnp_param_dtype
     params = {
         "fc": (jax.random.normal(k_fc, (2 * d, d), jnp.float32) / math.sqrt(2 * d)).astype(dtype),
-        "layers": tfm.init_params(config.layer_config(target_config), k_layers, init_std)["layers"],
+        "layers": _own_layers(config, tfm.init_params(config.layer_config(target_config), k_layers, init_std)),
     }
     if config.feature_layers:
         n = len(config.feature_layers)
@@ -70,19 +86,26 @@ def init_drafter(target_config: ModelConfig, config: DrafterConfig, key: jax.Arr
 def drafter_logical_axes(target_config: ModelConfig, config: DrafterConfig):
     """Logical axis names of the drafter parameters (same tree as `init_drafter`)."""
     axes = {"fc": (None, "embed"),
-            "layers": tfm.param_logical_axes(config.layer_config(target_config))["layers"]}
+            "layers": _own_layers(config, tfm.param_logical_axes(config.layer_config(target_config)))}
     if config.feature_layers:
         axes["fuse"] = (None, "embed")
     return axes
 
 
+def _own_layers(config: DrafterConfig, tree):
+    """The `layers` of a transformer tree, without attn_norm in layout "eagle"."""
+    layers = tree["layers"]
+    return {k: v for k, v in layers.items() if k != "attn_norm"} if config.layout == "eagle" else layers
+
+
 SHARED_TARGET_KEYS = ("embed", "final_norm", "lm_head")  # the target weights a drafter reads, frozen
 
 
-def model_params(drafter_params, target_params):
+def model_params(drafter_params, target_params, config: DrafterConfig | None = None):
     """The transformer parameter tree the drafter's layers run as: its own layers under
-    the target's embedding, final norm and LM head."""
-    shared = {k: target_params[k] for k in SHARED_TARGET_KEYS if k in target_params}
+    the target's embedding, final norm (not with layout "eagle") and LM head."""
+    skip = ("final_norm",) if config is not None and config.layout == "eagle" else ()
+    shared = {k: target_params[k] for k in SHARED_TARGET_KEYS if k in target_params and k not in skip}
     return {**shared, "layers": drafter_params["layers"]}
 
 
@@ -109,9 +132,10 @@ def forward(drafter_params, target_params, target_config: ModelConfig, config: D
             tokens_BT: jax.Array, features_BTD: jax.Array, *, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, remat: bool = False) -> jax.Array:
     """Teacher-forced drafter over whole sequences (training): entry t reads
-    tokens_BT[t] = x_{t+1} and features_BTD[t] = f_t; returns g_BTD (final-normed)."""
+    tokens_BT[t] = x_{t+1} and features_BTD[t] = f_t; returns g_BTD (final-normed in
+    layout "tlt")."""
     u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD)
-    return tfm.forward(model_params(drafter_params, target_params), config.layer_config(target_config), None,
+    return tfm.forward(model_params(drafter_params, target_params, config), config.layer_config(target_config), None,
                        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, remat=remat, inputs_BTD=u)
 
 
@@ -128,7 +152,7 @@ def decode(drafter_params, target_params, target_config: ModelConfig, config: Dr
     u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features_BTD)
     # Per-layer form: an unrolled loop over static slices (a bitcast for one layer) in
     # place of a scan whose dynamic weight slices are copies on the GPU.
-    params = tfm.unstack_layers(model_params(drafter_params, target_params))
+    params = tfm.unstack_layers(model_params(drafter_params, target_params, config))
     return tfm.decode(params, config.layer_config(target_config), cache, None,
                       positions_BT, mask_BTW=mask_BTW, return_logits=return_logits, inputs_BTD=u)
 

@@ -11,6 +11,10 @@ Parameters are a nested dict whose layer weights are stacked on a leading layer 
     final_norm  [D]
     lm_head     [D, V]           (absent with tied embeddings: the head is embed.T)
 
+A tree without `layers/attn_norm` feeds each layer's input to attention unnormalised, one
+without `final_norm` returns the last layer's output as is: the EAGLE drafter's layout
+(`drafter.DrafterConfig.layout`); a checkpoint of a target always has both.
+
 `decode` also reads the rollout engine's layouts of the same weights: per layer
 (`unstack_layers`: `layers` a tuple of L dicts, an unrolled loop) and with fused
 projections (`fuse_projections`: wq, wk, wv -> wqkv [.., D, K, H/K + 2, Dh], bq, bk,
@@ -252,7 +256,7 @@ def apply_rope(x_BTHD, positions_BT, inv_freq):
 def _qkv(layer, x_BTD, positions_BT, config, inv_freq):
     c = config
     dt = c.jnp_dtype
-    h = rms_norm(x_BTD, layer["attn_norm"], c.rms_norm_eps)
+    h = rms_norm(x_BTD, layer["attn_norm"], c.rms_norm_eps) if "attn_norm" in layer else x_BTD
     if "wqkv" in layer:  # fuse_projections' layout
         qkv = jnp.einsum("btd,dkgh->btkgh", h, layer["wqkv"].astype(dt))
         if c.qkv_bias:
@@ -280,6 +284,10 @@ def _attn_out_and_mlp(layer, x_BTD, attn_BTHD, config):
         gate = jnp.einsum("btd,df->btf", h, layer["w_gate"].astype(dt))
         up = jnp.einsum("btd,df->btf", h, layer["w_up"].astype(dt))
     return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, layer["w_down"].astype(dt))
+
+
+def _final_norm(params, config, x_BTD):
+    return rms_norm(x_BTD, params["final_norm"], config.rms_norm_eps) if "final_norm" in params else x_BTD
 
 
 def embed_tokens(params, config, tokens_BT):
@@ -338,7 +346,7 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array | None, *,
     collected = jnp.zeros((len(layer_ids),) + x.shape, x.dtype)
     (x, collected), _ = lax.scan(layer_fn, (x, collected),
                                  (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
-    h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    h = _final_norm(params, c, x)
     return (h, collected) if layer_ids else h
 
 
@@ -471,7 +479,7 @@ def _decode(params, config, cache, tokens_BT, positions_BT, mask_BTW, return_log
     else:
         carry, _ = lax.scan(layer_fn, carry, (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
     x, k_all, v_all, collected = carry
-    h = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    h = _final_norm(params, c, x)
     cache = KVCache(k_all, v_all, start_B + w)
     out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)
     return out + (collected,) if layer_ids else out
