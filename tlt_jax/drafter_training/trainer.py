@@ -329,7 +329,8 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     tokenizer_dir = config.tokenizer_dir or config.target_dir
     tokenizer = load_tokenizer(tokenizer_dir)
     dcfg = drafter_lib.DrafterConfig(num_layers=config.drafter.num_layers,
-                                     feature_layers=tuple(config.drafter.feature_layers))
+                                     feature_layers=tuple(config.drafter.feature_layers),
+                                     layout=config.drafter.get("layout", "tlt"))
 
     problems = sources.problems_for(tokenizer_dir, config.data)
     end_ids = end_token_ids(tokenizer, target_cfg.end_token_ids)

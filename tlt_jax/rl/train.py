@@ -80,13 +80,15 @@ def _drafter_warm_start(c, target_config, target_params):
         except ValueError as e:  # made for another target model
             raise ValueError(f"--config.tlt.drafter.init={c.init!r}: {e} Or set --config.tlt.drafter.init='' to "
                              "start the drafter from scratch.") from e
-    dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers))
+    dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers),
+                                     layout=c.get("layout", "tlt"))
     dcfg.layer_config(target_config)  # feature layers outside the target fail here
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
 
 
 def _online_drafter_config(c) -> OnlineDrafterConfig:
-    fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "optimizer")}
+    fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "layout",
+                                                                "optimizer")}
     return OnlineDrafterConfig(optimizer=OptimizerConfig(**c.optimizer), **fields)
 
 
