@@ -1,4 +1,4 @@
-r"""TLT end to end: the same RL run with TLT off (the baseline) and on, back to back.
+r"""TLT end to end: the same RL run with TLT off (the baseline) and on, each in a fresh process.
 
   python -m experiments.bench_tlt --preset=cpu_long --seed=0 --out=docs/results/bench_tlt_cpu_long_s0.json
   python -m experiments.bench_tlt --preset=gpu --target=... --drafter=... --out=...   # device_check.sh
@@ -23,17 +23,39 @@ the median is reported as compile time (TLT compiles its strategies before the f
 split of both modes, so a missed bar shows where the time went. A ratio counts only from a
 run that compiled nothing new (`new_compiled_programs` 0 in every mode): on a cold cache,
 learner and prefill shapes that first appear in later steps compile inside timed steps, and
-the second mode finds the first mode's programs compiled, which flatters it.
+a later run finds an earlier run's programs compiled, which flatters it.
 
-The speed-ups pair the same steps of the two modes (the same prompts): `rollout_speedup` and
-`step_speedup` are the medians over the timed steps of baseline / TLT per step;
-`*_speedup_total` the ratio of the summed times; `*_speedup_of_medians` the ratio of each
-mode's median time, which can compare unlike steps (`paired_speedups` says why).
+Each mode runs in its own fresh process, in ABBA order (`--repeats` pairs: baseline, tlt,
+tlt, baseline, ...): in one process the second mode runs faster, whichever it is (warm
+allocator, page cache, caches of the first mode's programs). This process builds the
+preset's target once (on its CPU, so it never holds an accelerator the runs need), then
+starts `python -m experiments.bench_tlt --single_mode=<mode> --out=<part> <the same flags>`
+for each run, with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` added to the run's environment on
+Linux with transparent huge pages (unless GLIBC_TUNABLES already sets it), and rewrites
+`--out` after every run, every run's full result under `runs`. `--print_commands` shows the
+runs' command lines and starts nothing; `--repeats=0` runs the modes back to back in this
+process as before (its speed-ups, which depend on the order, are named `*_in_process`).
+
+The speed-ups pair the same steps of the two modes (the same prompts): per pair of runs
+(the i-th baseline run with the i-th TLT run, by position in the ABBA order) the median over
+the timed steps of baseline / TLT per step (`paired_speedups`); `rollout_speedup` and
+`step_speedup` are the geometric means of these over the pairs, `*_speedup_min` / `_max`
+their range, `pairs` each pair's figures. `*_speedup_total` (the ratio of the summed times)
+and `*_speedup_of_medians` (the ratio of each mode's median time, which can compare unlike
+steps: `paired_speedups` says why) are geometric means over the pairs as well. `modes` holds
+each mode's first run, `runs` every run ("run", "pair", "mode", "command", "rc", "wall_s",
+and "result", the run's own JSON, or "error", the end of its stderr), `order` the modes in
+the order they ran, `child_environment` what the runs' environment got.
 """
 import ast
+import json
+import math
 import os
+import shlex
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -52,7 +74,8 @@ _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail"
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
-_MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram).")
+_MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram): "
+                           "the order of the first pair of runs; the next pair runs them in reverse (ABBA).")
 _CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
 _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of the modes go here.")
 _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
@@ -60,6 +83,15 @@ _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint w
 _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (experiments.train_drafter).")
 _TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
                                      "baseline), e.g. tlt.tuner.max_active=32 (TLT's threshold); repeatable.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Pairs of runs, each mode in a fresh process, in ABBA order (2: "
+                                "baseline, tlt, tlt, baseline); 0: every mode in this process, back to back.")
+_SINGLE_MODE = flags.DEFINE_string("single_mode", "", "Run this one mode in this process and write its result to "
+                                   "--out (what each run of --repeats is).")
+_PRINT_COMMANDS = flags.DEFINE_bool("print_commands", False, "Print the runs' command lines and environment; run "
+                                    "nothing.")
+MODES = ("baseline", "tlt", "frozen", "ngram")
+# Flags of this process alone, never passed on to a run.
+_PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
@@ -185,20 +217,40 @@ def summarise(records: list[dict], warmup: int) -> dict:
 
 def main(argv):
     del argv
+    for mode in [*_MODES.value, *([_SINGLE_MODE.value] if _SINGLE_MODE.value else [])]:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}: the modes are {', '.join(MODES)}.")
+    if _REPEATS.value < 0:
+        raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
+    if bool(_TARGET.value) != bool(_DRAFTER.value):
+        raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
+    if _SINGLE_MODE.value or _REPEATS.value == 0:
+        print_in_process(run_in_process([_SINGLE_MODE.value] if _SINGLE_MODE.value else _MODES.value))
+    else:
+        sys.exit(run_repeats())
+
+
+def _target(preset: dict) -> tuple[str, str]:
+    if _TARGET.value:
+        return _TARGET.value, _DRAFTER.value
+    return build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets"))
+
+
+def run_in_process(modes: list[str]) -> dict:
+    """Runs `modes` back to back in this process; writes --out after each. With both
+    baseline and tlt, the speed-ups of this one process (`*_in_process`: they depend on the
+    order, see the module docstring)."""
     launch.maybe_initialize_distributed()
     preset = PRESETS[_PRESET.value]
     steps = _STEPS.value or preset["steps"]
     # Repeated runs (and the second mode's learner, the same programs) skip compiles.
     launch.enable_compilation_cache(_xla_cache_dir())
     t0 = time.perf_counter()
-    if bool(_TARGET.value) != bool(_DRAFTER.value):
-        raise SystemExit("Pass --target and --drafter together (or neither, for the preset's own).")
-    target_dir, drafter_dir = ((_TARGET.value, _DRAFTER.value) if _TARGET.value
-                               else build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets")))
+    target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={})
-    for mode in _MODES.value:
+    for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, _SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
             shutil.rmtree(config.run_dir)
@@ -214,36 +266,271 @@ def main(argv):
     modes = result["modes"]
     if "baseline" in modes and "tlt" in modes:
         b, t = modes["baseline"]["median"], modes["tlt"]["median"]
+        speedups = dict(**paired_speedups(modes["baseline"], modes["tlt"]),
+                        rollout_speedup_of_medians=b["time_rollout_s"] / t["time_rollout_s"],
+                        step_speedup_of_medians=b["time_step_s"] / t["time_step_s"])
         result.update(
             rollout_time_s={"baseline": b["time_rollout_s"], "tlt": t["time_rollout_s"]},
             step_time_s={"baseline": b["time_step_s"], "tlt": t["time_step_s"]},
-            **paired_speedups(modes["baseline"], modes["tlt"]),
-            rollout_speedup_of_medians=b["time_rollout_s"] / t["time_rollout_s"],
-            step_speedup_of_medians=b["time_step_s"] / t["time_step_s"],
+            **{f"{k}_in_process": v for k, v in speedups.items()},
             acceptance_length=modes["tlt"]["acceptance_length"],
             final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
     _write(result)
-    if _OUT.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
+    if _OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
         plot_acceptance(modes, os.path.splitext(_OUT.value)[0] + "_acceptance.png")
+    return result
+
+
+def _timed_steps(preset: dict, steps: int) -> str:
+    first = preset["warmup_steps"] + 1 if steps > preset["warmup_steps"] else 1
+    return f"medians over steps {first}..{steps}"
+
+
+def print_in_process(result: dict) -> None:
+    preset = PRESETS[result["preset"]]
+    modes = result["modes"]
     print(f"\nbackend {result['backend']}, preset {result['preset']} ({preset['layers']}-layer target), seed "
-          f"{result['seed']}, {steps} steps per mode; medians over steps {preset['warmup_steps'] + 1}..{steps}")
-    print(f"{'mode':9}" + "".join(f"{k[5:-2]:>12}" for k in _TIMES) + f"{'compile':>9}{'acc len':>8}{'eval acc':>9}")
-    for mode, m in modes.items():
-        acc = [a for a in m["acceptance_length"] if a > 0]
-        print(f"{mode:9}" + "".join(f"{m['median'][k]:12.3f}" for k in _TIMES) + f"{m['compile_s']:9.1f}"
-              f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m['final_eval_accuracy'] or 0.0:9.3f}")
-    if "rollout_speedup" in result:
-        print(f"rollout speed-up {result['rollout_speedup']:.2f}x, step speed-up {result['step_speedup']:.2f}x "
-              "(medians of the per-step ratios)")
-        print(f"whole run: rollout {result['rollout_speedup_total']:.2f}x, step {result['step_speedup_total']:.2f}x "
-              f"(ratio of sums); ratio of the medians: rollout {result['rollout_speedup_of_medians']:.2f}x, step "
-              f"{result['step_speedup_of_medians']:.2f}x")
-    cold = {mode: m["new_compiled_programs"] for mode, m in modes.items() if m["new_compiled_programs"]}
+          f"{result['seed']}, {result['steps']} steps per mode, one process; "
+          f"{_timed_steps(preset, result['steps'])}")
+    _print_table([(f"{mode:9}", m) for mode, m in modes.items()], f"{'mode':9}")
+    if "rollout_speedup_in_process" in result:
+        print(f"in one process, {' then '.join(modes)}: rollout speed-up {result['rollout_speedup_in_process']:.2f}x, "
+              f"step speed-up {result['step_speedup_in_process']:.2f}x (medians of the per-step ratios; the second "
+              "mode in a process runs faster, whichever it is: --repeats=2 runs each in a fresh process, ABBA)")
+        print(f"whole run: rollout {result['rollout_speedup_total_in_process']:.2f}x, step "
+              f"{result['step_speedup_total_in_process']:.2f}x (ratio of sums); ratio of the medians: rollout "
+              f"{result['rollout_speedup_of_medians_in_process']:.2f}x, step "
+              f"{result['step_speedup_of_medians_in_process']:.2f}x")
+    _warn_compiles({mode: m["new_compiled_programs"] for mode, m in modes.items()})
+
+
+def _print_table(rows: list[tuple[str, dict]], head: str) -> None:
+    """One line per (label, mode summary): the phase medians, compile time, acceptance, eval
+    accuracy; (label, a string): that string (a run that failed)."""
+    print(head + "".join(f"{k[5:-2]:>12}" for k in _TIMES) + f"{'compile':>9}{'acc len':>8}{'eval acc':>9}")
+    for label, m in rows:
+        if isinstance(m, str):
+            print(label + m)
+            continue
+        acc = [a for a in m.get("acceptance_length", []) if a > 0]
+        print(label + "".join(f"{m['median'][k]:12.3f}" for k in _TIMES) + f"{m.get('compile_s', 0.0):9.1f}"
+              f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m.get('final_eval_accuracy') or 0.0:9.3f}")
+
+
+def _warn_compiles(counts: dict) -> None:
+    cold = {name: n for name, n in counts.items() if n}
     if cold:
         print(f"Programs compiled during the runs (not found in {_CACHE.value}/xla): {cold}. Shapes that first "
               "appear after the warm-up steps (learner rows, prefill buckets) compile inside timed steps, and a "
-              "later mode finds an earlier mode's programs compiled: run the same command again for a fair ratio.")
+              "later run finds an earlier run's programs compiled: run the same command again for a fair ratio.")
+
+
+def abba_order(modes: list[str], repeats: int) -> list[dict]:
+    """The runs, in order: pair i (from 1) runs `modes` in order for odd i, reversed for even
+    i (baseline, tlt, tlt, baseline, ...). [{"run": position from 1, "pair", "mode"}]."""
+    order = []
+    for pair in range(1, repeats + 1):
+        for mode in (modes if pair % 2 else modes[::-1]):
+            order.append(dict(run=len(order) + 1, pair=pair, mode=mode))
+    return order
+
+
+def child_command(mode: str, out: str) -> list[str]:
+    """The command line of one run: this script with --single_mode and --out, and every flag
+    given to this process but its own (_PARENT_FLAGS), as given."""
+    passed = []
+    for name in list(flags.FLAGS):
+        flag = flags.FLAGS[name]
+        if flag.name != name or not flag.present or name in _PARENT_FLAGS:
+            continue  # a short alias, a default, or this process's own
+        passed.extend(flag.serialize().split("\n"))
+    return [sys.executable, "-m", "experiments.bench_tlt", *passed, f"--single_mode={mode}", f"--out={out}"]
+
+
+def child_environment(environ: dict, platform: str = sys.platform,
+                      thp_path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> tuple[dict, str]:
+    """(The runs' environment, a line saying how it sets huge pages): environ with
+    glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES on Linux with transparent huge pages
+    (malloc's arenas on huge pages: a learner update faults in gigabytes of fresh pages,
+    docs/benchmarks.md), unless GLIBC_TUNABLES already sets glibc.malloc.hugetlb."""
+    env = dict(environ)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables:
+        return env, f"runs keep GLIBC_TUNABLES={tunables} from the environment"
+    if not platform.startswith("linux") or not os.path.exists(thp_path):
+        return env, "no transparent huge pages on this platform: GLIBC_TUNABLES left as it is"
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, "glibc.malloc.hugetlb=1") if t)
+    return env, (f"runs get GLIBC_TUNABLES={env['GLIBC_TUNABLES']} (malloc on transparent huge pages; added by "
+                 "bench_tlt)")
+
+
+def spawn(command: list[str], env: dict) -> tuple[int, str]:
+    """Runs one child to its end, its stdout and stderr shown as they come; (exit status, the
+    last lines of its stderr)."""
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    tail = b""
+    while chunk := os.read(proc.stderr.fileno(), 65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+        tail = (tail + chunk)[-4000:]
+    proc.stderr.close()
+    lines = tail.decode(errors="replace").replace("\r", "\n").splitlines()
+    return proc.wait(), "\n".join(line for line in lines[-12:] if line.strip())
+
+
+def run_repeats(launch_child=spawn) -> int:
+    """Builds the preset's target, then runs the modes of --modes --repeats times each, each run
+    a fresh process (`launch_child(command, env)`), in ABBA order; rewrites --out after every
+    run. Returns the exit status: 1 if a run failed (the others are kept), else 0."""
+    preset = PRESETS[_PRESET.value]
+    steps = _STEPS.value or preset["steps"]
+    order = abba_order(_MODES.value, _REPEATS.value)
+    parts = os.path.join(_RUN_DIR.value, "runs_parts")
+    for run in order:
+        run["command"] = child_command(run["mode"], os.path.join(parts, f"run{run['run']}_{run['mode']}.json"))
+    env, env_note = child_environment(os.environ)
+    if _PRINT_COMMANDS.value:
+        print(env_note)
+        for run in order:
+            print(f"# run {run['run']}, pair {run['pair']}, {run['mode']}")
+            print(shlex.join(run["command"]))
+        return 0
+    print(f"{len(order)} runs, each in a fresh process, in ABBA order: {', '.join(r['mode'] for r in order)}; "
+          f"{env_note}")
+    # The warm start and the target are built here, once, before any run (a cold build trains
+    # the warm start); on the CPU, so that this process holds none of an accelerator's memory.
+    jax.config.update("jax_platforms", "cpu")
+    launch.enable_compilation_cache(_xla_cache_dir())
+    t0 = time.perf_counter()
+    _target(preset)
+    result = dict(preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
+                  tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
+                  child_environment=env_note, build_s=time.perf_counter() - t0, runs=[])
+    failed = []
+    t_start = time.perf_counter()
+    for run in order:
+        part = run["command"][-1].split("=", 1)[1]
+        if os.path.exists(part):
+            os.remove(part)
+        print(f"\n== run {run['run']} of {len(order)} (pair {run['pair']}): {run['mode']}", flush=True)
+        t_run = time.perf_counter()
+        rc, tail = launch_child(run["command"], env)
+        record = dict(run=run["run"], pair=run["pair"], mode=run["mode"], command=shlex.join(run["command"]),
+                      rc=rc, wall_s=time.perf_counter() - t_run)
+        child = None
+        if rc == 0:
+            try:
+                with open(part) as f:
+                    child = json.load(f)
+                child["modes"][run["mode"]]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                child, tail = None, f"exit status 0 but no result for {run['mode']} in {part}: {e}"
+        if child is None:
+            record["error"] = tail or f"exit status {rc}"
+            failed.append(record)
+            print(f"run {run['run']} ({run['mode']}) failed, exit status {rc}: {record['error']}")
+        else:
+            record["result"] = child
+            for key in ("backend", "device", "jax"):
+                result.setdefault(key, child.get(key))
+        result["runs"].append(record)
+        result.update(aggregate(result["runs"]), wall_s=time.perf_counter() - t_start)
+        _write(result)
+    print_repeats(result)
+    if _OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "ngram")):
+        plot_acceptance(result["modes"], os.path.splitext(_OUT.value)[0] + "_acceptance.png")
+    if failed:
+        print(f"{len(failed)} of {len(order)} runs failed (runs {', '.join(str(r['run']) for r in failed)}); the "
+              "others are kept" + (f" in {_OUT.value}" if _OUT.value else ""))
+    return 1 if failed else 0
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt") -> dict:
+    """The figures of the runs so far (records of run_repeats: "run", "pair", "mode", and
+    "result" where it finished). `modes`: each mode's first finished run. `pairs`: per pair
+    number, `paired_speedups` of its `a` run over its `b` run (the i-th of each by ABBA
+    position, never the i-th finished one) or what it misses; `<phase>_speedup`, its
+    `_min`, `_max` and `_pairs` over the complete pairs (geometric mean, range, each), and
+    the geometric means of `<phase>_speedup_total` and `_of_medians`."""
+    summary = lambda r: r["result"]["modes"][r["mode"]]
+    done = [r for r in runs if "result" in r]
+    out = dict(modes={})
+    for r in done:
+        out["modes"].setdefault(r["mode"], summary(r))
+    pairs = []
+    for pair in sorted({r["pair"] for r in runs}):
+        members = {r["mode"]: r for r in runs if r["pair"] == pair}
+        if a not in members or b not in members:
+            continue
+        ra, rb = members[a], members[b]
+        entry = {"pair": pair, f"{a}_run": ra["run"], f"{b}_run": rb["run"],
+                 "first": a if ra["run"] < rb["run"] else b}
+        missing = [f"run {r['run']} ({r['mode']})" for r in (ra, rb) if "result" not in r]
+        if missing:
+            entry["missing"] = ", ".join(missing) + " failed"
+        else:
+            sa, sb = summary(ra), summary(rb)
+            try:
+                entry.update(paired_speedups(sa, sb))
+            except ValueError as e:
+                entry["missing"] = str(e)
+            else:
+                for key, name in (("time_rollout_s", "rollout"), ("time_step_s", "step")):
+                    entry[f"{name}_speedup_of_medians"] = sa["median"][key] / sb["median"][key]
+        pairs.append(entry)
+    out["pairs"] = pairs
+    complete = [p for p in pairs if "missing" not in p]
+    if not complete:
+        return out
+    out["pairs_complete"] = len(complete)
+    for name in ("rollout", "step"):
+        ratios = [p[f"{name}_speedup"] for p in complete]
+        out.update({f"{name}_speedup": _geomean(ratios), f"{name}_speedup_min": min(ratios),
+                    f"{name}_speedup_max": max(ratios), f"{name}_speedup_pairs": ratios,
+                    f"{name}_speedup_total": _geomean([p[f"{name}_speedup_total"] for p in complete]),
+                    f"{name}_speedup_of_medians": _geomean([p[f"{name}_speedup_of_medians"] for p in complete])})
+    medians = lambda mode, key: statistics.median(summary(r)["median"][key] for r in done if r["mode"] == mode)
+    out.update(rollout_time_s={m: medians(m, "time_rollout_s") for m in (a, b)},
+               step_time_s={m: medians(m, "time_step_s") for m in (a, b)})
+    if b == "tlt":
+        out["acceptance_length"] = out["modes"]["tlt"].get("acceptance_length")
+    out["final_eval_accuracy"] = {m: out["modes"][m].get("final_eval_accuracy") for m in (a, b)}
+    return out
+
+
+def print_repeats(result: dict) -> None:
+    preset = PRESETS[result["preset"]]
+    print(f"\nbackend {result.get('backend')}, preset {result['preset']} ({preset['layers']}-layer target), seed "
+          f"{result['seed']}, {result['steps']} steps per run, each run a fresh process ({result['wall_s'] / 60:.1f} "
+          f"min in all); {_timed_steps(preset, result['steps'])}")
+    rows = [(f"{r['run']:3}{r['pair']:5}  {r['mode']:9}",
+             r["result"]["modes"][r["mode"]] if "result" in r else f"   failed (exit status {r['rc']})")
+            for r in result["runs"]]
+    _print_table(rows, f"{'run':>3}{'pair':>5}  {'mode':9}")
+    for p in result.get("pairs", []):
+        if "missing" in p:
+            print(f"pair {p['pair']}: no ratio ({p['missing']})")
+        else:
+            print(f"pair {p['pair']} ({p['first']} first): rollout {p['rollout_speedup']:.2f}x, step "
+                  f"{p['step_speedup']:.2f}x (medians of the per-step ratios); ratio of sums: rollout "
+                  f"{p['rollout_speedup_total']:.2f}x, step {p['step_speedup_total']:.2f}x")
+    if "rollout_speedup" in result:
+        n = result["pairs_complete"]
+        print(f"rollout speed-up {result['rollout_speedup']:.2f}x (min {result['rollout_speedup_min']:.2f}x, max "
+              f"{result['rollout_speedup_max']:.2f}x), step speed-up {result['step_speedup']:.2f}x (min "
+              f"{result['step_speedup_min']:.2f}x, max {result['step_speedup_max']:.2f}x): geometric means over "
+              f"{n} pair{'s' * (n != 1)} of the medians of the per-step ratios")
+        print(f"ratio of sums: rollout {result['rollout_speedup_total']:.2f}x, step "
+              f"{result['step_speedup_total']:.2f}x; ratio of the medians: rollout "
+              f"{result['rollout_speedup_of_medians']:.2f}x, step {result['step_speedup_of_medians']:.2f}x "
+              "(geometric means over the pairs)")
+    _warn_compiles({f"run {r['run']} ({r['mode']})": r["result"]["modes"][r["mode"]]["new_compiled_programs"]
+                    for r in result["runs"] if "result" in r})
 
 
 def paired_speedups(baseline: dict, tlt: dict) -> dict:

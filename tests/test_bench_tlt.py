@@ -1,6 +1,8 @@
-"""bench_tlt's speed-ups: the same steps of the two modes, paired. In a child process:
-bench_tlt's absl flags share names (steps, out) with other launchers the tests import."""
+"""bench_tlt's speed-ups: the same steps of the two modes, paired; each mode a fresh process
+in ABBA order, the geometric mean over pairs. In a child process: bench_tlt's absl flags
+share names (steps, out) with other launchers the tests import."""
 import json
+import shlex
 import subprocess
 import sys
 
@@ -34,3 +36,157 @@ def test_speedups_pair_the_same_steps_and_refuse_unlike_ones():
     assert abs(s["rollout_speedup"] - 2.0) < 1e-9  # ratios 2, 1.6, 2, 1.6, 2
     assert abs(s["rollout_speedup_total"] - 28.0 / 15.5) < 1e-9
     assert "same --steps" in out["unlike_steps"]
+
+
+_PREAMBLE = r"""
+import json, os, shlex, sys
+from experiments import bench_tlt
+
+def summary(rollout, step, steps=None):
+    # A mode's summary as a run writes it: per-step times of the timed steps and medians.
+    med = {k: 0.1 for k in bench_tlt._TIMES}
+    med.update(time_rollout_s=sorted(rollout)[len(rollout) // 2], time_step_s=sorted(step)[len(step) // 2])
+    return dict(steady_steps=steps or list(range(4, 4 + len(step))), median=med, compile_s=1.0,
+                steady_times=dict(time_rollout_s=rollout, time_step_s=step), new_compiled_programs=0,
+                acceptance_length=[3.0] * len(step), final_eval_accuracy=0.5)
+
+def scaled(times, ratio):
+    return [t / ratio for t in times]
+
+# Per pair, baseline and TLT per-step times whose per-step ratios are (rollout, step):
+# pair 1 (3.0, 2.0), pair 2 (1.5, 1.25), pair 3 (2.0, 1.6). Unequal steps, equal ratios.
+RATIOS = {1: (3.0, 2.0), 2: (1.5, 1.25), 3: (2.0, 1.6)}
+ROLLOUT, STEP = [6.0, 7.5, 5.0], [10.0, 12.0, 9.0]
+
+def scripted(mode, pair):
+    r, s = RATIOS[pair]
+    if mode == "baseline":
+        return summary([x * pair for x in ROLLOUT], [x * pair for x in STEP])
+    return summary(scaled([x * pair for x in ROLLOUT], r), scaled([x * pair for x in STEP], s))
+"""
+
+_AGGREGATE = _PREAMBLE + r"""
+out = dict(abba=[(r["run"], r["pair"], r["mode"]) for r in bench_tlt.abba_order(["baseline", "tlt"], 2)],
+           abba_tlt_first=[r["mode"] for r in bench_tlt.abba_order(["tlt", "baseline"], 3)],
+           abba_three=[r["mode"] for r in bench_tlt.abba_order(["tlt", "frozen", "ngram"], 2)])
+runs = [dict(r, result=dict(modes={r["mode"]: scripted(r["mode"], r["pair"])}))
+        for r in bench_tlt.abba_order(["baseline", "tlt"], 3)]
+out["agg"] = bench_tlt.aggregate(runs)
+envs = {}
+thp = sys.argv[1]
+envs["linux"] = bench_tlt.child_environment({"A": "1"}, "linux", thp)
+envs["linux_other_tunables"] = bench_tlt.child_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "linux", thp)
+envs["linux_set"] = bench_tlt.child_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "linux", thp)
+envs["linux_no_thp"] = bench_tlt.child_environment({}, "linux", thp + ".absent")
+envs["darwin"] = bench_tlt.child_environment({}, "darwin", thp)
+out["envs"] = envs
+print(json.dumps(out))
+"""
+
+
+def test_abba_order_pairs_by_position_and_geometric_mean(tmp_path):
+    thp = tmp_path / "enabled"
+    thp.write_text("always [madvise] never\n")
+    done = subprocess.run([sys.executable, "-c", _AGGREGATE, str(thp)], capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["abba"] == [[1, 1, "baseline"], [2, 1, "tlt"], [3, 2, "tlt"], [4, 2, "baseline"]]
+    assert out["abba_tlt_first"] == ["tlt", "baseline", "baseline", "tlt", "tlt", "baseline"]
+    assert out["abba_three"] == ["tlt", "frozen", "ngram", "ngram", "frozen", "tlt"]
+    agg = out["agg"]
+    assert [(p["pair"], p["baseline_run"], p["tlt_run"], p["first"]) for p in agg["pairs"]] == [
+        (1, 1, 2, "baseline"), (2, 4, 3, "tlt"), (3, 5, 6, "baseline")]
+    assert [round(p["step_speedup"], 9) for p in agg["pairs"]] == [2.0, 1.25, 1.6]
+    assert agg["pairs_complete"] == 3
+    # Geometric means: (3 * 1.5 * 2)^(1/3) and (2 * 1.25 * 1.6)^(1/3); arithmetic would be 2.17 and 1.62.
+    assert abs(agg["rollout_speedup"] - 9.0 ** (1 / 3)) < 1e-9
+    assert abs(agg["step_speedup"] - 4.0 ** (1 / 3)) < 1e-9
+    assert (agg["rollout_speedup_min"], agg["rollout_speedup_max"]) == (1.5, 3.0)
+    assert (agg["step_speedup_min"], agg["step_speedup_max"]) == (1.25, 2.0)
+    assert abs(agg["step_speedup_total"] - 4.0 ** (1 / 3)) < 1e-9  # every step's ratio is the pair's
+    assert set(agg["modes"]) == {"baseline", "tlt"}
+    assert agg["step_time_s"]["baseline"] == 20.0  # the median of the runs' medians 10, 20, 30
+    envs = out["envs"]
+    assert envs["linux"][0] == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert "added by bench_tlt" in envs["linux"][1]
+    assert envs["linux_other_tunables"][0]["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert envs["linux_set"][0]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    assert "from the environment" in envs["linux_set"][1]
+    assert envs["linux_no_thp"][0] == {} and envs["darwin"][0] == {}
+
+
+_FAILED_RUN = _PREAMBLE + r"""
+from absl import flags
+tmp = sys.argv[1]
+out_path = os.path.join(tmp, "out.json")
+flags.FLAGS(["bench_tlt", f"--out={out_path}", f"--run_dir={tmp}/runs", f"--target={tmp}/target",
+             f"--drafter={tmp}/drafter", "--preset=cpu_tail", "--seed=5", "--steps=6"])
+seen = []
+
+def launch(command, env):
+    mode = next(a.split("=", 1)[1] for a in command if a.startswith("--single_mode="))
+    part = next(a.split("=", 1)[1] for a in command if a.startswith("--out="))
+    with open(out_path) if os.path.exists(out_path) else open(os.devnull) as f:
+        text = f.read()
+    seen.append(dict(mode=mode, command=command, glibc=env.get("GLIBC_TUNABLES"),
+                     runs_written=len(json.loads(text)["runs"]) if text else 0))
+    if len(seen) == 1:
+        return 1, "Traceback ...\nError: boom"
+    pair = 1 if len(seen) == 2 else 2
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    with open(part, "w") as f:
+        json.dump(dict(backend="cpu", modes={mode: scripted(mode, pair)}), f)
+    return 0, ""
+
+rc = bench_tlt.run_repeats(launch)
+with open(out_path) as f:
+    print(json.dumps(dict(rc=rc, seen=seen, result=json.load(f))))
+"""
+
+
+def test_a_failed_run_is_reported_and_the_others_kept(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _FAILED_RUN, str(tmp_path)], capture_output=True, text=True,
+                          check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 1
+    assert "failed, exit status 1: Traceback ...\nError: boom" in done.stdout
+    assert "1 of 4 runs failed (runs 1)" in done.stdout
+    seen = out["seen"]
+    assert [s["mode"] for s in seen] == ["baseline", "tlt", "tlt", "baseline"]
+    assert [s["runs_written"] for s in seen] == [0, 1, 2, 3]  # --out rewritten after every run
+    result = out["result"]
+    runs = result["runs"]
+    assert [(r["run"], r["pair"], r["mode"], r["rc"]) for r in runs] == [
+        (1, 1, "baseline", 1), (2, 1, "tlt", 0), (3, 2, "tlt", 0), (4, 2, "baseline", 0)]
+    assert runs[0]["error"].endswith("Error: boom") and "result" not in runs[0]
+    assert all("result" in r for r in runs[1:])
+    assert result["pairs"][0]["missing"] == "run 1 (baseline) failed"
+    # Pair 2 is runs 3 and 4 (by ABBA position), not the first TLT run that finished (run 2).
+    assert result["pairs_complete"] == 1
+    assert abs(result["step_speedup"] - 1.25) < 1e-9 and abs(result["rollout_speedup"] - 1.5) < 1e-9
+    assert result["order"] == ["baseline", "tlt", "tlt", "baseline"] and result["backend"] == "cpu"
+    for s in seen:
+        args = s["command"][s["command"].index("experiments.bench_tlt") + 1:]
+        assert args[-2:] == [f"--single_mode={s['mode']}", args[-1]]
+        assert args[-1].startswith(f"--out={tmp_path}/runs/runs_parts/")
+        assert {"--preset=cpu_tail", "--seed=5", "--steps=6", f"--target={tmp_path}/target"} <= set(args)
+        assert not any(a.startswith(f"--out={tmp_path}/out.json") for a in args)
+
+
+def test_print_commands_shows_the_runs_with_the_same_flags(tmp_path):
+    flags_given = ["--preset=cpu_tail", "--seed=3", "--steps=5", "--tlt_set=tlt.tuner.max_active=32",
+                   "--tlt_set", "tlt.tuner.arms=[['plain'], ['plain', 'eagle-d4']]", f"--cache_dir={tmp_path}/c",
+                   f"--run_dir={tmp_path}/r", "--modes=tlt,baseline", "--repeats=2"]
+    done = subprocess.run([sys.executable, "-m", "experiments.bench_tlt", "--print_commands", *flags_given,
+                           f"--out={tmp_path}/out.json"], capture_output=True, text=True, check=True)
+    lines = done.stdout.strip().splitlines()
+    commands = [shlex.split(line) for line in lines if not line.startswith("#")][1:]
+    assert [c[-2] for c in commands] == [f"--single_mode={m}" for m in ("tlt", "baseline", "baseline", "tlt")]
+    for n, command in enumerate(commands, start=1):
+        assert command[1:3] == ["-m", "experiments.bench_tlt"]
+        passed = command[3:-2]
+        tlt_set = ["--tlt_set=tlt.tuner.max_active=32", "--tlt_set=tlt.tuner.arms=[['plain'], ['plain', 'eagle-d4']]"]
+        assert sorted(passed) == sorted(["--preset=cpu_tail", "--seed=3", "--steps=5", *tlt_set,
+                                         f"--cache_dir={tmp_path}/c", f"--run_dir={tmp_path}/r"])
+        assert [a for a in passed if a.startswith("--tlt_set")] == tlt_set  # in the order given
+        assert command[-1] == f"--out={tmp_path}/r/runs_parts/run{n}_{command[-2].split('=')[1]}.json"
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "c").exists()  # nothing ran, nothing built
