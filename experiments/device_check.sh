@@ -1,131 +1,295 @@
 #!/usr/bin/env bash
 # GPU checks for the device machine, run from anywhere:  OUT=/some/dir bash experiments/device_check.sh
-# Each block writes its results under $OUT and must not stop the blocks after it
-# (no `set -e`); each block's commands carry their own timeouts, which sum to under
-# 8 minutes for the default BLOCKS (verify 0.7 + spec 4.3 + tlt 3; rollout, losses and
-# attention on request).
-# Blocks run in the order of what is least measured.
-# BLOCKS picks blocks, e.g. BLOCKS="losses" bash experiments/device_check.sh.
+#
+# Blocks run in the order of what is least measured: spec, tlt (reuses spec's target and
+# drafter), rollout, attention, verify, losses. BLOCKS picks them, e.g.
+# BLOCKS="rollout attention" bash experiments/device_check.sh. The default BLOCKS ("spec tlt")
+# fit 8 minutes on the H200 by their own timeouts: spec 255 s + tlt 180 s + 35 s of setup
+# and summary = 470 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
+# timeout and the sum, and runs nothing). The rest run by name: rollout 130 s, attention
+# 115 s, verify 40 s, losses 85 s.
+#
+# Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
+# stops at once) and must not stop the blocks after it (no `set -e`). Every benchmark
+# rewrites its JSON after every case (bench_tlt after every run), so a block cut short keeps
+# what it finished. Each block ends with one exit line, "block NAME: ok (N s)", or
+# "block NAME: timeout (...)" / "block NAME: FAIL (...)" naming the first command that did
+# not exit 0. The script ends with one table, every bar of DESIGN.md section 5 against what
+# the blocks measured (experiments/device_summary.py; also $OUT/summary.json and summary.txt).
+# $OUT then holds summary.txt, summary.json, device_check.tgz (every log and JSON; PACK=0
+# keeps them loose too) and rollout_hlo.tgz: under the device machine's 8 files.
+#
+# DRY=1 runs every block's commands on the CPU (the same launchers and flags at tiny sizes
+# and a few steps; all blocks unless BLOCKS says otherwise; OUT defaults to a new temporary
+# directory; each command gets DRY_TIMEOUT seconds, 300 unless set). Where a path exists only
+# on a GPU (nvidia-smi, Triton lowering of the Pallas kernels, cuDNN attention, device memory
+# stats) the log says "DRY: ..." and what runs in its place. tests/test_device_check.py runs it.
 set -u
-OUT=${OUT:-/tmp/device_check}
 cd "$(dirname "$0")/.." || exit 1
+DRY=${DRY:-0}
+PLAN=${PLAN:-0}
+dry() { [[ $DRY != 0 ]]; }
+plan() { [[ $PLAN != 0 ]]; }
+if dry; then
+  BLOCKS=${BLOCKS:-"spec tlt rollout attention verify losses"}
+  DRY_TIMEOUT=${DRY_TIMEOUT:-300}
+  if [[ -z ${OUT:-} ]]; then
+    if plan; then OUT=/tmp/device_check_dry; else OUT=$(mktemp -d /tmp/device_check_dry.XXXXXX); fi
+  fi
+  PACK=${PACK:-0}
+  export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
+else
+  BLOCKS=${BLOCKS:-"spec tlt"}
+  OUT=${OUT:-/tmp/device_check}
+  PACK=${PACK:-1}
+fi
+want() { [[ " $BLOCKS " == *" $1 "* ]]; }
+note() { echo "DRY: $*"; }  # a GPU-only path and what the dry run does in its place
+PLANNED=0
+FAILED=""
+
+# step NAME TIMEOUT_S LOG CMD...: CMD under its timeout (DRY_TIMEOUT in a dry run), stdout and
+# stderr to LOG, then "NAME exit RC" appended to LOG; the block's first failure is kept.
+step() {
+  local name=$1 limit=$2 log=$3 rc
+  shift 3
+  dry && limit=$DRY_TIMEOUT
+  PLANNED=$((PLANNED + limit))
+  if plan; then
+    printf '%6d s  %-22s %s\n' "$limit" "$name" "$*"
+    return 0
+  fi
+  timeout "$limit" "$@" > "$log" 2>&1
+  rc=$?
+  echo "$name exit $rc" >> "$log"
+  if ((rc != 0)) && [[ -z $BLOCK_FAIL ]]; then
+    if ((rc == 124)); then BLOCK_FAIL="timeout ($name stopped at its ${limit} s"
+    elif ((rc == 137)); then BLOCK_FAIL="FAIL ($name killed (SIGKILL: out of memory?), see $(basename "$log")"
+    else BLOCK_FAIL="FAIL ($name exit $rc, see $(basename "$log")"; fi
+  fi
+  return $rc
+}
+block_start() {
+  BLOCK=$1 BLOCK_FAIL="" BLOCK_T0=$SECONDS
+  plan && echo "block $1:" || echo "== block $1"
+}
+# block_end JSON...: the block's exit line; a JSON it should have written and did not is a failure.
+block_end() {
+  plan && return 0
+  local json
+  for json in "$@"; do
+    [[ -s $json ]] || BLOCK_FAIL=${BLOCK_FAIL:-"FAIL (no $(basename "$json")"}
+  done
+  if [[ -z $BLOCK_FAIL ]]; then
+    echo "block $BLOCK: ok ($((SECONDS - BLOCK_T0)) s)"
+  else
+    echo "block $BLOCK: $BLOCK_FAIL; kept what finished; $((SECONDS - BLOCK_T0)) s)"
+    FAILED="$FAILED $BLOCK"
+  fi
+}
+
+plan || mkdir -p "$OUT"
+plan && echo "plan for BLOCKS=\"$BLOCKS\"$(dry && echo ' (DRY)'), OUT=$OUT: timeout per command"
+dry && ! plan && note "tiny sizes on the CPU (JAX_PLATFORMS=cpu), OUT=$OUT, $DRY_TIMEOUT s per command"
+BLOCK_FAIL=""
 # Without ml-collections (every config file needs it) and without a package index, the
 # wheel comes along in .whl/: `python -m pip download --no-deps -d .whl ml-collections==1.1.0`.
-if ! python -c "import ml_collections" 2>/dev/null; then
-  python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || echo "no ml_collections wheel in .whl/"
+if plan || ! python -c "import ml_collections" 2>/dev/null; then  # the plan counts it: the GPU machine has none
+  step pip 10 "$OUT/pip.log" python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+    || echo "no ml_collections wheel in .whl/"
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-BLOCKS=${BLOCKS:-"verify spec tlt"}
-want() { [[ " $BLOCKS " == *" $1 "* ]]; }
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1
-python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())" \
-  > "$OUT/versions.txt" 2>&1
-
-# ===== BEGIN verify: draft-tree verification, jnp reference vs V-tiled Pallas kernel (bench_verify.py) =====
-# Budget: 40 seconds. Qwen2.5's V = 151936, sampled drafts, T = 48, 16, 8 nodes at batch
-# 1 and 8, until the budget stops new cases (the deterministic mode and more block sizes:
-# BLOCKS=verify VERIFY_ARGS="--modes=deterministic --block_v=4096"). Each row says
-# whether the kernel's outputs equal the reference's; spec_verify's impl="auto" moves to
-# the kernel only where it is faster here.
-if want verify; then
-echo "== bench_verify (V=151936)"
-timeout 40 python -m experiments.bench_verify --nodes=48,16,8 --batches=1,8 --repeats=5 --time_budget_s=25 \
-  ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json" > "$OUT/bench_verify.log" 2>&1
-echo "bench_verify exit $?" >> "$OUT/bench_verify.log"
-tail -n 10 "$OUT/bench_verify.log"
+if dry; then
+  note "nvidia-smi skipped (no GPU); gpu.csv says so"
+  plan || echo "DRY: no GPU, the CPU: $(nproc) cores" > "$OUT/gpu.csv"
+else
+  step nvidia-smi 5 "$OUT/gpu.csv" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 fi
-# ===== END verify =================================================================================
+step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
-# Budget: 4.3 minutes. Trains the 180M-parameter target of configs/sft.py:gpu on the
-# addition traces (float32 masters, bfloat16 compute), then its one-layer drafter, then
-# plain vs a 6-deep EAGLE chain at temperature 1 (the bars), bfloat16, batch 1, then 8,
-# 4, 16, 32, 64 as long as the budget lets a new batch size start. Each batch size
-# compiles its own steps (tens of seconds for 16 unrolled layers), so expect batch 1
-# and 8; the other strategies and temperature 0 are for a run of their own:
+# Budget: 255 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
+# traces (float32 masters, bfloat16 compute), then its one-layer drafter, then plain vs a
+# 6-deep EAGLE chain at temperature 1 (the bars: speed-up >= 2.5x at batch <= 8, acceptance
+# >= 4), bfloat16, batch 1, then 8, 4, 16, 32, 64 as long as the budget lets a new batch size
+# start. Each batch size compiles its own steps (tens of seconds for 16 unrolled layers), so
+# expect batch 1 and 8; the other strategies and temperature 0 are for a run of their own:
 #   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
 if want spec; then
-echo "== sft gpu + train_drafter gpu + bench_spec --preset=gpu"
-timeout 110 python -m experiments.sft --config=configs/sft.py:gpu --config.run_dir="$OUT/sft_gpu" \
-  --config.data.num_eval=64 > "$OUT/sft.log" 2>&1
-echo "sft exit $?" >> "$OUT/sft.log"
-timeout 70 python -m experiments.train_drafter --config=configs/drafter.py:gpu --config.acceptance.num_prompts=16 \
-  --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu" > "$OUT/train_drafter.log" 2>&1
-echo "train_drafter exit $?" >> "$OUT/train_drafter.log"
-timeout 75 python -m experiments.bench_spec --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 --batches=1,8,4,16,32,64 --time_budget_s=30 \
-  ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} --out="$OUT/bench_spec.json" > "$OUT/bench_spec.log" 2>&1
-echo "bench_spec exit $?" >> "$OUT/bench_spec.log"
-tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
-tail -n 20 "$OUT/bench_spec.log"
-rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints"  # the tlt block reuses hf/ and drafter/
+  block_start spec
+  if dry; then
+    note "spec: configs/sft.py:tiny (2 layers of 64, 2 steps) and configs/drafter.py:tiny (2 steps) for the" \
+      "gpu presets; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto is" \
+      "the jnp reference on the CPU"
+    SFT=(--config=configs/sft.py:tiny --config.model.num_layers=2 --config.model.hidden_size=64
+      --config.model.intermediate_size=128 --config.model.head_dim=16 --config.steps=2 --config.eval_every=2
+      --config.checkpoint_every=2 --config.data.num_train=256 --config.data.num_eval=8 --config.eval.num_slots=8)
+    DRAFTER=(--config=configs/drafter.py:tiny --config.acceptance.num_prompts=4 --config.acceptance.num_slots=8
+      --config.steps=2 --config.eval_every=2 --config.checkpoint_every=2 --config.data.num_train=256
+      --config.data.num_eval=16 --config.eval_batch_size=8)
+    SPEC=(--preset=cpu --batches=1,8 --time_budget_s=1)
+  else
+    SFT=(--config=configs/sft.py:gpu --config.data.num_eval=64)
+    DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=16)
+    SPEC=(--preset=gpu --batches=1,8,4,16,32,64 --time_budget_s=30)
+  fi
+  step sft 110 "$OUT/sft.log" python -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
+  step train_drafter 70 "$OUT/train_drafter.log" python -m experiments.train_drafter "${DRAFTER[@]}" \
+    --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
+  # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
+  step bench_spec 75 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
+    --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} \
+    --out="$OUT/bench_spec.json"
+  if ! plan; then
+    tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
+    tail -n 8 "$OUT/bench_spec.log"
+    rm -rf "$OUT/sft_gpu/checkpoints" "$OUT/drafter_gpu/checkpoints"  # the tlt block reuses hf/ and drafter/
+  fi
+  block_end "$OUT/bench_spec.json"
 fi
 # ===== END spec ===================================================================================
 
 # ===== BEGIN tlt: TLT against the baseline end to end (bench_tlt.py) ==========================
-# Budget: 3 minutes. The spec block's 180M target and drafter (run it first): the same RL
-# run with TLT off and on, back to back; bars: step_speedup >= 2.0 (TLT: 1.7-2.1x vs verl),
-# acceptance >= 4 at temperature 1, eval accuracy within seed noise.
+# Budget: 180 s. The spec block's 180M target and drafter (run it first): the same RL run with
+# TLT off and on, each mode in a fresh process (one pair; TLT_ARGS=--repeats=2 for ABBA, on
+# request); bars: step_speedup >= 2.5 on a preset whose baseline rollout is >= 80% of its
+# step (TLT: 1.7-2.1x vs verl), acceptance >= 4 at temperature 1, eval accuracy within seed
+# noise.
 if want tlt; then
-echo "== bench_tlt --preset=gpu"
-timeout 180 python -m experiments.bench_tlt --preset=gpu --target="$OUT/sft_gpu/hf" \
-  --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_tlt_runs" --cache_dir="$OUT/bench_tlt_cache" \
-  --out="$OUT/bench_tlt.json" > "$OUT/bench_tlt.log" 2>&1
-echo "bench_tlt exit $?" >> "$OUT/bench_tlt.log"
-tail -n 8 "$OUT/bench_tlt.log"
-rm -rf "$OUT/bench_tlt_runs" "$OUT/bench_tlt_cache"
+  block_start tlt
+  if dry; then
+    note "tlt: bench_tlt --preset=cpu_tail, 1 step per run, on the spec block's tiny target"
+    TLT=(--preset=cpu_tail --steps=1)
+  else
+    TLT=(--preset=gpu)
+  fi
+  if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
+    BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
+  else
+    # shellcheck disable=SC2086  # TLT_ARGS is a list of flags
+    step bench_tlt 180 "$OUT/bench_tlt.log" python -m experiments.bench_tlt "${TLT[@]}" ${TLT_ARGS:---repeats=1} \
+      --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_tlt_runs" \
+      --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_tlt.json"
+    plan || tail -n 8 "$OUT/bench_tlt.log"
+  fi
+  plan || rm -rf "$OUT/bench_tlt_runs" "$OUT/bench_tlt_cache"
+  block_end "$OUT/bench_tlt.json"
 fi
-rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
+plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 # ===== END tlt ================================================================================
 
 # ===== BEGIN rollout: decode throughput vs HBM roofline and transformers (bench_rollout.py) =====
-# Budget: about 2 minutes. Qwen2.5-1.5B shape (random bf16 weights), batch 16 and 1, the
-# default decode layout (fused, per layer) against the first H200 run's (stacked, scanned);
-# transformers' generate (dynamic and static cache) at batch 16.
+# Budget: 130 s. Qwen2.5-1.5B shape (random bf16 weights), batch 16 and 1, the default decode
+# layout (fused, per layer: never measured on the GPU) against the first H200 run's (stacked,
+# scanned); transformers' generate (dynamic and static cache) at batch 16. Bar: >= 60% of the
+# HBM roofline at batch <= 16.
 if want rollout; then
-echo "== bench_rollout --preset=gpu"
-# The engine's optimized GPU HLO (insert and decode-chunk modules) comes back as
-# rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
-XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 130 python -m experiments.bench_rollout --preset=gpu \
-  --models=qwen2.5-1.5b --batches=16,1 --layouts=fused,stacked --hf_batches=16 \
-  --out="$OUT/bench_rollout.json" > "$OUT/bench_rollout.log" 2>&1
-echo "bench_rollout exit $?" >> "$OUT/bench_rollout.log"
-(cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' | tar czf rollout_hlo.tgz -T -)
-rm -rf "$OUT/rollout_hlo"
-tail -n 10 "$OUT/bench_rollout.log"
+  block_start rollout
+  if dry; then
+    note "rollout: the tiny model (bench_rollout --preset=cpu); the CPU's HLO in rollout_hlo.tgz, not the GPU's;" \
+      "transformers on the CPU in float32 (no CUDA)"
+    ROLLOUT=(--preset=cpu --models=tiny)
+  else
+    ROLLOUT=(--preset=gpu --models=qwen2.5-1.5b)
+  fi
+  # The engine's optimized HLO (insert and decode-chunk modules) comes back as
+  # rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
+  step bench_rollout 130 "$OUT/bench_rollout.log" env \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 python -m experiments.bench_rollout "${ROLLOUT[@]}" --batches=16,1 \
+    --layouts=fused,stacked --hf_batches=16 --out="$OUT/bench_rollout.json"
+  if ! plan; then
+    (cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' 2>/dev/null | tar czf rollout_hlo.tgz -T -)
+    rm -rf "$OUT/rollout_hlo"
+    tail -n 8 "$OUT/bench_rollout.log"
+  fi
+  block_end "$OUT/bench_rollout.json"
 fi
 # ===== END rollout ==============================================================================
 
+# ===== BEGIN attention: attention memory and time at reasoning lengths (bench_attention.py) =====
+# Budget: 115 s. Qwen2.5-1.5B's shapes, bf16, batch 1: agreement of blockwise and cuDNN with
+# dense at T=2048, then forward + backward of the attention core at 8k-32k tokens: XLA temp
+# bytes (the CPU table's numbers, here from the GPU compiler) and time; dense is expected to
+# run out of memory at 32k. Then packed segments (blockwise only: cuDNN's public API has no
+# segment ids).
+if want attention; then
+  block_start attention
+  if dry; then
+    note "attention: no cuDNN on the CPU: dense and blockwise only; the tiny model's shapes at T=256, 512"
+    ATTENTION=(--model=tiny --lengths=256,512)
+  else
+    ATTENTION=()
+  fi
+  step bench_attention 75 "$OUT/bench_attention.log" python -m experiments.bench_attention --scopes=attention \
+    --time --check "${ATTENTION[@]}" --out="$OUT/bench_attention.json"
+  step bench_attention_segments 40 "$OUT/bench_attention_segments.log" python -m experiments.bench_attention \
+    --scopes=attention --time --segments --impls=blockwise "${ATTENTION[@]}" \
+    --out="$OUT/bench_attention_segments.json"
+  plan || tail -n 12 "$OUT/bench_attention.log" "$OUT/bench_attention_segments.log"
+  block_end "$OUT/bench_attention.json" "$OUT/bench_attention_segments.json"
+fi
+# ===== END attention ================================================================================
+
+# ===== BEGIN verify: draft-tree verification, jnp reference vs V-tiled Pallas kernel (bench_verify.py) =====
+# Budget: 40 s. Qwen2.5's V = 151936, sampled drafts, T = 48, 16, 8 nodes at batch 1 and 8,
+# until the budget stops new cases (the deterministic mode and more block sizes:
+# BLOCKS=verify VERIFY_ARGS="--modes=deterministic --block_v=4096"). Each row says whether
+# the kernel's outputs equal the reference's; spec_verify's impl="auto" moves to the kernel
+# only where it is faster here.
+if want verify; then
+  block_start verify
+  if dry; then
+    note "verify: the Pallas kernel in interpret mode (no Triton lowering on the CPU), V=1000"
+    VERIFY=(--vocab=1000 --nodes=16,8 --batches=1,8 --repeats=1 --time_budget_s=3)
+  else
+    VERIFY=(--nodes=48,16,8 --batches=1,8 --repeats=5 --time_budget_s=25)
+  fi
+  # shellcheck disable=SC2086  # VERIFY_ARGS is a list of flags
+  step bench_verify 40 "$OUT/bench_verify.log" python -m experiments.bench_verify "${VERIFY[@]}" \
+    ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json"
+  plan || tail -n 6 "$OUT/bench_verify.log"
+  block_end "$OUT/bench_verify.json"
+fi
+# ===== END verify =================================================================================
+
 # ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
-# Budget: under 1.5 minutes: the dense anchor (for the ratios), then the cases the first run
-# did not reach: bf16 dW accumulation at 32k and 256k tokens, the Pallas kernels (one
-# fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
+# Budget: 85 s: the dense anchor (for the ratios), then the cases the first run did not
+# reach: bf16 dW accumulation at 32k and 256k tokens (the 7 GiB peak bar), the Pallas kernels
+# (one fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
 # keeps what finished). `--only` dropped, the whole preset takes about 4 minutes.
 if want losses; then
-echo "== bench_kl --preset=gpu --only=..."
-timeout 85 python -m experiments.bench_kl --preset=gpu --time_budget_s=55 \
-  --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json" > "$OUT/bench_kl.log" 2>&1
-echo "bench_kl exit $?" >> "$OUT/bench_kl.log"
-tail -n 25 "$OUT/bench_kl.log"
+  block_start losses
+  if dry; then
+    note "losses: bench_kl --preset=cpu; the Pallas kernels in interpret mode (no Triton lowering); no device" \
+      "memory stats on the CPU, so the 256k peak bar reads n/a (XLA temp is measured)"
+    LOSSES=(--preset=cpu)
+  else
+    LOSSES=(--preset=gpu)
+  fi
+  step bench_kl 85 "$OUT/bench_kl.log" python -m experiments.bench_kl "${LOSSES[@]}" --time_budget_s=55 \
+    --only="chunked_xla[dw_accum=param],pallas,anchor_dense" --out="$OUT/bench_kl.json"
+  plan || tail -n 12 "$OUT/bench_kl.log"
+  block_end "$OUT/bench_kl.json"
 fi
 # ===== END losses ====================================================================
 
-# ===== BEGIN attention: attention memory and time at reasoning lengths (bench_attention.py) =====
-# Budget: under 2 minutes. Qwen2.5-1.5B's shapes, bf16, batch 1: agreement of blockwise and
-# cuDNN with dense at T=2048, then forward + backward of the attention core at 8k-32k
-# tokens: XLA temp bytes (the CPU table's numbers, here from the GPU compiler) and
-# time; dense is expected to run out of memory at 32k. Then packed segments (blockwise
-# only: cuDNN's public API has no segment ids).
-if want attention; then
-echo "== bench_attention --time --check"
-timeout 75 python -m experiments.bench_attention --scopes=attention --time --check \
-  --out="$OUT/bench_attention.json" > "$OUT/bench_attention.log" 2>&1
-echo "bench_attention exit $?" >> "$OUT/bench_attention.log"
-timeout 40 python -m experiments.bench_attention --scopes=attention --time --segments --impls=blockwise \
-  --out="$OUT/bench_attention_segments.json" > "$OUT/bench_attention_segments.log" 2>&1
-echo "bench_attention segments exit $?" >> "$OUT/bench_attention_segments.log"
-tail -n 16 "$OUT/bench_attention.log" "$OUT/bench_attention_segments.log"
+# ===== The bars against their targets: one table (experiments/device_summary.py) =====
+PLANNED=$((PLANNED + 5))
+if plan; then
+  printf '%6d s  %-22s %s\n' 5 summary "python -m experiments.device_summary --out_dir=$OUT"
+  echo "planned: $PLANNED s in all ($((PLANNED / 60)) min $((PLANNED % 60)) s)"
+  exit 0
 fi
-# ===== END attention ================================================================================
+# shellcheck disable=SC2046  # --dry or nothing
+timeout 5 python -m experiments.device_summary --out_dir="$OUT" $(dry && echo --dry) > "$OUT/summary.txt" 2>&1 \
+  || echo "device_summary exit $?" >> "$OUT/summary.txt"
+cd "$OUT" || exit 1
+# Everything the blocks wrote at the top of $OUT, in one file (the device machine returns 8).
+mapfile -t LOOSE < <(find . -maxdepth 1 -type f \( -name '*.json' -o -name '*.log' -o -name '*.txt' -o -name '*.csv' \
+  -o -name '*.png' \) ! -name summary.txt ! -name summary.json -printf '%P\n' | sort)
+((${#LOOSE[@]})) && tar czf device_check.tgz "${LOOSE[@]}"
+[[ $PACK != 0 ]] && ((${#LOOSE[@]})) && rm -f "${LOOSE[@]}"
+echo "device_check:${FAILED:- every block ok}${FAILED:+ failed}; results in $OUT"
+cat summary.txt
+[[ -z $FAILED ]]
