@@ -28,7 +28,9 @@ ROWS = [{"data_source": "toy_math", "prompt": [{"role": "user", "content": f"Wha
         for i in range(40)]
 SMALL = {"rollout.num_slots": 16, "rollout.max_prompt_length": 96, "rollout.max_tokens": 16,
          "prompts_per_step": 4, "num_samples": 4, "learner.micro_batch_size": 8, "steps": 2, "eval_every": 2,
-         "checkpoint_every": 2, "data.num_eval": 8, "mesh.data": 2, "mesh.fsdp": 4, "tlt.drafter.seq_len": 64}
+         "checkpoint_every": 2, "data.num_eval": 8, "mesh.data": 2, "mesh.fsdp": 4, "tlt.drafter.seq_len": 64,
+         # one drafting strategy beside plain decode: TLT's path at a fraction of the compiles
+         "tlt.tuner.buckets": [1], "tlt.tuner.arms": [["eagle-d3", "plain"]]}
 
 
 @pytest.fixture(scope="module")
