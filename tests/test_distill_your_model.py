@@ -90,7 +90,7 @@ def _check_chat_rows(rows, tokenizer, example):
 def distilled(user):
     root, paths = user
     with pytest.MonkeyPatch.context() as mp:
-        packed = _spy(mp, train, "packed_dataset")
+        packed = _spy(mp, train, "pack_examples")
         summary = train.train_distill(_distill_config(paths, root / "distill"), progress=False)
     return root, paths, summary, dict(zip(("train", "eval"), packed))
 

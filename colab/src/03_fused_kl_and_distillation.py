@@ -86,8 +86,8 @@ import numpy as np
 
 from tlt_jax import fingerprint
 from tlt_jax.data import tasks
+from tlt_jax.data.packing import pack_examples
 from tlt_jax.distill import teacher_cache as tc
-from tlt_jax.distill.train import packed_dataset
 from tlt_jax.tokenizer import load_tokenizer
 
 cache_path = os.path.join(RUN_DIR, "teacher_cache", "train")
@@ -98,8 +98,8 @@ print("on disk:", sorted(os.listdir(cache_path)), "|", reader.num_sequences, "ro
 
 tokenizer = load_tokenizer(config.teacher_dir)
 task = tasks.from_spec(config.data.tasks.to_dict())
-rows = packed_dataset(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
-                      config.data.seq_len)
+rows = pack_examples(tokenizer, tasks.make_split(task, "train", config.data.num_train, config.seed),
+                     config.data.seq_len)
 assert fingerprint.fingerprint_tokens(rows["tokens"]) == meta.dataset_fingerprint  # the cache was made from these rows
 ids_NTK, logp_NTK = reader.read(np.arange(min(16, reader.num_sequences)))
 print("ids", ids_NTK.shape, ids_NTK.dtype, "| logp", logp_NTK.shape, logp_NTK.dtype)

@@ -51,7 +51,6 @@ from absl import logging
 from tlt_jax import checkpoint, fingerprint, launch, losses, metrics, sharding
 from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
-from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
@@ -75,20 +74,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 # (tokens_BT, positions_BT, segment_ids_BT) -> (ids_BTK, logp_BTK): the teacher's top-K.
 TeacherTopK = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
 LAYOUT = ("positions", "segment_ids")  # what the teacher attends with, beside the tokens
-_DEFAULT_FORMAT = PromptFormat()  # the synthetic tasks' prompts
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def packed_dataset(tokenizer, examples, seq_len: int, prompt_format: PromptFormat = _DEFAULT_FORMAT,
-                   end_token_id: int | None = None) -> dict[str, np.ndarray]:
-    """The rows the teacher and the student read: `pack_examples` rows (tokens, positions,
-    segment_ids [N, T], mask [N, T-1]), each prompt in `prompt_format` followed by its
-    response and `end_token_id` (default the tokenizer's eos). The teacher is given their
-    positions and segment ids as they are (`make_teacher_topk`): nothing about the layout
-    is inferred from the tokens."""
-    return pack_examples(tokenizer, examples, seq_len, prompt_format, end_token_id)
 
 
 def tokenizer_fingerprint(path: str) -> str:
@@ -125,7 +113,7 @@ def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
 
 def cache_meta(rows: dict, *, teacher_fingerprint: str, tokenizer_fingerprint: str, top_k: int, temperature: float,
                logp_dtype: str) -> tc.CacheMeta:
-    """What the cache of `rows` (packed_dataset) is made from: its tokens and their layout."""
+    """What the cache of `rows` (`pack_examples`) is made from: its tokens and their layout."""
     return tc.CacheMeta(teacher_fingerprint=teacher_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
                         dataset_fingerprint=fingerprint.fingerprint_tokens(rows["tokens"]),
                         layout_fingerprint=tc.layout_fingerprint(*(rows[name] for name in LAYOUT)),
@@ -134,7 +122,7 @@ def cache_meta(rows: dict, *, teacher_fingerprint: str, tokenizer_fingerprint: s
 
 def open_or_build_cache(path: str, rows: dict, teacher: TeacherTopK, meta: tc.CacheMeta, *,
                         batch_size: int, rows_per_shard: int | None, progress: bool):
-    """(reader, rows the teacher ran on): a complete matching cache of `rows` (packed_dataset)
+    """(reader, rows the teacher ran on): a complete matching cache of `rows` (`pack_examples`)
     is read as is; a missing or partial one is (re)built; one made differently raises
     MetadataMismatchError naming the fields."""
     computed = [0]
@@ -321,7 +309,7 @@ def train_distill(config, *, progress: bool = True) -> dict:
 
     problems = sources.problems_for(tokenizer_dir, config.data)
     end_id = end_token_ids(tokenizer, teacher_cfg.end_token_ids)[0]
-    rows = {split: packed_dataset(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_id)
+    rows = {split: pack_examples(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_id)
             for split, examples in (("train", problems.train), ("eval", problems.eval))}
     split_k = {"train": top_k, "eval": eval_top_k}
     teacher_fp = fingerprint.fingerprint_arrays(teacher_params)
