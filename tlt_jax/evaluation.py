@@ -5,8 +5,7 @@ template or a format string); a completion is the text of the answer's tokens wi
 its end token (any of the model's end tokens). `evaluate_samples` also returns one
 record per sample, what `eval_samples.jsonl` holds: the prompt as templated text, the
 completion, the reference answer, the reward, the length, and whether the sample ended
-on an end token or was cut off (`max_tokens`, or the
-engine's cache length).
+on an end token or was cut off (`max_tokens`, or the engine's cache length).
 """
 from __future__ import annotations
 
