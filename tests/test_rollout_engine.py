@@ -86,8 +86,19 @@ def test_data_parallel_groups_signal_done(params, reference):
         with lock:
             done.append(g)
 
-    r = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7), on_group_done=on_done)
+    finished = []  # (request, tokens, groups done by then)
+
+    def on_sample(i, tokens):
+        with lock:
+            finished.append((i, tokens, len(done)))
+
+    r = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7), on_group_done=on_done, on_sample_done=on_sample)
     assert sorted(done) == [0, 1]
+    # Each sample is handed on once, with its tokens, before the last group is done.
+    assert sorted(i for i, _, _ in finished) == list(range(len(r)))
+    for i, tokens, groups_done in finished:
+        np.testing.assert_array_equal(tokens, r.tokens[i])
+        assert groups_done < 2
     assert set(r.group.tolist()) == {0, 1}
     for a, b in zip(reference.tokens, r.tokens):
         np.testing.assert_array_equal(a, b)

@@ -448,8 +448,9 @@ class _Group:
     # -- host loop ---------------------------------------------------------------------------
 
     def run(self, requests, key, sp, timeline: GroupTimeline, results: dict, num_samples: int = 1,
-            speculation=None):
-        """Generates every (request id, prompt) in `requests`; fills results[id]."""
+            speculation=None, on_sample_done: Callable[[int, np.ndarray], None] | None = None):
+        """Generates every (request id, prompt) in `requests`; fills results[id] and calls
+        on_sample_done(id, tokens) for each as it is harvested."""
         rc = self.engine.rollout_config
         b, p = rc.num_slots, rc.max_prompt_length
         state = self.empty_state(sp, speculation is not None)
@@ -509,10 +510,10 @@ class _Group:
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:
-                self._harvest(state, done, slot_request, results)
+                self._harvest(state, done, slot_request, results, on_sample_done)
         timeline.end = time.perf_counter()
 
-    def _harvest(self, state, slots, slot_request, results):
+    def _harvest(self, state, slots, slot_request, results, on_sample_done=None):
         index = np.asarray(slots + [slots[0]] * (_bucket(len(slots), len(slot_request)) - len(slots)))
         toks, logps, counts, finish = jax.device_get(
             _gather_rows((state.out_tokens, state.out_logp, state.num_generated, state.finish), index))
@@ -520,6 +521,8 @@ class _Group:
             n = int(counts[i])
             results[slot_request[s]] = (toks[i, :n].copy(), logps[i, :n].copy(), FINISH_REASONS[int(finish[i])],
                                         self.index)
+            if on_sample_done is not None:
+                on_sample_done(slot_request[s], results[slot_request[s]][0])
             slot_request[s] = -1
 
 
@@ -670,7 +673,8 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, sampling_params: sampling.SamplingParams,
                  key: jax.Array, on_group_done: Callable[[int], None] | None = None,
                  speculation: spec_lib.Speculation | None = None,
-                 prompt_ids: Sequence[int] | None = None) -> Rollouts:
+                 prompt_ids: Sequence[int] | None = None,
+                 on_sample_done: Callable[[int, np.ndarray], None] | None = None) -> Rollouts:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
@@ -683,6 +687,10 @@ class RolloutEngine:
         `prompt_ids` name the prompts (default: their positions): sample s of the prompt
         named i draws from the key of request i * num_samples + s, so a prompt gives the
         same answers alone or in any batch, under the same key and name.
+        `on_sample_done(i, tokens)` fires as sample i (its index in the returned Rollouts)
+        finishes, on its group's host thread between device chunks, so it should only hand
+        the sample on (the RL loop submits it for scoring); with several processes, only
+        for the samples of this process's groups.
         """
         self._check(prompts, num_samples)
         if speculation is not None:
@@ -704,7 +712,8 @@ class RolloutEngine:
         def run(group):
             share = set(shares[group.index].tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
-            group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy)
+            group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy,
+                      on_sample_done)
             if on_group_done is not None:
                 on_group_done(group.index)
 
