@@ -44,9 +44,9 @@ def _check_tree(tokens_T, parents_T):
         assert len(toks) == len(set(toks)), "children must carry distinct tokens"
 
 
-def _reference(context, lengths, group, config):
+def _reference(context, lengths, group, config, history=None):
     """Per row: (root token or None, the taken continuations, the winning n), by the
-    matching rules in plain Python."""
+    matching rules in plain Python; history[b] is row b's history row (-1 separated)."""
     out = []
     B = len(lengths)
     for b in range(B):
@@ -63,6 +63,13 @@ def _reference(context, lengths, group, config):
                 for p in reversed(range(n - 1, len(c) - 1)):
                     if c[p - n + 1:p + 1] == suffix:
                         sites.append(tuple(c[p + 1:p + 1 + config.depth]))
+            if history is not None:
+                h = [int(t) for t in history[b]]
+                for p in reversed(range(n - 1, len(h))):
+                    follow = h[p + 1:p + 1 + config.depth]
+                    follow = tuple(follow[:follow.index(-1)] if -1 in follow else follow)
+                    if h[p - n + 1:p + 1] == suffix and follow:
+                        sites.append(follow)
             if sites:
                 break
         else:

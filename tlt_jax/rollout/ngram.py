@@ -19,6 +19,11 @@ Matching, for row b with valid context c_b = context[b, :lengths[b]]:
 - Branches are taken greedily in that order, skipping a site whose continuation is a
   prefix of (or equal to) one already taken, since it would add no node to the tree,
   until `branches` are taken or the sites run out. Only sites of the winning n count.
+- With a history row (`history_BH`, the prompt's earlier completions separated by -1,
+  `history.HistoryStore.row`), its positions are sites too, after every row of the
+  group (latest site first): a site there needs the n tokens ending at it to equal the
+  suffix (a -1 equals no token, so a match never crosses a separator), and its
+  continuation stops before the next -1.
 
 The taken continuations are merged into a trie: node 0 is the root (the latest token,
 c_b[-1]); branch k's token at depth j sits at node 1 + k * depth + j unless an earlier
@@ -61,21 +66,52 @@ class NgramConfig:
         return 1 + self.depth * self.branches
 
 
-def _suffix_match_lengths(context_BS, lengths_B, max_ngram):
-    """match_BRS[b, r, p]: how many of row b's last tokens (at most max_ngram) equal,
-    in order, the tokens of row r ending at position p. Validity of p is not checked."""
+def _suffix_tokens(context_BS, lengths_B, max_ngram):
+    """suffix_BN[b, k] = c_b[-1-k] for k < max_ngram (clipped where the row is shorter)."""
+    S = context_BS.shape[1]
+    back_BN = jnp.clip(lengths_B[:, None] - 1 - jnp.arange(max_ngram), 0, S - 1)
+    return jnp.take_along_axis(context_BS, back_BN, axis=1)
+
+
+def _suffix_match_lengths(context_BS, lengths_B, suffix_BN):
+    """match_BRS[b, r, p]: how many of row b's last tokens (at most N) equal, in order,
+    the tokens of row r ending at position p. Validity of p is not checked."""
     S = context_BS.shape[1]
     pos_S = jnp.arange(S)
     match_BRS = jnp.zeros((context_BS.shape[0],) * 2 + (S,), jnp.int32)
     still_BRS = jnp.ones_like(match_BRS, bool)
     # Walk backwards k tokens from both ends; a running product keeps memory at B*B*S.
-    for k in range(max_ngram):
-        suffix_B = jnp.take_along_axis(context_BS, jnp.clip(lengths_B - 1 - k, 0, S - 1)[:, None], axis=1)[:, 0]
+    for k in range(suffix_BN.shape[1]):
         back_RS = jnp.roll(context_BS, k, axis=1)  # back_RS[r, p] = context[r, p - k]
-        eq_BRS = (back_RS[None] == suffix_B[:, None, None]) & (pos_S >= k) & (k < lengths_B)[:, None, None]
+        eq_BRS = (back_RS[None] == suffix_BN[:, k, None, None]) & (pos_S >= k) & (k < lengths_B)[:, None, None]
         still_BRS &= eq_BRS
         match_BRS += still_BRS
     return match_BRS
+
+
+def _history_match_lengths(history_BH, lengths_B, suffix_BN):
+    """match_BH[b, p]: how many of row b's last tokens equal, in order, those of its own
+    history row ending at p (a separator stops the walk: it equals no token)."""
+    H = history_BH.shape[1]
+    pos_H = jnp.arange(H)
+    match_BH = jnp.zeros(history_BH.shape, jnp.int32)
+    still_BH = jnp.ones(history_BH.shape, bool)
+    for k in range(suffix_BN.shape[1]):
+        back_BH = jnp.roll(history_BH, k, axis=1)
+        still_BH &= (back_BH == suffix_BN[:, k, None]) & (pos_H >= k) & (k < lengths_B)[:, None]
+        match_BH += still_BH
+    return match_BH
+
+
+def _history_continuations(history_BH, depth):
+    """(cont_BHD, len_BH): the up-to-`depth` tokens after position p of row b's history,
+    as many as come before the next separator (or the row's end)."""
+    H = history_BH.shape[1]
+    pos_HD = jnp.arange(H)[:, None] + 1 + jnp.arange(depth)
+    cont_BHD = history_BH[:, jnp.clip(pos_HD, 0, H - 1)]
+    real_BHD = (cont_BHD >= 0) & (pos_HD < H)[None]
+    len_BH = jnp.sum(jnp.cumprod(real_BHD.astype(jnp.int32), axis=2), axis=2)
+    return cont_BHD, len_BH
 
 
 def _continuations(context_BS, lengths_B, depth):
@@ -88,23 +124,38 @@ def _continuations(context_BS, lengths_B, depth):
     return cont_RSD, len_RS
 
 
-def _select_branches(candidate_BC, priority_BC, cont_CD, len_C, branches):
+def _select_branches(candidate_BC, priority_BC, cont_CD, len_C, branches, cont_BHD=None, len_BH=None):
     """Greedy pick, per row, of up to `branches` candidates by ascending priority, each
     adding a node: a candidate whose continuation is a prefix of a taken one is dropped.
 
+    The C candidates of cont_CD / len_C are shared by every row; with cont_BHD / len_BH
+    each row b has H more of its own, columns C.. of candidate_BC and priority_BC.
     Returns (cont_BKD, len_BK); len 0 marks a branch not taken.
     """
-    depth = cont_CD.shape[1]
+    num_shared, depth = cont_CD.shape
     big = jnp.iinfo(jnp.int32).max
+    inside_CD = jnp.arange(depth) < len_C[:, None]
+    if cont_BHD is not None:
+        inside_BHD = jnp.arange(depth) < len_BH[..., None]
     alive_BC = candidate_BC
     conts, lens = [], []
     for _ in range(branches):
         pick_B = jnp.argmin(jnp.where(alive_BC, priority_BC, big), axis=1)
-        len_B = jnp.where(alive_BC.any(axis=1), len_C[pick_B], 0)
-        cont_BD = cont_CD[pick_B]
-        inside_CD = jnp.arange(depth) < len_C[:, None]
-        same_prefix_BC = jnp.all((cont_CD[None] == cont_BD[:, None]) | ~inside_CD, axis=2)
-        alive_BC &= ~(same_prefix_BC & (len_C <= len_B[:, None]))
+        shared_B = jnp.minimum(pick_B, num_shared - 1)
+        cont_BD, len_B = cont_CD[shared_B], len_C[shared_B]
+        if cont_BHD is not None:
+            own_B = pick_B >= num_shared
+            at_B1 = jnp.clip(pick_B - num_shared, 0, cont_BHD.shape[1] - 1)[:, None]
+            cont_BD = jnp.where(own_B[:, None], jnp.take_along_axis(cont_BHD, at_B1[..., None], 1)[:, 0], cont_BD)
+            len_B = jnp.where(own_B, jnp.take_along_axis(len_BH, at_B1, 1)[:, 0], len_B)
+        len_B = jnp.where(alive_BC.any(axis=1), len_B, 0)
+        same_prefix_BC = (jnp.all((cont_CD[None] == cont_BD[:, None]) | ~inside_CD, axis=2)
+                          & (len_C <= len_B[:, None]))
+        if cont_BHD is not None:
+            same_prefix_BC = jnp.concatenate(
+                [same_prefix_BC, jnp.all((cont_BHD == cont_BD[:, None]) | ~inside_BHD, axis=2)
+                 & (len_BH <= len_B[:, None])], axis=1)
+        alive_BC &= ~same_prefix_BC
         conts.append(cont_BD)
         lens.append(len_B)
     return jnp.stack(conts, axis=1), jnp.stack(lens, axis=1)
@@ -133,13 +184,16 @@ def _merge_into_trie(root_B, cont_BKD, len_BK):
 
 @functools.partial(jax.jit, static_argnames="config")
 def propose(context_BS: jax.Array, lengths_B: jax.Array, group_B: jax.Array,
-            config: NgramConfig) -> tuple[jax.Array, jax.Array]:
-    """Draft trees from n-gram lookup in each row's own and its group's contexts.
+            config: NgramConfig, history_BH: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Draft trees from n-gram lookup in each row's own and its group's contexts, then
+    in its history row.
 
     context_BS: int32 [B, S], tokens of each slot in [0, lengths_B[b]) (prompt and
         generated, the latest sampled token last); later positions are ignored.
     lengths_B: int32 [B]. group_B: int32 [B], rows with the same id >= 0 share
         contexts; -1 marks an inactive slot.
+    history_BH: optional int32 [B, H], row b's earlier completions of its prompt, -1
+        between them and after the last (`history.HistoryStore.row`).
     Returns (tokens_BT, parents_BT), int32 [B, T] with T = config.num_nodes: node 0 is
     the latest token (parent -1), node i >= 1 has parent < i or is padding (parent -1,
     token 0); the children of a node carry distinct tokens.
@@ -149,21 +203,31 @@ def propose(context_BS: jax.Array, lengths_B: jax.Array, group_B: jax.Array,
     lengths_B = jnp.clip(lengths_B.astype(jnp.int32), 0, S)
     active_B = (group_B >= 0) & (lengths_B > 0)
 
-    match_BRS = _suffix_match_lengths(context_BS, lengths_B, config.max_ngram)
+    suffix_BN = _suffix_tokens(context_BS, lengths_B, config.max_ngram)
+    match_BRS = _suffix_match_lengths(context_BS, lengths_B, suffix_BN)
     cont_RSD, len_RS = _continuations(context_BS, lengths_B, config.depth)
     # A lender shares an active row's group id, so it is in a group too (empty rows hold no site).
     same_group_BR = (group_B[:, None] == group_B[None, :]) & active_B[:, None]
     site_BRS = same_group_BR[..., None] & (len_RS > 0)[None]
-    match_BRS = jnp.where(site_BRS, match_BRS, 0)
-    ngram_B = match_BRS.max(axis=(1, 2))
-    candidate_BRS = (match_BRS == ngram_B[:, None, None]) & (ngram_B >= config.min_ngram)[:, None, None]
-
+    match_BC = jnp.where(site_BRS, match_BRS, 0).reshape(B, B * S)
     rows_B = jnp.arange(B)
     row_rank_BR = jnp.where(rows_B[:, None] == rows_B[None, :], 0, 1 + rows_B[None, :])
-    priority_BRS = row_rank_BR[..., None] * S + (S - 1 - jnp.arange(S))
-    cont_BKD, len_BK = _select_branches(candidate_BRS.reshape(B, B * S), priority_BRS.reshape(B, B * S),
-                                        cont_RSD.reshape(B * S, config.depth), len_RS.reshape(B * S),
-                                        config.branches)
+    priority_BC = (row_rank_BR[..., None] * S + (S - 1 - jnp.arange(S))).reshape(B, B * S)
+    cont_BHD = len_BH = None
+    if history_BH is not None:
+        H = history_BH.shape[1]
+        history_BH = history_BH.astype(jnp.int32)
+        cont_BHD, len_BH = _history_continuations(history_BH, config.depth)
+        match_BH = jnp.where(active_B[:, None] & (len_BH > 0), _history_match_lengths(history_BH, lengths_B, suffix_BN),
+                             0)
+        match_BC = jnp.concatenate([match_BC, match_BH], axis=1)
+        # After every row of the group (ranks 0..B, each S positions), latest site first.
+        history_priority_H = (B + 1) * S + (H - 1 - jnp.arange(H))
+        priority_BC = jnp.concatenate([priority_BC, jnp.broadcast_to(history_priority_H, (B, H))], axis=1)
+    ngram_B = match_BC.max(axis=1)
+    candidate_BC = (match_BC == ngram_B[:, None]) & (ngram_B >= config.min_ngram)[:, None]
+    cont_BKD, len_BK = _select_branches(candidate_BC, priority_BC, cont_RSD.reshape(B * S, config.depth),
+                                        len_RS.reshape(B * S), config.branches, cont_BHD, len_BH)
 
     root_B = jnp.take_along_axis(context_BS, jnp.maximum(lengths_B - 1, 0)[:, None], axis=1)[:, 0]
     tokens_BT, parents_BT = _merge_into_trie(jnp.where(active_B, root_B, 0), cont_BKD, len_BK)
