@@ -38,7 +38,7 @@ from configs.common import data_config
 # among them). A change to any other field, a new one included, is refused unless
 # --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "save_hf",
-                "reward_workers", "tlt.enabled", "tlt.tuner", "sft.run_dir", "wandb")
+                "reward_workers", "reward_overlap", "tlt.enabled", "tlt.tuner", "sft.run_dir", "wandb")
 
 
 def tlt_config() -> ml_collections.ConfigDict:
@@ -79,6 +79,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.reward = "task"
     c.reward_workers = 0  # > 0: score in that many worker processes (slow reward functions)
     c.reward_timeout_s = 600.0  # a batch not scored by then scores 0 and is counted (0: no deadline)
+    # Each sample scored as it finishes, while the rest decode (the same rewards for a reward
+    # that scores each sample on its own; False for one that reads the whole batch).
+    c.reward_overlap = True
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0

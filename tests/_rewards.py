@@ -29,3 +29,25 @@ def exact_answer(prompts, completions, answer, **_):
 
 
 not_a_reward = 0.5  # reward=tests._rewards:not_a_reward names something that is not callable
+
+
+def raises_on_boom(prompts, completions, answer, **_):
+    """Exact answers, except that a completion "boom" raises and "nan" scores NaN."""
+    if "boom" in completions:
+        raise RuntimeError("boom")
+    return [float("nan") if c == "nan" else float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def logged(prompts, completions, answer, log, **_):
+    """A checksum of the completion and its answer in [0, 1) (a score that varies on any
+    text, a random model's too, and reads a field); each scored completion appended
+    to the file of its field `log` (from whichever process scores it) with the time; a
+    completion "sleep" first sleeps 5 s."""
+    scores = []
+    for completion, reference, path in zip(completions, answer, log):
+        if completion == "sleep":
+            time.sleep(5)
+        with open(path, "a") as f:
+            f.write(f"{completion!r} {time.time()!r}\n")
+        scores.append((sum(map(ord, completion)) * 31 + sum(map(ord, reference))) % 97 / 97)
+    return scores

@@ -248,8 +248,9 @@ def test_a_run_whose_reward_hangs_goes_on(run, reference, tmp_path):
     """The second batch's reward never returns (tests/_rewards.py): it scores 0 by
     reward_timeout_s and is counted, and the run trains on to its end."""
     run_dir = str(tmp_path / "run")
+    # The reward counts its calls: scored as one batch per step (overlap would call it per sample).
     summary = run(run_dir, {**BASELINE, "steps": 2, "eval_every": 2, "save_hf": False, "reward_timeout_s": 1.0,
-                            "hang_on_batch": True})["summary"]
+                            "reward_overlap": False, "hang_on_batch": True})["summary"]
     records = {r["step"]: r for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl"))}
     samples = OVERRIDES["prompts_per_step"] * OVERRIDES["num_samples"]
     assert records[1]["reward_timeouts"] == 0 and records[1]["reward_mean"] > 0

@@ -93,6 +93,7 @@ ACCEPTED = [
     (rl, "tlt.drafter.checkpoint_every", 1),
     (rl, "save_hf", False),
     (rl, "reward_workers", 4),
+    (rl, "reward_overlap", False),  # the same rewards, scored earlier
     (rl, "tlt.enabled", False),  # speculation is lossless
     (rl, "tlt.tuner.epsilon", 0.5),
     (rl, "tlt.tuner.buckets", [1]),

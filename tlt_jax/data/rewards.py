@@ -22,10 +22,12 @@ convention, so a verifier of one's own needs no change here.
 finite scores 0 and is counted, without zeroing the rest of the batch, and the warning
 shows one such sample (`FailedSample`). `Scorer` runs it for the loop, in this process or
 in worker processes, under a per-batch deadline: a reward that hangs scores 0 and is
-counted too, and the run goes on.
+counted too, and the run goes on. `Scorer.begin` scores a batch sample by sample as each
+sample finishes decoding (`Scoring`), so a slow verifier runs while the rest decode.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
@@ -33,6 +35,7 @@ import importlib.util
 import logging
 import math
 import multiprocessing
+import queue
 import re
 import threading
 import time
@@ -310,9 +313,10 @@ class FailedSample:
         return f"prompt {_clip(self.prompt)!r}, completion {_clip(self.completion)!r}: {_clip(self.outcome)}"
 
 
-def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-                     **fields) -> tuple[np.ndarray, int, FailedSample | None]:
-    """`safe_rewards`, and the first sample that failed (None if none did)."""
+def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], fields: dict,
+                     warn: bool = True) -> tuple[np.ndarray, int, FailedSample | None]:
+    """`safe_rewards`, and the first sample that failed (None if none did); warn=False
+    leaves the warning to the caller (`Scoring`, which warns once for its batch)."""
     batch = len(completions)
     problems = {}  # sample -> what went wrong, where its score does not tell
     try:
@@ -341,9 +345,14 @@ def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence
     if failed:
         i = failed[0]
         first = FailedSample(str(prompts[i]), str(completions[i]), problems.get(i, f"returned {scores[i]!r}"))
-        logger.warning("reward %s failed on %d of %d samples; they score 0. The first: %s",
-                       getattr(fn, "__name__", fn), len(failed), batch, first)
+        if warn:
+            _warn_failures(fn, len(failed), batch, first)
     return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), len(failed), first
+
+
+def _warn_failures(reward, failed: int, batch: int, first: FailedSample) -> None:
+    logger.warning("reward %s failed on %d of %d samples; they score 0. The first: %s",
+                   getattr(reward, "__name__", reward), failed, batch, first)
 
 
 def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
@@ -356,7 +365,7 @@ def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
     Failures are logged as one warning per call, which shows the first failed sample: its
     prompt, completion and what the reward returned or raised (`FailedSample`).
     """
-    scores, failures, _ = _checked_rewards(fn, prompts, completions, **fields)
+    scores, failures, _ = _checked_rewards(fn, prompts, completions, fields)
     return scores, failures
 
 
@@ -371,12 +380,43 @@ def _wait_for_all(barrier, timeout_s: float) -> None:
         pass
 
 
-def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None]:
-    """`safe_rewards` for (reward name or function, prompts, completions, fields), with its
-    first failed sample: what a scoring thread or worker process runs (a worker imports
-    only this module, no JAX, and resolves a reward's name itself, module:function too)."""
-    reward, prompts, completions, fields = job
-    return _checked_rewards(get_reward(reward) if isinstance(reward, str) else reward, prompts, completions, **fields)
+def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float]:
+    """`safe_rewards` for (reward name or function, prompts, completions, fields, warn),
+    with its first failed sample and the seconds the reward took: what a scoring thread or
+    worker process runs (a worker imports only this module, no JAX, and resolves a reward's
+    name itself, module:function too)."""
+    reward, prompts, completions, fields, warn = job
+    fn = get_reward(reward) if isinstance(reward, str) else reward
+    t0 = time.perf_counter()
+    scores, failures, first = _checked_rewards(fn, prompts, completions, fields, warn)
+    return scores, failures, first, time.perf_counter() - t0
+
+
+class _ScoringThread:
+    """One daemon thread scoring jobs in order in this process: submitting never blocks
+    the caller (the engine's host loop), and a reward that hangs past a deadline is left
+    behind with its thread (a daemon: it keeps no process alive)."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="reward", daemon=True).start()
+
+    def submit(self, job) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._jobs.put((future, job))
+        return future
+
+    def _serve(self):
+        while (item := self._jobs.get()) is not None:
+            future, job = item
+            if future.set_running_or_notify_cancel():  # cancelled: its batch passed its deadline
+                try:
+                    future.set_result(_score_job(job))
+                except BaseException as error:  # noqa: BLE001 - the waiting side reports it
+                    future.set_exception(error)
+
+    def close(self):
+        self._jobs.put(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +427,7 @@ class Scores:
     failures: int  # samples scored 0: their reward raised, was not finite, or not in time
     timed_out: int  # of those, the samples whose scoring passed the batch's deadline
     failed_sample: FailedSample | None = None  # the first whose reward raised or was not finite, to show
+    scoring_s: float = 0.0  # seconds the reward ran, summed over its calls (workers run them side by side)
 
 
 class Scorer:
@@ -401,6 +442,10 @@ class Scorer:
     (Python cannot stop a thread), which is enough for a reward that waits (on I/O, a
     lock, a sleep); a reward that can hang while it computes belongs in workers.
 
+    `begin` scores a batch sample by sample instead, as its samples come (`Scoring`): the
+    RL loop hands each sample over as it finishes decoding, so the reward runs while the
+    rest decode.
+
     reward: a name `get_reward` resolves (of `REWARDS`, or module.path:function), or a
     reward function (with workers: a module-level one, as it is pickled by reference).
     """
@@ -414,28 +459,38 @@ class Scorer:
             raise ValueError(f"reward_timeout_s={timeout_s} must be >= 0 (0: no deadline).")
         self.reward, self.workers, self.timeout_s = reward, workers, timeout_s
         self._pool = self._start_pool() if workers else None  # replaced after a deadline passes
+        self._thread: _ScoringThread | None = None  # Scoring's, with workers=0; started at the first
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], fields: dict) -> Scores:
         """Scores [B] for B samples; `fields` are per-sample sequences of length B."""
         deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
         parts = np.array_split(np.arange(len(completions)), max(self.workers, 1))
         jobs = [(self.reward, [prompts[i] for i in part], [completions[i] for i in part],
-                 {k: [v[i] for i in part] for k, v in fields.items()}) for part in parts if len(part)]
+                 {k: [v[i] for i in part] for k, v in fields.items()}, True) for part in parts if len(part)]
         results = self._in_workers(jobs, deadline) if self.workers else [self._inline(job, deadline) for job in jobs]
-        scores, failures, timed_out, failed_sample = [np.zeros((0,), np.float32)], 0, 0, None
-        for job, result in zip(jobs, results):
+        return self._gather([len(job[2]) for job in jobs], results, len(completions))
+
+    def begin(self) -> Scoring:
+        """A batch to score sample by sample as its samples come (see `Scoring`)."""
+        return Scoring(self)
+
+    def _gather(self, sizes: list[int], results: list, batch: int) -> Scores:
+        """The Scores of consecutive parts of `sizes` samples each, from their results
+        (`_score_job`'s, or None for a part not scored by the deadline)."""
+        scores, failures, timed_out, failed_sample, seconds = [np.zeros((0,), np.float32)], 0, 0, None, 0.0
+        for n, result in zip(sizes, results, strict=True):
             if result is None:
-                n = len(job[2])
                 scores.append(np.zeros((n,), np.float32))
                 failures, timed_out = failures + n, timed_out + n
             else:
                 scores.append(result[0])
                 failures += result[1]
                 failed_sample = failed_sample or result[2]
+                seconds += result[3]
         if timed_out:
             logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
-                           getattr(self.reward, "__name__", self.reward), timed_out, len(completions), self.timeout_s)
-        return Scores(np.concatenate(scores), failures, timed_out, failed_sample)
+                           getattr(self.reward, "__name__", self.reward), timed_out, batch, self.timeout_s)
+        return Scores(np.concatenate(scores), failures, timed_out, failed_sample, seconds)
 
     @staticmethod
     def _inline(job, deadline: float | None):
@@ -455,6 +510,11 @@ class Scorer:
         _wait_for_all(ready, _START_TIMEOUT_S)
         return pool
 
+    def _restart_pool(self) -> None:
+        self._pool.terminate()  # the hung workers with it
+        self._pool.join()
+        self._pool = self._start_pool()
+
     def _in_workers(self, jobs, deadline: float | None):
         pending = [self._pool.apply_async(_score_job, (job,)) for job in jobs]
         results = []
@@ -464,13 +524,87 @@ class Scorer:
             except multiprocessing.TimeoutError:
                 results.append(None)
         if any(r is None for r in results):
-            self._pool.terminate()  # the hung workers with it
-            self._pool.join()
-            self._pool = self._start_pool()
+            self._restart_pool()
         return results
+
+    def _submit(self, job) -> concurrent.futures.Future:
+        """Starts scoring `job` in a worker or on the scoring thread; its future result."""
+        if not self.workers:
+            if self._thread is None:
+                self._thread = _ScoringThread()
+            return self._thread.submit(job)
+        future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        self._pool.apply_async(_score_job, (job,), callback=future.set_result, error_callback=future.set_exception)
+        return future
+
+    def _abandon(self, pending: Sequence[concurrent.futures.Future]) -> None:
+        """After a deadline passed with `pending` unfinished: the next batch gets fresh
+        workers, or a fresh scoring thread (the old one finishes its current sample, if
+        ever, and skips the rest)."""
+        if self.workers:
+            self._restart_pool()
+        else:
+            for future in pending:
+                future.cancel()
+            self._thread.close()
+            self._thread = None
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool.join()
             self._pool = None
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+
+class Scoring:
+    """One batch scored sample by sample as its samples come (`Scorer.begin`).
+
+    `submit` hands one sample to a worker process (reward_workers > 0) or to a scoring
+    thread of this process and returns at once: the engine calls it between device chunks,
+    which a reward run inline there would hold up. `result` waits for every sample and
+    gives the batch's `Scores`, equal to `Scorer.__call__` on the whole batch, bit for bit,
+    for a reward whose score of a sample depends on that sample alone (every reward of
+    `REWARDS`): each sample is scored as the batch fallback of `safe_rewards` scores it,
+    and failures warn once for the batch. The Scorer's deadline counts from `result`: it
+    bounds the wait after the last sample was handed over. Submitting from several
+    threads (the engine's rollout groups) is safe.
+    """
+
+    def __init__(self, scorer: Scorer):
+        self._scorer = scorer
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._futures
+
+    def submit(self, index: int, prompt: str, completion: str, fields: dict) -> None:
+        """Starts scoring sample `index` of the batch; `fields`: this sample's value of each."""
+        with self._lock:
+            if index in self._futures:
+                raise ValueError(f"Sample {index} was submitted twice; each sample is scored once.")
+            job = (self._scorer.reward, [prompt], [completion], {k: [v] for k, v in fields.items()}, False)
+            self._futures[index] = self._scorer._submit(job)
+
+    def result(self, batch: int) -> Scores:
+        """The Scores [batch] of samples 0..batch-1, every one of them submitted."""
+        missing = sorted(set(range(batch)) - set(self._futures))
+        extra = sorted(set(self._futures) - set(range(batch)))
+        if missing or extra:
+            raise ValueError(f"A batch of {batch} samples, but samples {missing[:8]} were never submitted and "
+                             f"{extra[:8]} are not of it.")
+        futures = [self._futures[i] for i in range(batch)]
+        timeout = self._scorer.timeout_s if self._scorer.timeout_s > 0 else None
+        _, pending = concurrent.futures.wait(futures, timeout)
+        results = [None if f in pending else f.result() for f in futures]
+        if pending:
+            self._scorer._abandon(list(pending))
+        scores = self._scorer._gather([1] * batch, results, batch)
+        failed = [i for i, r in enumerate(results) if r is not None and r[1]]
+        if failed:
+            _warn_failures(self._scorer.reward, len(failed), batch, scores.failed_sample)
+        return scores

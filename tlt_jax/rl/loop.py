@@ -49,7 +49,12 @@ class RLStepConfig:
     advantage: str = "grpo"
     reward: str = "task"
     reward_workers: int = 0  # > 0: score in a process pool (slow reward functions)
-    reward_timeout_s: float = 600.0  # a batch not scored by then scores 0, counted (0: no deadline)
+    # A batch not scored by then (with overlap: after the rollout) scores 0, counted (0: no deadline).
+    reward_timeout_s: float = 600.0
+    # Score each sample as it finishes, while the rest decode (`rewards.Scoring`): the same
+    # rewards as scoring the batch after the rollout, for a reward that scores each sample
+    # on its own (every registered one); False for a reward that reads the whole batch.
+    reward_overlap: bool = True
     max_consecutive_skips: int = 3
 
 
@@ -191,17 +196,40 @@ class RLLoop:
             if on_group_done is not None:
                 on_group_done(g)
 
+        scoring = self._scorer.begin() if cfg.reward_overlap else None
+        example_fields = tasks.reward_fields(examples)  # per prompt; sample i is of prompt i // G
+        completions_by_sample: dict[int, str] = {}
+
+        def sample_done(i, tokens):
+            p, completion = i // cfg.num_samples, evaluation.decode_completions(self.tokenizer, [tokens],
+                                                                                 self.end_token_ids)[0]
+            completions_by_sample[i] = completion
+            scoring.submit(i, examples[p].prompt, completion, {k: v[p] for k, v in example_fields.items()})
+
         rollouts = self.engine.generate(prompt_ids, cfg.num_samples, self.sampling_params, key,
-                                        on_group_done=group_done, speculation=speculation)
+                                        on_group_done=group_done, speculation=speculation,
+                                        on_sample_done=sample_done if scoring is not None else None)
         if tlt is not None:
             tlt.after_rollout()
         t_rollout = time.perf_counter()
 
         with self.gap("reward"):
             chosen = [examples[i] for i in rollouts.prompt_index]
-            completions = evaluation.decode_completions(self.tokenizer, rollouts.tokens, self.end_token_ids)
+            # What the engine did not hand over (without overlap: every sample; with several
+            # processes: the other processes' groups') is decoded and scored now.
+            late = [i for i in range(len(rollouts)) if i not in completions_by_sample]
+            completions_by_sample.update(zip(late, evaluation.decode_completions(
+                self.tokenizer, [rollouts.tokens[i] for i in late], self.end_token_ids)))
+            completions = [completions_by_sample[i] for i in range(len(rollouts))]
             prompts, fields = [e.prompt for e in chosen], tasks.reward_fields(chosen)
-            scored = self._scorer(prompts, completions, fields)
+            t_wait = time.perf_counter()
+            if scoring is None:
+                scored = self._scorer(prompts, completions, fields)
+            else:
+                for i in late:
+                    scoring.submit(i, prompts[i], completions[i], {k: v[i] for k, v in fields.items()})
+                scored = scoring.result(len(rollouts))
+            t_scored = time.perf_counter()
             # Process 0's scores everywhere: a reward that times out, or draws, on one process only
             # must not split the learner's batch between processes.
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
@@ -263,6 +291,9 @@ class RLLoop:
             "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
             "skipped_updates": skipped, "reward_failures": failures, "reward_timeouts": scored.timed_out,
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
+            # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
+            # most of them hidden in the rollout with reward_overlap.
+            "time_reward_wait_s": t_scored - t_wait, "reward_scoring_s": scored.scoring_s,
             "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_logp - t_batch,
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
             "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,

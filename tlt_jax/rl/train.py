@@ -234,7 +234,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
                             advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
-                            reward_timeout_s=config.reward_timeout_s,
+                            reward_timeout_s=config.reward_timeout_s, reward_overlap=config.reward_overlap,
                             max_consecutive_skips=config.max_consecutive_skips)
     tlt = None
     if tlt_on:
