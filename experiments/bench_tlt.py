@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from configs import rl as rl_configs
+from experiments import slow_reward
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
@@ -89,6 +90,11 @@ _SINGLE_MODE = flags.DEFINE_string("single_mode", "", "Run this one mode in this
                                    "--out (what each run of --repeats is).")
 _PRINT_COMMANDS = flags.DEFINE_bool("print_commands", False, "Print the runs' command lines and environment; run "
                                     "nothing.")
+_SLOW_REWARD_MS = flags.DEFINE_float("slow_reward_ms", 0.0, "A slow verifier: the task reward after sleeping this "
+                                      "many milliseconds per sample (experiments/slow_reward.py); 0: the task reward.")
+_REWARD_OVERLAP = flags.DEFINE_bool("reward_overlap", True, "Score each sample as it finishes, while the rest "
+                                    "decode (reward_overlap); False: the batch after the rollout.")
+_REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 0, "Reward worker processes (0: a scoring thread).")
 MODES = ("baseline", "tlt", "frozen", "ngram")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
@@ -174,6 +180,9 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.rollout.max_prompt_length = preset["max_prompt_length"]
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
     c.track_kl = False  # kl_coef is 0: no reference forward, in either mode
+    if _SLOW_REWARD_MS.value:
+        c.reward = slow_reward.name(c.reward, _SLOW_REWARD_MS.value)
+    c.reward_overlap, c.reward_workers = _REWARD_OVERLAP.value, _REWARD_WORKERS.value
     c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
     c.tlt.enabled = mode != "baseline"
     c.tlt.drafter.init = drafter_dir
@@ -212,6 +221,8 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 preemption_delay_max_s=[r.get("spot/preemption_delay_max_s", 0.0) for r in steps],
                 response_length_mean=[r["response_length_mean"] for r in steps],
                 reward_mean=[r["reward_mean"] for r in steps],
+                # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
+                reward_scoring_s=statistics.median(r.get("reward_scoring_s", 0.0) for r in steady),
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady))
 
 
@@ -220,6 +231,9 @@ def main(argv):
     for mode in [*_MODES.value, *([_SINGLE_MODE.value] if _SINGLE_MODE.value else [])]:
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: the modes are {', '.join(MODES)}.")
+    if not _SLOW_REWARD_MS.value >= 0:
+        raise ValueError(f"--slow_reward_ms={_SLOW_REWARD_MS.value} must be >= 0 (milliseconds per sample; 0: the "
+                         "task reward as it is).")
     if _REPEATS.value < 0:
         raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
     if bool(_TARGET.value) != bool(_DRAFTER.value):
@@ -249,7 +263,7 @@ def run_in_process(modes: list[str]) -> dict:
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
-                  build_s=time.perf_counter() - t0, modes={})
+                  build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, _SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
@@ -294,6 +308,7 @@ def print_in_process(result: dict) -> None:
           f"{result['seed']}, {result['steps']} steps per mode, one process; "
           f"{_timed_steps(preset, result['steps'])}")
     _print_table([(f"{mode:9}", m) for mode, m in modes.items()], f"{'mode':9}")
+    _print_rewards(result, [(mode, m) for mode, m in modes.items()])
     if "rollout_speedup_in_process" in result:
         print(f"in one process, {' then '.join(modes)}: rollout speed-up {result['rollout_speedup_in_process']:.2f}x, "
               f"step speed-up {result['step_speedup_in_process']:.2f}x (medians of the per-step ratios; the second "
@@ -316,6 +331,20 @@ def _print_table(rows: list[tuple[str, dict]], head: str) -> None:
         acc = [a for a in m.get("acceptance_length", []) if a > 0]
         print(label + "".join(f"{m['median'][k]:12.3f}" for k in _TIMES) + f"{m.get('compile_s', 0.0):9.1f}"
               f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m.get('final_eval_accuracy') or 0.0:9.3f}")
+
+
+def _reward_settings() -> dict:
+    return dict(slow_reward_ms=_SLOW_REWARD_MS.value, reward_overlap=_REWARD_OVERLAP.value,
+                reward_workers=_REWARD_WORKERS.value)
+
+
+def _print_rewards(result: dict, rows: list[tuple[str, dict]]) -> None:
+    """Per (label, mode summary): the reward's seconds after the rollout (the table's
+    `reward`) beside the seconds it ran in all, medians per step."""
+    print(f"rewards (slow_reward_ms={result.get('slow_reward_ms', 0.0):g}, reward_overlap="
+          f"{result.get('reward_overlap', True)}, reward_workers={result.get('reward_workers', 0)}): "
+          + "; ".join(f"{label} {m['median']['time_reward_s']:.3f} s after the rollout of "
+                      f"{m.get('reward_scoring_s', 0.0):.3f} s scoring" for label, m in rows))
 
 
 def _warn_compiles(counts: dict) -> None:
@@ -406,7 +435,7 @@ def run_repeats(launch_child=spawn) -> int:
     _target(preset)
     result = dict(preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
                   tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
-                  child_environment=env_note, build_s=time.perf_counter() - t0, runs=[])
+                  child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
     failed = []
     t_start = time.perf_counter()
     for run in order:
@@ -512,6 +541,8 @@ def print_repeats(result: dict) -> None:
              r["result"]["modes"][r["mode"]] if "result" in r else f"   failed (exit status {r['rc']})")
             for r in result["runs"]]
     _print_table(rows, f"{'run':>3}{'pair':>5}  {'mode':9}")
+    _print_rewards(result, [(f"run {r['run']} ({r['mode']})", r["result"]["modes"][r["mode"]])
+                            for r in result["runs"] if "result" in r])
     for p in result.get("pairs", []):
         if "missing" in p:
             print(f"pair {p['pair']}: no ratio ({p['missing']})")
