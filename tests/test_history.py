@@ -1,13 +1,25 @@
 """History drafts: the per-prompt store (layout, eviction by step, the memory bound,
-repeats kept once) and the n-gram matcher searching it (after the row and its siblings,
-never across a separator, a tree from several matches, agreement with the reference)."""
+repeats kept once), the n-gram matcher searching it (after the row and its siblings,
+never across a separator, a tree from several matches, agreement with the reference),
+the engine's history arm (greedy answers unchanged, drafts from the store, the store
+filled by each generate, compiled by warm_up) and its bad input. Its losslessness at
+temperature 1 is `test_speculative`'s exact-distribution case history-d4-b2."""
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.test_ngram import _check_tree, _paths, _reference
+from tests.test_speculative import PROMPTS, _engine, _Recording
+from tlt_jax import sampling
+from tlt_jax.models import transformer as tfm
+from tlt_jax.rollout import speculative as spec_lib
+from tlt_jax.rollout import tuner as tuner_lib
 from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.ngram import NgramConfig, propose
+from tlt_jax.rollout.timeline import SpecChunk
 
 
 def _propose(rows, group, history_rows, config, width=None):
@@ -170,3 +182,79 @@ def test_matches_reference_with_history(config):
             assert tokens[b, 0] == root and (tokens[b] >= 0).all()
             assert _paths(tokens[b], parents[b]) == {t[:j] for t in taken for j in range(1, len(t) + 1)}, (
                 b, context, lengths, group, history)
+
+
+# -- the engine's history arm
+
+
+@dataclasses.dataclass
+class _WithHistory(_Recording):
+    history: HistoryStore | None = None
+
+
+def _chunk_compiles(engine):
+    return sum(f._cache_size() for k, f in engine.groups[0]._compiled.items() if k[0][0] == "chunk")
+
+
+def test_engine_drafts_from_the_store_and_fills_it():
+    """Greedy answers are plain decode's with the history arm; a generate fills the store
+    (the two identical greedy samples of a prompt kept once) and the next one drafts
+    whole answers from it; warm_up compiled the history layout's chunks."""
+    from tests.test_speculative import CFG
+
+    params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
+    key = jax.random.PRNGKey(3)
+    plain = _engine(params).generate(PROMPTS, 2, sp, key)
+    store = HistoryStore(max_tokens=64, keep_steps=2)
+    policy = _WithHistory(spec_lib.Strategy("history", depth=4, topk=2), history=store)
+    engine = _engine(params)
+    engine.warm_up(sp, policy)
+    compiled = _chunk_compiles(engine)
+    acceptance = []
+    for _ in range(2):
+        out = engine.generate(PROMPTS, 2, sp, key, speculation=policy)
+        for a, b in zip(plain.tokens, out.tokens):
+            np.testing.assert_array_equal(a, b)
+        assert plain.finish_reason == out.finish_reason
+        assert all(isinstance(c, SpecChunk) for c in out.timeline.groups[0].chunks)
+        acceptance.append(out.timeline.summary()["acceptance_length"])
+        assert [store.num_completions(p) for p in PROMPTS] == [1] * len(PROMPTS)
+    assert _chunk_compiles(engine) == compiled
+    # Lockstep siblings lend nothing ahead of a sample; its prompt's earlier answer does
+    # (measured: 1.40, then 3.93; runs of one token in these answers leave some steps to
+    # the row's own latest match, whose continuation the row's end cuts short).
+    assert acceptance[0] < 2 < 3.5 < acceptance[1], acceptance
+    np.testing.assert_array_equal(store.row(PROMPTS[1])[:2 + len(plain.tokens[2])],
+                                  np.concatenate([PROMPTS[1][-2:], plain.tokens[2]]))
+
+
+def test_bad_history_arms_name_the_field():
+    from tests.test_speculative import CFG
+
+    params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+    engine = _engine(params)  # max_draft_depth 4
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=4)
+    deep = spec_lib.FixedSpeculation(spec_lib.Strategy("history", depth=6, topk=3), history=HistoryStore())
+    with pytest.raises(ValueError, match=r"history-d6-b3 drafts 6 deep .*max_draft_depth=4"):
+        engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(0), speculation=deep)
+    with pytest.raises(ValueError, match=r"history-d6-b3 drafts 6 deep .*max_draft_depth=4"):
+        engine.warm_up(sp, deep)
+    no_store = spec_lib.FixedSpeculation(spec_lib.Strategy("history", depth=3, topk=2))
+    with pytest.raises(ValueError, match=r"history-d3-b2 .*`history` must be a history.HistoryStore"):
+        engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(0), speculation=no_store)
+
+
+def test_tuner_makes_the_store_for_history_arms():
+    cfg = dict(buckets=[1, 5], arms=[["history-d6-b3", "ngram-d4-b2", "plain"], ["history-d3-b1", "plain"]])
+    tuner = tuner_lib.from_config(dict(cfg, history=dict(max_tokens=128, keep_steps=3)))
+    assert isinstance(tuner.history, HistoryStore) and (tuner.history.max_tokens, tuner.history.keep_steps) == (128, 3)
+    assert tuner.strategy_for(1) == spec_lib.Strategy("history", depth=6, topk=3)  # untried arms first
+    assert tuner_lib.from_config(cfg).history.max_tokens == HistoryStore().max_tokens
+    assert tuner_lib.from_config(dict(buckets=[1], arms=[["ngram-d4-b2"]])).history is None
+    with pytest.raises(ValueError, match=r"tlt\.tuner\.history\.max_tokens=2 must be at least"):
+        tuner_lib.from_config(dict(cfg, history=dict(max_tokens=2)))
+    with pytest.raises(ValueError, match=r"tlt\.tuner\.history has unknown keys \['steps'\]"):
+        tuner_lib.from_config(dict(cfg, history=dict(steps=2)))
+    with pytest.raises(ValueError, match=r"tlt\.tuner\.arms\[0\].*history-d6-b3"):
+        tuner_lib.from_config(dict(buckets=[1], arms=[["history-d6-k3"]]))

@@ -55,6 +55,8 @@ class TLT:
 
     def begin(self, rl_step: int, num_groups: int) -> None:
         self._num_groups, self._groups_done = num_groups, []
+        if self.tuner.history is not None:  # the history arms' store evicts by RL step
+            self.tuner.history.begin_step(rl_step)
         if self.spot is not None:
             self.spot.begin_rl_step(rl_step)
 

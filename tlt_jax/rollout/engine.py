@@ -27,7 +27,10 @@ steps: up to steps_per_sync of them in the same device loop, or, with `time_spec
 one step as two device calls timed apart. Every steady-state chunk, plain or
 speculative, is reported back to the policy (tokens committed, seconds), so plain
 decode competes with the strategies on measured throughput. The slots then also carry their token
-context (for the n-gram drafter) and, with an EAGLE drafter, its state.
+context (for the n-gram drafter) and, with an EAGLE drafter, its state. A policy with history
+strategies carries a `history.HistoryStore`: each slot then also holds its prompt's row of
+earlier completions (one static width, the store's max_tokens), written at refill, and
+every finished generate adds its completions to the store.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, end_token_ids
 from tlt_jax.rollout import speculative as spec_lib
+from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
 FINISH_REASONS = ("", "eos", "stop", "max_tokens", "cache_full")
@@ -129,6 +133,7 @@ class SpecSlots:
     context: jax.Array  # [B, C] the prompt then every generated token, the last sampled included
     group: jax.Array  # [B] prompt index: the samples of one prompt share n-gram matches
     drafter: spec_lib.DrafterState | None
+    history: jax.Array | None = None  # [B, H] the prompt's earlier completions, -1 separated (history drafts)
 
 
 @jax.tree_util.register_dataclass
@@ -193,6 +198,8 @@ class _Group:
             self.drafter_shardings = None
         self.spec_state_shardings = dataclasses.replace(self.state_shardings,
                                                         spec=SpecSlots(rows2, row, drafter))
+        self.history_state_shardings = dataclasses.replace(self.state_shardings,
+                                                           spec=SpecSlots(rows2, row, drafter, rows2))
         self.params = self.drafter_params = None
         self._compiled: dict = {}
         self._has_run: set = set()  # (step, strategy, sampling) whose first call, with its compile, is past
@@ -207,10 +214,19 @@ class _Group:
                                                        donate_argnums=donate_argnums)
         return self._compiled[key]
 
-    def _shardings(self, speculative: bool) -> SlotState:
+    def _shardings(self, speculative: bool, history: bool = False) -> SlotState:
+        if history:
+            return self.history_state_shardings
         return self.spec_state_shardings if speculative else self.state_shardings
 
-    def empty_state(self, sp: sampling.SamplingParams, speculative: bool = False) -> SlotState:
+    @staticmethod
+    def _layout(state) -> tuple[bool, bool]:
+        """(speculative, with history rows): what the state carries besides the plain slots."""
+        return state.spec is not None, state.spec is not None and state.spec.history is not None
+
+    def empty_state(self, sp: sampling.SamplingParams, speculative: bool = False,
+                    history_width: int = 0) -> SlotState:
+        """history_width > 0 (speculative only): each slot holds a history row that wide."""
         engine = self.engine
         rc, cfg = engine.rollout_config, engine.model_config
         b, m = rc.num_slots, sp.max_tokens
@@ -222,14 +238,15 @@ class _Group:
                 drafter = None
                 if engine.drafter is not None:
                     drafter = engine.drafter.init_state(b, rc.max_length, rc.max_draft_depth + 1)
-                spec = SpecSlots(jnp.zeros((b, _context_length(rc)), jnp.int32), zeros - 1, drafter)
+                history = jnp.full((b, history_width), -1, jnp.int32) if history_width else None
+                spec = SpecSlots(jnp.zeros((b, _context_length(rc)), jnp.int32), zeros - 1, drafter, history)
             return SlotState(tfm.init_cache(cfg, b, rc.max_length), zeros, zeros - 1, zeros, zeros,
                              jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32),
                              spec)
 
-        key = ("empty", m, speculative)
+        key = ("empty", m, speculative, history_width)
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative))
+            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0))
         return self._compiled[key]()
 
     def _target_layer_ids(self, state):
@@ -238,13 +255,15 @@ class _Group:
 
     # -- device steps ----------------------------------------------------------------------
 
-    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp):
-        """Prefills R requests into the given slots (slot index B: a padding row, dropped)."""
+    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None):
+        """Prefills R requests into the given slots (slot index B: a padding row, dropped);
+        history_RH: their history rows, when the state holds them."""
         engine = self.engine
         cfg, rc = engine.model_config, engine.rollout_config
         layer_ids = self._target_layer_ids(state)
 
-        def fn(params, drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp):
+        def fn(params, drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, history_RH,
+               sp):
             r, p = prompts_RP.shape
             small = tfm.init_cache(cfg, r, p, state.cache.k.dtype)
             positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
@@ -267,7 +286,8 @@ class _Group:
                     features = engine.drafter.features(drafter_params, h_RPD, layers[0] if layers else None)
                     drafter_state = engine.drafter.prefill_rows(drafter_params, params, drafter_state, slots_R,
                                                                 context_RP[:, 1:], features, lengths_R)
-                spec = SpecSlots(context, put(spec.group, groups_R), drafter_state)
+                history = None if spec.history is None else put(spec.history, history_RH)
+                spec = SpecSlots(context, put(spec.group, groups_R), drafter_state, history)
             return SlotState(cache, put(state.last_token, token_R), put(state.request, requests_R),
                              put(state.prompt_length, lengths_R), put(state.num_generated, jnp.ones_like(token_R)),
                              put(state.active, code_R == 0), put(state.finish, code_R),
@@ -275,12 +295,15 @@ class _Group:
                              state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"), spec)
 
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(state.spec is not None)
-        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 6
-        step = self._jit(("insert", state.spec is not None), fn, in_shardings, shardings, static_argnums=(9,),
+        layout = self._layout(state)
+        if layout[1] != (history_RH is not None):
+            raise ValueError("insert takes history rows exactly when the state holds them.")
+        shardings = self._shardings(*layout)
+        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 7
+        step = self._jit(("insert", layout), fn, in_shardings, shardings, static_argnums=(10,),
                          donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R,
-                    key, sp)
+                    key, history_RH, sp)
 
     def _advance(self, params, drafter_params, state, tokens_BE, logp_BE, count_B, features_BED, sp):
         """Commits up to E tokens per slot (count_B of them; 0 for inactive slots) to the
@@ -309,7 +332,8 @@ class _Group:
             if drafter_state is not None:
                 drafter_state = self.engine.drafter.append(drafter_params, params, drafter_state, tokens_BE,
                                                            features_BED, kept)
-            spec = SpecSlots(spec.context.at[rows, where].set(tokens_BE, mode="drop"), spec.group, drafter_state)
+            spec = dataclasses.replace(spec, context=spec.context.at[rows, where].set(tokens_BE, mode="drop"),
+                                       drafter=drafter_state)
         new = SlotState(state.cache, jnp.where(kept > 0, last, state.last_token), state.request,
                         state.prompt_length, state.num_generated + kept, state.active & ~finished, code,
                         state.out_tokens.at[rows, at].set(tokens_BE, mode="drop"),
@@ -341,11 +365,12 @@ class _Group:
         fewer than `floor` sequences are active (the speculation policy chooses anew for
         the smaller batch). Returns (state, steps run, active slots per step [n], tokens
         committed per step and slot [n, B])."""
-        step = self.chunk_step(strategy, state.spec is not None)
+        step = self.chunk_step(strategy, *self._layout(state))
         return step(self.params, self.drafter_params, state, key, refill_wanted, np.int32(floor), sp)
 
-    def chunk_step(self, strategy: spec_lib.Strategy | None, speculative: bool):
-        """The jitted device loop of `run_chunk`: (params, drafter_params, state, key,
+    def chunk_step(self, strategy: spec_lib.Strategy | None, speculative: bool, history: bool = False):
+        """The jitted device loop of `run_chunk` for a state of that layout (`_layout`):
+        (params, drafter_params, state, key,
         refill_wanted, floor, sp) -> (state, steps, active, kept), the state donated. Its
         arguments may be jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
         rc = self.engine.rollout_config
@@ -379,19 +404,20 @@ class _Group:
             return state, i, active, kept
 
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(speculative)
-        name = ("chunk", speculative, strategy)
+        shardings = self._shardings(speculative, history)
+        name = ("chunk", speculative, history, strategy)
         return self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep, rep),
                          (shardings, rep, rep, rep), static_argnums=(6,), donate_argnums=(2,))
 
     def _draft(self, params, drafter_params, state, key, strategy, sp):
         """Drafts a tree for every slot (traced): (state, DraftTree)."""
         engine = self.engine
-        if strategy.drafter == "ngram":
+        if strategy.drafter in ("ngram", "history"):
             spec = state.spec
             length = state.prompt_length + state.num_generated
             # Finished samples lend their text until their slot is refilled; their own drafts go unused.
-            tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.request >= 0, spec.group, -1), strategy)
+            tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.request >= 0, spec.group, -1), strategy,
+                                       spec.history if strategy.drafter == "history" else None)
         else:
             keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
                                                                               state.num_generated))
@@ -432,16 +458,19 @@ class _Group:
     def spec_draft(self, state, key, strategy: spec_lib.Strategy, sp):
         """The draft phase alone (timed apart from verification): (state, DraftTree)."""
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(True)
-        step = self._jit("draft", self._draft, (self.param_shardings, self.drafter_shardings, shardings, rep),
+        layout = self._layout(state)
+        shardings = self._shardings(*layout)
+        step = self._jit(("draft", layout), self._draft, (self.param_shardings, self.drafter_shardings, shardings, rep),
                          (shardings, rep), static_argnums=(4, 5), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, key, strategy, sp)
 
     def spec_verify(self, state, tree, key, sp):
         """The verify-and-commit phase alone: (state, tokens committed per slot)."""
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(True)
-        step = self._jit("verify", self._verify, (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
+        layout = self._layout(state)
+        shardings = self._shardings(*layout)
+        step = self._jit(("verify", layout), self._verify,
+                         (self.param_shardings, self.drafter_shardings, shardings, rep, rep),
                          (shardings, rep), static_argnums=(5,), donate_argnums=(2,))
         return step(self.params, self.drafter_params, state, tree, key, sp)
 
@@ -453,7 +482,8 @@ class _Group:
         on_sample_done(id, tokens) for each as it is harvested."""
         rc = self.engine.rollout_config
         b, p = rc.num_slots, rc.max_prompt_length
-        state = self.empty_state(sp, speculation is not None)
+        history = spec_lib.history_store(speculation)
+        state = self.empty_state(sp, speculation is not None, history.max_tokens if history is not None else 0)
         pending = collections.deque(requests)
         slot_request = [-1] * b
         num_active = 0
@@ -470,7 +500,10 @@ class _Group:
                 for i, (rid, prompt, seed_id) in enumerate(take):
                     prompts[i, :len(prompt)], lengths[i], slots[i], ids[i] = prompt, len(prompt), free[i], seed_id
                     slot_request[free[i]] = rid
-                state = self.insert(state, prompts, lengths, slots, ids, ids // num_samples, key, sp)
+                rows = None
+                if history is not None:
+                    rows = history.rows([prompt for _, prompt, _ in take] + [[]] * (r - len(take)))
+                state = self.insert(state, prompts, lengths, slots, ids, ids // num_samples, key, sp, rows)
                 num_active = int(jnp.sum(state.active))  # some finish at their first token
             if all(s < 0 for s in slot_request):
                 break
@@ -633,8 +666,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         rc, sp = self.rollout_config, sampling_params
         key = jax.random.PRNGKey(0)
+        history = spec_lib.history_store(speculation)
         for group in self.local_groups:
-            state = group.empty_state(sp, speculative=True)
+            state = group.empty_state(sp, speculative=True,
+                                      history_width=history.max_tokens if history is not None else 0)
             for strategy in (None, *speculation.strategies):
                 if strategy is not None and rc.time_spec_phases:
                     state, tree = group.spec_draft(state, key, strategy, sp)
@@ -669,6 +704,11 @@ class RolloutEngine:
             if strategy.drafter == "eagle" and self.drafter is None:
                 raise ValueError(f"Strategy {strategy.name} needs an EAGLE drafter; build the engine with "
                                  "drafter_config and drafter_params, or use an n-gram strategy.")
+            if strategy.drafter == "history" and not isinstance(getattr(speculation, "history", None),
+                                                                 HistoryStore):
+                raise ValueError(f"Strategy {strategy.name} searches the prompts' earlier rollouts: the speculation "
+                                 "policy's `history` must be a history.HistoryStore (tuner.from_config makes one "
+                                 "for history arms; FixedSpeculation(..., history=HistoryStore())).")
 
     def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, sampling_params: sampling.SamplingParams,
                  key: jax.Array, on_group_done: Callable[[int], None] | None = None,
@@ -726,6 +766,10 @@ class RolloutEngine:
                         f.result()
             if multihost.is_multiprocess():
                 self._exchange(results, timeline, policy)
+            history = spec_lib.history_store(speculation)
+            if history is not None:  # every process holds every result: the stores stay alike
+                for p, prompt in enumerate(prompts):
+                    history.add(prompt, [results[p * num_samples + s][0] for s in range(num_samples)])
         ids = sorted(results)
         return Rollouts(
             prompt_index=np.asarray([i // num_samples for i in ids], np.int32),
@@ -757,6 +801,7 @@ class _Recorded:
     def __init__(self, inner: spec_lib.Speculation):
         self.inner, self.heard = inner, []
         self.strategies = inner.strategies
+        self.history = getattr(inner, "history", None)
 
     def strategy_for(self, num_active):
         return self.inner.strategy_for(num_active)

@@ -23,19 +23,12 @@ tokens let the first tokens of an answer match across the prompt's end.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 from typing import Iterable, Sequence
 
 import numpy as np
 
 SEPARATOR = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    step: int
-    tokens: tuple[int, ...]  # lead tokens, then the completion (its kept head)
 
 
 class HistoryStore:
@@ -48,7 +41,7 @@ class HistoryStore:
     lead_tokens: prompt tokens kept before each completion.
     """
 
-    def __init__(self, max_tokens: int = 1024, keep_steps: int = 64, lead_tokens: int = 2):
+    def __init__(self, max_tokens: int = 1024, keep_steps: int = 64, lead_tokens: int = 3):
         if max_tokens < 2 + lead_tokens:
             raise ValueError(f"max_tokens={max_tokens} must be at least lead_tokens + 2 = {lead_tokens + 2} (a token "
                              "and its separator after the lead).")
@@ -57,7 +50,9 @@ class HistoryStore:
         self.max_tokens, self.keep_steps, self.lead_tokens = int(max_tokens), int(keep_steps), int(lead_tokens)
         self.step = 0
         self._lock = threading.Lock()
-        self._entries: dict[bytes, collections.deque[_Entry]] = {}  # oldest first
+        # Per prompt: kept tokens (lead, then the completion's head) -> the step recorded, oldest first.
+        self._entries: dict[bytes, collections.OrderedDict[tuple[int, ...], int]] = {}
+        self._sizes: dict[bytes, int] = {}  # tokens of each prompt's row, separators included
 
     @staticmethod
     def _key(prompt: Sequence[int]) -> bytes:
@@ -70,31 +65,38 @@ class HistoryStore:
             self.step = int(step)
             oldest = self.step - self.keep_steps + 1
             for key in list(self._entries):
-                kept = collections.deque(e for e in self._entries[key] if e.step >= oldest)
-                if kept:
-                    self._entries[key] = kept
-                else:
-                    del self._entries[key]
+                entries = self._entries[key]
+                for tokens in [t for t, s in entries.items() if s < oldest]:
+                    del entries[tokens]
+                    self._sizes[key] -= len(tokens) + 1
+                if not entries:
+                    del self._entries[key], self._sizes[key]
 
     def add(self, prompt: Sequence[int], completions: Iterable[Sequence[int]]) -> None:
         """Records completions of `prompt` at the current step (empty ones are skipped)."""
         lead = tuple(int(t) for t in prompt[len(prompt) - min(self.lead_tokens, len(prompt)):])
         room = self.max_tokens - len(lead) - 1
+        key = self._key(prompt)
         with self._lock:
-            entries = self._entries.setdefault(self._key(prompt), collections.deque())
+            entries = self._entries.setdefault(key, collections.OrderedDict())
+            size = self._sizes.get(key, 0)
             for completion in completions:
                 if len(completion) == 0:
                     continue
                 tokens = lead + tuple(int(t) for t in completion[:room])
-                if any(t < 0 for t in tokens):
+                if min(tokens) < 0:
                     raise ValueError(f"Token ids must be non-negative (-1 separates completions); got {tokens[:8]}.")
-                for e in [e for e in entries if e.tokens == tokens]:
-                    entries.remove(e)
-                entries.append(_Entry(self.step, tokens))
-            while sum(len(e.tokens) + 1 for e in entries) > self.max_tokens:
-                entries.popleft()
-            if not entries:
-                del self._entries[self._key(prompt)]
+                if tokens in entries:  # kept once, as the newest
+                    del entries[tokens]
+                    size -= len(tokens) + 1
+                entries[tokens] = self.step
+                size += len(tokens) + 1
+                while size > self.max_tokens:
+                    size -= len(entries.popitem(last=False)[0]) + 1
+            if entries:
+                self._sizes[key] = size
+            else:
+                del self._entries[key]
 
     def row(self, prompt: Sequence[int]) -> np.ndarray:
         """int32 [max_tokens]: the prompt's kept completions in the layout of the module
@@ -102,9 +104,9 @@ class HistoryStore:
         out = np.full((self.max_tokens,), SEPARATOR, np.int32)
         with self._lock:
             at = 0
-            for e in self._entries.get(self._key(prompt), ()):
-                out[at:at + len(e.tokens)] = e.tokens
-                at += len(e.tokens) + 1
+            for tokens in self._entries.get(self._key(prompt), ()):
+                out[at:at + len(tokens)] = tokens
+                at += len(tokens) + 1
         return out
 
     def rows(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -124,4 +126,4 @@ class HistoryStore:
     def num_tokens(self) -> int:
         """Tokens held, separators included (what the rows of every prompt fill)."""
         with self._lock:
-            return sum(len(e.tokens) + 1 for entries in self._entries.values() for e in entries)
+            return sum(self._sizes.values())

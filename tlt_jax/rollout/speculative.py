@@ -32,8 +32,9 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import ngram
+from tlt_jax.rollout.history import HistoryStore
 
-DRAFTERS = ("eagle", "ngram")
+DRAFTERS = ("eagle", "ngram", "history")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Strategy:
       nodes per level by their top-`topk` children, and verifies the best `num_nodes`
       nodes (root included).
     drafter "ngram": up to `topk` matched continuations of `depth` tokens, as a trie.
+    drafter "history": the same, searching also the prompt's earlier completions (after
+      the sequence's own text and its siblings'): the policy's `history` store.
     """
 
     drafter: str = "eagle"
@@ -72,18 +75,19 @@ class Strategy:
 
     @property
     def name(self) -> str:
-        if self.drafter == "ngram":
-            return f"ngram-d{self.depth}-b{self.topk}"
+        if self.drafter in ("ngram", "history"):
+            return f"{self.drafter}-d{self.depth}-b{self.topk}"
         return f"eagle-d{self.depth}" + (f"-k{self.topk}-t{self.num_nodes}" if self.is_eagle_tree else "")
 
     @classmethod
     def from_name(cls, name: str) -> "Strategy":
-        """The inverse of `name`: 'eagle-d4', 'eagle-d5-k3-t12' or 'ngram-d4-b2'."""
+        """The inverse of `name`: 'eagle-d4', 'eagle-d5-k3-t12', 'ngram-d4-b2' or 'history-d6-b3'."""
         kind, *parts = name.split("-")
-        letters = {"eagle": "dkt", "ngram": "db"}.get(kind, "")
+        letters = {"eagle": "dkt", "ngram": "db", "history": "db"}.get(kind, "")
         fields = {p[0]: int(p[1:]) for p in parts if p[:1] and p[0] in letters and p[1:].isdigit()}
         if not letters or "d" not in fields or len(fields) != len(parts):
-            raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12 or ngram-d4-b2.")
+            raise ValueError(f"Cannot read strategy {name!r}; write e.g. eagle-d4, eagle-d5-k3-t12, ngram-d4-b2 or "
+                             "history-d6-b3.")
         return cls(kind, depth=fields["d"], topk=fields.get("k", fields.get("b", 1)), num_nodes=fields.get("t", 0))
 
 
@@ -92,7 +96,8 @@ class Speculation(Protocol):
     it went: the tokens committed by a chunk (plain: strategy None) that started with
     num_active sequences, and its wall time (never a chunk whose step compiled in that
     call). The adaptive tuner (`tuner.BucketedEpsilonGreedy`) is one, `FixedSpeculation`
-    the simplest."""
+    the simplest. A policy with history strategies also has `history`, the
+    `history.HistoryStore` they search (and each generate adds its completions to)."""
 
     strategies: Sequence[Strategy]
 
@@ -113,6 +118,7 @@ class FixedSpeculation:
 
     strategy: Strategy
     max_active: int = 32
+    history: HistoryStore | None = dataclasses.field(default=None, compare=False)  # for a history strategy
 
     @property
     def strategies(self) -> tuple[Strategy, ...]:
@@ -309,9 +315,24 @@ class Drafter:
                          jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_node], 1), None)
 
 
-def ngram_tree(context_BS, context_length_B, group_B, strategy: Strategy) -> DraftTree:
-    config = ngram.NgramConfig(depth=strategy.depth, branches=strategy.topk)
-    tokens, parents = ngram.propose(context_BS, context_length_B, group_B, config)
+def history_store(speculation) -> HistoryStore | None:
+    """The store a policy's history strategies search; None without such a strategy."""
+    if speculation is None or not any(s.drafter == "history" for s in speculation.strategies):
+        return None
+    return speculation.history
+
+
+# The history strategies look up longer suffixes (the longest match wins, wherever it is):
+# an earlier answer the sequence follows matches it over many tokens, a chance repeat of a
+# few tokens in its own text over few.
+HISTORY_MAX_NGRAM = 6
+
+
+def ngram_tree(context_BS, context_length_B, group_B, strategy: Strategy, history_BH=None) -> DraftTree:
+    """The n-gram (or, with history_BH [B, H], history) strategy's draft trees."""
+    config = ngram.NgramConfig(max_ngram=HISTORY_MAX_NGRAM if history_BH is not None else 3, depth=strategy.depth,
+                               branches=strategy.topk)
+    tokens, parents = ngram.propose(context_BS, context_length_B, group_B, config, history_BH)
     return DraftTree(tokens, parents, None)
 
 

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.speculative import Strategy
 
 PLAIN = "plain"
@@ -91,12 +92,15 @@ class BucketedEpsilonGreedy:
     epsilon: probability of pulling a uniformly random arm once every arm was tried.
     window: pulls per arm (per bucket) the median reward is taken over.
     seed: of the numpy Generator behind exploration.
+    history: the store the history arms search (one is made, at its defaults, when an
+      arm is a history strategy and none is given); None without history arms. It is
+      not part of `state_dict` (a resumed run's history refills as it samples).
 
     Thread-safe: rollout groups call it from their own threads.
     """
 
     def __init__(self, buckets: Sequence[int], arms: Sequence[Sequence[Strategy | None]], *,
-                 epsilon: float = 0.1, window: int = 300, seed: int = 0):
+                 epsilon: float = 0.1, window: int = 300, seed: int = 0, history: HistoryStore | None = None):
         _check_layout(buckets, arms)
         if not 0 <= epsilon <= 1:
             raise ValueError(f"epsilon is the exploration probability and must be in [0, 1]; got {epsilon}.")
@@ -112,6 +116,8 @@ class BucketedEpsilonGreedy:
         self._rewards = [[collections.deque(maxlen=self.window) for _ in a] for a in self.arms]  # tokens/s
         self._pulls = [[0] * len(a) for a in self.arms]  # all pulls, not only those in the window
         self._ignored = 0
+        has_history = any(a.drafter == "history" for a in self.strategies)
+        self.history = (history or HistoryStore()) if has_history else None
 
     @property
     def strategies(self) -> tuple[Strategy, ...]:
@@ -207,13 +213,14 @@ class BucketedEpsilonGreedy:
 
 def from_config(cfg: Mapping[str, Any], prefix: str = "tlt.tuner") -> BucketedEpsilonGreedy:
     """Builds the tuner from a ConfigDict or mapping: `buckets` (ints), `arms` (lists of
-    arm names, 'plain' for plain decode), optional `epsilon`, `window`, `seed` and
-    `max_active` (default 32; None: no threshold). With `max_active`, active batches
-    above it decode plain, as in TLT: a last bucket from max_active + 1 whose only arm
-    is None is added unless the config already ends with exactly that bucket. Errors
-    name the field under `prefix`."""
+    arm names, 'plain' for plain decode), optional `epsilon`, `window`, `seed`,
+    `max_active` (default 32; None: no threshold) and `history` (the history arms' store:
+    `max_tokens` per prompt, `keep_steps`; `history.HistoryStore`'s defaults otherwise).
+    With `max_active`, active batches above it decode plain, as in TLT: a last bucket
+    from max_active + 1 whose only arm is None is added unless the config already ends
+    with exactly that bucket. Errors name the field under `prefix`."""
     fields = dict(cfg)
-    known = ("buckets", "arms", "epsilon", "window", "seed", "max_active")
+    known = ("buckets", "arms", "epsilon", "window", "seed", "max_active", "history")
     unknown = sorted(set(fields) - set(known))
     if unknown:
         raise ValueError(f"Unknown {prefix} keys {unknown}; known keys: {list(known)}.")
@@ -241,8 +248,16 @@ def from_config(cfg: Mapping[str, Any], prefix: str = "tlt.tuner") -> BucketedEp
             if not plain_bucket:
                 buckets.append(max_active + 1)
                 arms.append([None])
-        return BucketedEpsilonGreedy(buckets, arms, **{k: fields[k] for k in ("epsilon", "window", "seed")
-                                                       if k in fields})
+        history = dict(fields.get("history") or {})
+        unknown = sorted(set(history) - {"max_tokens", "keep_steps"})
+        if unknown:
+            raise ValueError(f"history has unknown keys {unknown}; known keys: ['max_tokens', 'keep_steps'].")
+        try:
+            store = HistoryStore(**history)
+        except ValueError as e:
+            raise ValueError(f"history.{e}") from e
+        options = {k: fields[k] for k in ("epsilon", "window", "seed") if k in fields}
+        return BucketedEpsilonGreedy(buckets, arms, history=store, **options)
 
 
 def default_arms_config() -> dict:
