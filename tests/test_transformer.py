@@ -200,3 +200,31 @@ def test_appended_identity_layers_keep_the_function_and_train(params):
     assert not np.allclose(tfm.forward(moved, deep_cfg, tokens), tfm.forward(params, CFG, tokens))
     with pytest.raises(ValueError, match="can only grow"):
         tfm.append_identity_layers(params, CFG, 1)
+
+
+def test_padded_mlp_keeps_the_function_and_its_dead_units_stay_dead(params):
+    """Wider MLPs with the same outputs (the CPU preset whose weights outgrow the cache):
+    every layer's output, the final hidden state the drafter reads and the logits, equal to
+    float rounding, in forward and in decode; the new units take no gradient."""
+    wide_cfg, wide = tfm.pad_mlp(params, CFG, 200)
+    assert wide_cfg.intermediate_size == 200 and wide["layers"]["w_down"].shape == (2, 200, CFG.hidden_size)
+    tokens = _tokens(2, 9)
+    h, layers = tfm.forward(params, CFG, tokens, layer_ids=(0, 1))
+    h_wide, layers_wide = tfm.forward(wide, wide_cfg, tokens, layer_ids=(0, 1))
+    np.testing.assert_allclose(h_wide, h, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(layers_wide, layers, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(tfm.logits_from_hidden(wide, wide_cfg, h_wide), tfm.logits_from_hidden(params, CFG, h),
+                               atol=1e-5, rtol=1e-6)
+    logits, _, _ = tfm.prefill(params, CFG, tfm.init_cache(CFG, 2, 12), tokens, jnp.full((2,), 9), return_logits=True)
+    logits_wide, _, _ = tfm.prefill(tfm.fuse_projections(tfm.unstack_layers(wide), wide_cfg), wide_cfg,
+                                    tfm.init_cache(wide_cfg, 2, 12), tokens, jnp.full((2,), 9), return_logits=True)
+    np.testing.assert_allclose(logits_wide, logits, atol=1e-5, rtol=1e-6)
+    grads = jax.grad(lambda p: jnp.sum(tfm.forward(p, wide_cfg, tokens) ** 2))(wide)["layers"]
+    for name, extra in (("w_gate", grads["w_gate"][..., 48:]), ("w_up", grads["w_up"][..., 48:]),
+                        ("w_down", grads["w_down"][:, 48:])):
+        assert not np.any(np.asarray(extra)), name
+    assert float(jnp.abs(grads["w_down"][:, :48]).max()) > 0
+    with pytest.raises(ValueError, match="can only grow"):
+        tfm.pad_mlp(params, CFG, 47)
+    with pytest.raises(ValueError, match="stacked, unfused"):
+        tfm.pad_mlp(tfm.unstack_layers(params), CFG, 200)

@@ -139,6 +139,27 @@ def append_identity_layers(params: Params, config: ModelConfig, num_layers: int)
     return config.replace(num_layers=num_layers), {**params, "layers": layers}
 
 
+def pad_mlp(params: Params, config: ModelConfig, intermediate_size: int) -> tuple[ModelConfig, Params]:
+    """The same function with every layer's MLP `intermediate_size` units wide: the new
+    units have zero gate, up and down weights, so they add exactly nothing to the residual
+    stream, take zero gradient and stay dead through training (the model learns as the
+    narrow one did). A stand-in for a model whose weights outgrow the CPU's caches, so a
+    decode step reads its weights from memory as on a GPU; every matmul still runs at the
+    full width. `params` in the stacked layout (a drafter's tree too, with its layer config)."""
+    old = config.intermediate_size
+    if intermediate_size < old:
+        raise ValueError(f"intermediate_size={intermediate_size} is below the model's {old}; it can only grow.")
+    layers = params["layers"]
+    if not isinstance(layers, dict) or "w_gate" not in layers:
+        raise ValueError("pad_mlp takes the stacked, unfused layout (layers.w_gate, w_up, w_down): pad before "
+                         "unstack_layers and fuse_projections.")
+    extra = intermediate_size - old
+    pad = {"w_gate": ((0, 0), (0, 0), (0, extra)), "w_up": ((0, 0), (0, 0), (0, extra)),
+           "w_down": ((0, 0), (0, extra), (0, 0))}
+    layers = {name: jnp.pad(x, pad[name]) if name in pad else x for name, x in layers.items()}
+    return config.replace(intermediate_size=intermediate_size), {**params, "layers": layers}
+
+
 def unstack_layers(params: Params) -> Params:
     """The same parameters with `layers` as a tuple of per-layer trees (decode's form).
 
