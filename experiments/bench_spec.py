@@ -13,19 +13,36 @@ both sides), the speed-up, the speed-up of the decode chunks alone, and the acce
 length (mean tokens committed per sequence per verify step, bonus included);
 `breakeven_batch` is, per strategy and temperature, the largest batch at which
 speculation still pays end to end: the input to the adaptive tuner.
+
+`--breakdown` adds where the seconds go (`tlt_jax/rollout/profile.py`): per chunk, the parts
+of a plain and a speculative chunk at each batch (sync, draft, verify, accept, bookkeeping;
+their sum beside the chunk's wall time), summed per timed rollout from its timeline (with the
+policy's host time and the host's time between chunks), and the ideal speed-up (acceptance
+length x plain forward / (draft + verify forwards)) beside the measured one: their ratio is
+the speculation efficiency. `--regime` times the target alone: a decode step against batch
+size, and a verify forward over k tokens against one decode step's forward.
+
+  python -m experiments.bench_spec --preset=cpu --breakdown --strategies=eagle-d4 --temperatures=1 \
+      --batches=1,2,4,8,32,64 --min_requests=256 --out=docs/results/bench_spec_cpu_breakdown.json
+  python -m experiments.bench_spec --regime --target=runs/bench_tlt_cache/target_l16_f4096 \
+      --drafter=runs/bench_tlt_cache/drafter_l16_f4096 --out=docs/results/bench_spec_regime_wide.json
 """
 import json
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 from absl import flags
+from jax import lax
 
 from configs import sft as sft_configs
 from tlt_jax import evaluation, launch, metrics, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
+from tlt_jax.models import transformer as tfm
 from tlt_jax.models.hf_io import load_hf
+from tlt_jax.rollout import profile
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
 from tlt_jax.tokenizer import load_tokenizer
@@ -42,6 +59,14 @@ _STRATEGIES = flags.DEFINE_list("strategies", ["eagle-d4", "eagle-d6", "eagle-d5
 _TEMPERATURES = flags.DEFINE_list("temperatures", None, "Override the preset's temperatures.")
 _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 0.0, "Start no new batch size after this many seconds (0: none); "
                                     "the JSON lists the batch sizes skipped.")
+_MIN_REQUESTS = flags.DEFINE_integer("min_requests", 0, "At least this many requests per configuration (more "
+                                     "waves at small batch sizes: a second or more of work per cell).")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also measure where the seconds go and the speculation "
+                                "efficiency (measured / ideal speed-up) of every row.")
+_REGIME = flags.DEFINE_bool("regime", False, "Time the target alone instead: decode step against batch size, and a "
+                            "verify forward over k tokens against one decode step's forward.")
+_REGIME_TOKENS = flags.DEFINE_list("regime_tokens", ["1", "2", "4", "5", "8"], "Tokens per sequence of the verify "
+                                   "forwards --regime times.")
 
 PRESETS = {
     "cpu": dict(batches=[1, 4, 8, 16, 32, 64], temperatures=[0.0, 1.0], max_tokens=96, samples_per_prompt=4, waves=4),
@@ -52,14 +77,100 @@ PRESETS = {
 
 def run_once(engine, prompts, g, sp, speculation, key):
     engine.generate(prompts, g, sp, key, speculation=speculation)  # compiles every shape it meets
+    timed = profile.TimedSpeculation(speculation) if speculation is not None else None
     t0 = time.perf_counter()
-    out = engine.generate(prompts, g, sp, key, speculation=speculation)
+    out = engine.generate(prompts, g, sp, key, speculation=timed)
     wall = time.perf_counter() - t0
     s = out.timeline.summary()
     decode_s = sum(c.end - c.start for g in out.timeline.groups for c in g.chunks)
     tokens = int(out.lengths.sum())
     return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, decode_tokens_per_s=tokens / decode_s,
-                acceptance_length=s["acceptance_length"])
+                acceptance_length=s["acceptance_length"], timeline=out.timeline.groups[0],
+                tuner_s=timed.seconds if timed is not None else 0.0)
+
+
+def breakdown_row(engine, prompts, sp, key, strategy, plain, spec, plain_chunk):
+    """The row's parts per chunk and per rollout, and its ideal speed-up and efficiency
+    (plain_chunk: the plain baseline's chunk breakdown, measured once per batch and T)."""
+    group = engine.local_groups[0]
+    spec_chunk = profile.chunk_breakdown(group, profile.filled_state(group, prompts, key, sp), key, strategy, sp)
+    rollouts = {
+        "plain": profile.rollout_breakdown(plain["timeline"], {"": plain_chunk.per_step},
+                                           {"": plain_chunk.parts["sync"]}),
+        "spec": profile.rollout_breakdown(spec["timeline"], {strategy.name: spec_chunk.per_step},
+                                          {strategy.name: spec_chunk.parts["sync"]}, spec["tuner_s"]),
+    }
+    ideal = profile.ideal_speedup(spec["acceptance_length"], plain_chunk.per_step["forward"],
+                                  spec_chunk.per_step["draft"], spec_chunk.per_step["verify"])
+    speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
+    decode_speedup = spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+    chunk = lambda c: dict(steps=c.steps, parts=c.parts, sum_s=c.sum_s, wall_s=c.wall_s, calls=c.reps)
+    return dict(plain_chunk=chunk(plain_chunk), spec_chunk=chunk(spec_chunk), rollout=rollouts, ideal_speedup=ideal,
+                efficiency=speedup / ideal, decode_efficiency=decode_speedup / ideal)
+
+
+def plain_chunk_breakdown(engine, prompts, sp, key):
+    group = engine.local_groups[0]
+    return profile.chunk_breakdown(group, profile.filled_state(group, prompts, key, sp, speculative=False), key, None,
+                                   sp)
+
+
+def forward_seconds(group, state, num_tokens: int, min_seconds: float = 1.0) -> float:
+    """Seconds per target forward over num_tokens tokens per sequence (a chain, as a verify
+    step runs them) on `state`'s cache: the fastest of repeated device loops of 16 forwards,
+    at least min_seconds of them."""
+    cfg, steps = group.engine.model_config, 16
+
+    def fn(params, cache, tokens_BT):
+        b, t = tokens_BT.shape
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+
+        def body(i, carry):
+            cache, acc = carry
+            logits, h, new = tfm.decode(params, cfg, cache, tokens_BT, positions, mask_BTW=mask, return_logits=True)
+            return tfm.KVCache(new.k, new.v, cache.lengths), acc + jnp.sum(logits) + jnp.sum(h)
+
+        return lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
+
+    program = jax.jit(fn, donate_argnums=(1,))
+    tokens = jnp.broadcast_to(state.last_token[:, None], (state.last_token.shape[0], num_tokens))
+
+    def call():
+        cache = jax.tree.map(jnp.copy, state.cache)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        jax.device_get(program(group.params, cache, tokens)[1])
+        return time.perf_counter() - t0
+
+    call()  # compiles
+    first = call()
+    times = [call() for _ in range(max(3, int(min_seconds / first)))]
+    return min(times) / steps
+
+
+def run_regime(model_cfg, params, prompts, batches, mesh):
+    """Decode step time against batch (the engine's plain chunk, per step) and the target's
+    forward over k tokens against its forward over one, at each batch."""
+    sp = sampling.SamplingParams(temperature=1.0, max_tokens=96)
+    key = jax.random.PRNGKey(0)
+    ks = [int(k) for k in _REGIME_TOKENS.value]
+    rows = []
+    for b in batches:
+        rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),
+                           max_length=max(map(len, prompts)) + sp.max_tokens + 1, steps_per_sync=16,
+                           eos_token_id=None)
+        engine = RolloutEngine(model_cfg, params, mesh, rc)
+        group = engine.local_groups[0]
+        state = profile.filled_state(group, prompts, key, sp, speculative=False)
+        chunk = profile.chunk_breakdown(group, state, key, None, sp)
+        forwards = {k: forward_seconds(group, state, k) for k in ks}
+        row = dict(batch=b, step_s=chunk.wall_s / chunk.steps, forward_s=chunk.per_step["forward"],
+                   forward_tokens_s={str(k): v for k, v in forwards.items()},
+                   forward_vs_one={str(k): forwards[k] / forwards[1] for k in ks})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def main(argv):
@@ -76,14 +187,25 @@ def main(argv):
                          "--config=configs/drafter.py:tiny` or pass --drafter.")
     drafter_cfg, drafter_params = load_drafter(_DRAFTER.value, model_cfg)
     examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()), "eval",
-                                preset["waves"] * max(batches), seed=2, unique=True)
+                                max(preset["waves"] * max(batches), _MIN_REQUESTS.value), seed=2, unique=True)
     all_prompts = evaluation.encode_prompts(tokenizer, examples)
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     g = preset["samples_per_prompt"]
     key = jax.random.PRNGKey(0)
     rows = []
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(), rows=rows)
+                  target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(),
+                  target_weight_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)), rows=rows)
+    if _REGIME.value:
+        result["regime"] = run_regime(model_cfg, params, all_prompts, batches, mesh)
+        _write(result)
+        print(f"\ntarget {model_cfg.num_params() / 1e6:.1f}M params, {result['target_weight_bytes'] / 1e6:.0f} MB")
+        print(f"{'batch':>5} {'step ms':>8} {'fwd ms':>7} "
+              + " ".join(f"{'fwd ' + k + '/1':>8}" for k in _REGIME_TOKENS.value))
+        for r in result["regime"]:
+            print(f"{r['batch']:5d} {r['step_s'] * 1e3:8.2f} {r['forward_s'] * 1e3:7.2f} "
+                  + " ".join(f"{v:8.2f}" for v in r["forward_vs_one"].values()))
+        return
     t_start = time.perf_counter()
     for i, b in enumerate(batches):
         if _TIME_BUDGET_S.value and time.perf_counter() - t_start > _TIME_BUDGET_S.value:
@@ -91,7 +213,7 @@ def main(argv):
             print(f"time budget spent: batches {batches[i:]} skipped", flush=True)
             break
         samples = min(g, b)
-        prompts = all_prompts[:preset["waves"] * b // samples]
+        prompts = all_prompts[:max(preset["waves"] * b, _MIN_REQUESTS.value) // samples]
         rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),
                            max_length=max(map(len, prompts)) + preset["max_tokens"] + 1, steps_per_sync=16,
                            eos_token_id=model_cfg.eos_token_id,
@@ -100,6 +222,7 @@ def main(argv):
         for temperature in temperatures:
             sp = sampling.SamplingParams(temperature=temperature, max_tokens=preset["max_tokens"])
             plain = run_once(engine, prompts, samples, sp, None, key)
+            plain_chunk = plain_chunk_breakdown(engine, all_prompts, sp, key) if _BREAKDOWN.value else None
             for strategy in strategies:
                 spec = run_once(engine, prompts, samples, sp, FixedSpeculation(strategy, max_active=b), key)
                 row = dict(batch=b, temperature=temperature, strategy=strategy.name, requests=len(prompts) * samples,
@@ -110,6 +233,8 @@ def main(argv):
                            decode_speedup=spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                            acceptance_length=spec["acceptance_length"], plain_tokens=plain["tokens"],
                            spec_tokens=spec["tokens"])
+                if _BREAKDOWN.value:
+                    row.update(breakdown_row(engine, all_prompts, sp, key, strategy, plain, spec, plain_chunk))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 _write(result)
@@ -126,6 +251,32 @@ def main(argv):
               f"{r['spec_tokens_per_s']:10.0f} {r['speedup']:5.2f} {r['decode_speedup']:8.2f} "
               f"{r['acceptance_length']:7.2f}")
     print("largest batch where speculation pays:", json.dumps(result["breakeven_batch"]))
+    if _BREAKDOWN.value:
+        print_breakdown(rows)
+
+
+def print_breakdown(rows):
+    print(f"\nper chunk, ms (spec: {', '.join(profile.SPEC_PARTS)}; plain: {', '.join(profile.PLAIN_PARTS)}); "
+          "sum / wall")
+    for r in rows:
+        sc, pc = r["spec_chunk"], r["plain_chunk"]
+        print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:16} spec {sc['steps']} steps: "
+              + " ".join(f"{v * 1e3:7.2f}" for v in sc["parts"].values())
+              + f" = {sc['sum_s'] * 1e3:7.2f} / {sc['wall_s'] * 1e3:7.2f}; plain {pc['steps']} steps: "
+              + " ".join(f"{v * 1e3:7.2f}" for v in pc["parts"].values())
+              + f" = {pc['sum_s'] * 1e3:7.2f} / {pc['wall_s'] * 1e3:7.2f}")
+    print("\nper rollout, s: parts summed / the timeline's wall")
+    for r in rows:
+        for kind, ro in r["rollout"].items():
+            print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:16} {kind:5} "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ro["parts"].items())
+                  + f" = {ro['sum_s']:.3f} / {ro['wall_s']:.3f} ({ro['chunks']} chunks)")
+    print(f"\n{'batch':>5} {'T':>3} {'strategy':16} {'acc len':>7} {'ideal x':>7} {'x':>5} {'eff':>5} "
+          f"{'decode x':>8} {'eff':>5}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:16} {r['acceptance_length']:7.2f} "
+              f"{r['ideal_speedup']:7.2f} {r['speedup']:5.2f} {r['efficiency']:5.2f} {r['decode_speedup']:8.2f} "
+              f"{r['decode_efficiency']:5.2f}")
 
 
 def _write(result):
