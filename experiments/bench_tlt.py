@@ -71,7 +71,8 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
-_PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "gpu"], "Run size (see PRESETS).")
+_PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "gpu"],
+                            "Run size (see PRESETS).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
@@ -117,6 +118,14 @@ PRESETS = {
     # threshold): the regime speculation is for, without the wide phase before it.
     "cpu_tail": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=96,
                      num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
+    # A regime like a GPU's: the shipped model deepened to 16 layers and every MLP (the
+    # drafter's too) padded from 384 to 4096 units that add nothing (`transformer.pad_mlp`):
+    # the trained function and the drafter's features, 26M parameters, 104 MB of float32
+    # weights, 3x this CPU's 32 MiB L3 cache, so a decode step at small batch is bound by
+    # reading the weights and a verify of a few tokens costs about one step. The tail
+    # preset's shape (every chunk is the tuner's), since a step costs 8x cpu_tail's.
+    "cpu_wide": dict(layers=16, mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=4, num_samples=8,
+                     max_tokens=96, num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
@@ -150,20 +159,26 @@ def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
     return sft_dir, drafter_dir
 
 
-def build_target(layers: int, cache_dir: str, warm_start: str = "assets") -> tuple[str, str]:
-    """(target HF dir, drafter export dir) of the preset, built once from its warm start."""
+def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_size: int = 0) -> tuple[str, str]:
+    """(target HF dir, drafter export dir) of the preset, built once from its warm start
+    (with mlp_size, every MLP of target and drafter padded to that many units)."""
     sft_dir, sft_drafter_dir = build_warm_start(warm_start, cache_dir)
-    suffix = "" if warm_start == "assets" else f"_{warm_start}"
+    suffix = ("" if warm_start == "assets" else f"_{warm_start}") + (f"_f{mlp_size}" if mlp_size else "")
     target_dir = os.path.join(cache_dir, f"target_l{layers}{suffix}")
     drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}{suffix}")
     if not os.path.exists(os.path.join(drafter_dir)):
         cfg, params = load_hf(sft_dir)
+        narrow = cfg
         cfg, params = tfm.append_identity_layers(jax.tree.map(jnp.asarray, params), cfg, layers)
+        if mlp_size:
+            cfg, params = tfm.pad_mlp(params, cfg, mlp_size)
         params = jax.device_get(params)
         save_hf(target_dir, cfg, params, tokenizer=load_tokenizer(sft_dir), overwrite=True)
-        # The drafter reads the final hidden state, which the appended layers leave as it
-        # was: re-exported for the deeper target.
+        # The drafter reads the final hidden state, which the appended layers (and units)
+        # leave as it was: re-exported for the deeper target, its layer's MLP as wide.
         dcfg, dparams = drafter_io.load_drafter(sft_drafter_dir)
+        if mlp_size:
+            dparams = tfm.pad_mlp(dparams, dcfg.layer_config(narrow), mlp_size)[1]
         drafter_io.save_drafter(drafter_dir, dparams, dcfg, cfg, fingerprint.fingerprint_arrays(params))
     return target_dir, drafter_dir
 
@@ -247,7 +262,7 @@ def main(argv):
 def _target(preset: dict) -> tuple[str, str]:
     if _TARGET.value:
         return _TARGET.value, _DRAFTER.value
-    return build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets"))
+    return build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets"), preset.get("mlp_size", 0))
 
 
 def run_in_process(modes: list[str]) -> dict:
