@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 SEPARATOR = -1
+MAX_TOKENS, KEEP_STEPS, LEAD_TOKENS = 1024, 64, 3  # the defaults
 
 
 class HistoryStore:
@@ -41,7 +42,7 @@ class HistoryStore:
     lead_tokens: prompt tokens kept before each completion.
     """
 
-    def __init__(self, max_tokens: int = 1024, keep_steps: int = 64, lead_tokens: int = 3):
+    def __init__(self, max_tokens: int = MAX_TOKENS, keep_steps: int = KEEP_STEPS, lead_tokens: int = LEAD_TOKENS):
         if max_tokens < 2 + lead_tokens:
             raise ValueError(f"max_tokens={max_tokens} must be at least lead_tokens + 2 = {lead_tokens + 2} (a token "
                              "and its separator after the lead).")

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from tlt_jax.rollout import history as history_lib
 from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.speculative import Strategy
 
@@ -274,6 +275,8 @@ def default_arms_config() -> dict:
         "window": 300,
         "seed": 0,
         "max_active": 32,
+        # The store of history arms (history-d<depth>-b<branches>; none by default).
+        "history": {"max_tokens": history_lib.MAX_TOKENS, "keep_steps": history_lib.KEEP_STEPS},
     }
 
 
