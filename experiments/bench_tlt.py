@@ -9,6 +9,8 @@ Same config, seed and data in every mode; only `tlt.*` differs. Modes:
   frozen     (with --drafters) TLT with the warm-start drafter never trained: what a
              static drafter accepts as the policy moves
   ngram      (with --drafters) TLT with n-gram arms only: no drafter at all
+  history    TLT with the n-gram arms searching each prompt's earlier rollouts too
+             (`history-*` arms in their place), no EAGLE arm
 
 A CPU preset's target is its SFT model (`cpu`, `cpu_tail`: the shipped one; `cpu_long`, the
 default: `configs/sft.py:long_tail`, trained once with its drafter) deepened to `layers`
@@ -96,7 +98,7 @@ _SLOW_REWARD_MS = flags.DEFINE_float("slow_reward_ms", 0.0, "A slow verifier: th
 _REWARD_OVERLAP = flags.DEFINE_bool("reward_overlap", True, "Score each sample as it finishes, while the rest "
                                     "decode (reward_overlap); False: the batch after the rollout.")
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 0, "Reward worker processes (0: a scoring thread).")
-MODES = ("baseline", "tlt", "frozen", "ngram")
+MODES = ("baseline", "tlt", "frozen", "ngram", "history")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
@@ -209,6 +211,9 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     if mode == "ngram":
         c.tlt.tuner.arms = [[a for a in arms if not a.startswith("eagle")] for arms in c.tlt.tuner.arms]
+    if mode == "history":
+        c.tlt.tuner.arms = [[a.replace("ngram", "history") for a in arms if not a.startswith("eagle")]
+                            for arms in c.tlt.tuner.arms]
     if mode != "baseline":
         for item in _TLT_SET.value:
             key, _, value = item.partition("=")
