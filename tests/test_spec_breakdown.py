@@ -47,7 +47,7 @@ def test_parts_sum_to_the_chunk_wall_time(group, strategy):
             break
     assert abs(b.sum_s - b.wall_s) <= 0.05 * b.wall_s, (b.parts, b.sum_s, b.wall_s)
     assert list(b.parts) == list(profile.SPEC_PARTS if strategy else profile.PLAIN_PARTS)
-    assert b.steps == (4 if strategy else 8) and b.batch == 4
+    assert b.steps == (4 if strategy else 8) and b.batch == 4 and b.after_another_s > 0
     forwards = ("draft", "verify") if strategy else ("forward",)
     assert all(b.parts[p] > 0 for p in forwards), b.parts
     assert b.per_step[forwards[0]] == pytest.approx(b.parts[forwards[0]] / b.steps)
