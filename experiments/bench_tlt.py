@@ -123,9 +123,9 @@ PRESETS = {
     # A regime like a GPU's: the shipped model deepened to 16 layers and every MLP (the
     # drafter's too) padded from 384 to 4096 units that add nothing (`transformer.pad_mlp`):
     # the trained function and the drafter's features, 26M parameters, 104 MB of float32
-    # weights, 3x this CPU's 32 MiB L3 cache, so a decode step at small batch is bound by
-    # reading the weights and a verify of a few tokens costs about one step. The tail
-    # preset's shape (every chunk is the tuner's), since a step costs 8x cpu_tail's.
+    # weights, 3x this CPU's 32 MiB L3 cache: a decode step at batch 1-4 is bound by reading
+    # the weights (5.3-7.2 ms) and at batch 1 a verify of 4-5 tokens costs one step
+    # (docs/benchmarks.md). The tail preset's shape (every chunk is the tuner's).
     "cpu_wide": dict(layers=16, mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=4, num_samples=8,
                      max_tokens=96, num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
