@@ -190,3 +190,10 @@ def test_print_commands_shows_the_runs_with_the_same_flags(tmp_path):
         assert [a for a in passed if a.startswith("--tlt_set")] == tlt_set  # in the order given
         assert command[-1] == f"--out={tmp_path}/r/runs_parts/run{n}_{command[-2].split('=')[1]}.json"
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "c").exists()  # nothing ran, nothing built
+
+
+def test_a_negative_slow_reward_is_an_error_naming_the_flag(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "experiments.bench_tlt", "--slow_reward_ms=-5", "--print_commands",
+                           f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "--slow_reward_ms=-5.0 must be >= 0" in done.stderr

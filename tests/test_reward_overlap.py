@@ -161,3 +161,19 @@ def test_a_step_scores_each_sample_once_while_the_rest_decode_as_the_batch_would
     np.testing.assert_array_equal(with_overlap, batch)
     assert len(set(batch.tolist())) > 2  # scores that tell samples apart: the check has power
     assert failures_with == failures == 0
+
+
+def test_a_slow_verifier_sleeps_per_sample_and_scores_as_its_reward():
+    from experiments import slow_reward
+
+    name = slow_reward.name("task", 20)
+    assert name == "experiments.slow_reward:task_after_20ms" and slow_reward.name("task", 2.5).endswith("_2.5ms")
+    prompts, completions, fields = _batch(3)
+    t0 = time.perf_counter()
+    scored = rewards.Scorer(name)(prompts, completions, fields)
+    assert time.perf_counter() - t0 >= 0.06 and scored.scoring_s >= 0.06
+    np.testing.assert_array_equal(scored.scores, rewards.Scorer("task")(prompts, completions, fields).scores)
+    with pytest.raises(ValueError, match=r"slow_reward_ms=-1 must be >= 0"):
+        slow_reward.name("task", -1)
+    with pytest.raises(ValueError, match="has no attribute 'nope_after_3ms'"):
+        rewards.get_reward("experiments.slow_reward:nope_after_3ms")
