@@ -242,7 +242,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 response_length_mean=[r["response_length_mean"] for r in steps],
                 reward_mean=[r["reward_mean"] for r in steps],
                 # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
-                reward_scoring_s=statistics.median(r.get("reward_scoring_s", 0.0) for r in steady),
+                reward_scoring_s=statistics.median(r.get("time_reward_scoring_s", 0.0) for r in steady),
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady))
 
 

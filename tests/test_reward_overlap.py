@@ -155,7 +155,7 @@ def test_a_step_scores_each_sample_once_while_the_rest_decode_as_the_batch_would
         assert sorted(c for c, _ in lines) == sorted(map(repr, completions))  # each sample once
         scored_at = sorted(float(t) for _, t in lines)
         assert (scored_at[0] < rollout_end[-1]) == overlap
-        assert metrics["reward_scoring_s"] > 0 and 0 <= metrics["time_reward_wait_s"] <= metrics["time_reward_s"]
+        assert metrics["time_reward_scoring_s"] > 0 and 0 <= metrics["time_reward_wait_s"] <= metrics["time_reward_s"]
     assert len(set(rollouts.lengths.tolist())) > 1  # samples finished apart: the overlap had a tail to fill
     (with_overlap, failures_with), (batch, failures) = sent
     np.testing.assert_array_equal(with_overlap, batch)

@@ -293,7 +293,7 @@ class RLLoop:
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
             # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
             # most of them hidden in the rollout with reward_overlap.
-            "time_reward_wait_s": t_scored - t_wait, "reward_scoring_s": scored.scoring_s,
+            "time_reward_wait_s": t_scored - t_wait, "time_reward_scoring_s": scored.scoring_s,
             "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_logp - t_batch,
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
             "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
