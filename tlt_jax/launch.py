@@ -334,14 +334,9 @@ def _parse_flags(argv):
 def enable_compilation_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache in `directory`, for every compile: most
     of the small models' compiles take under jax's default threshold of one second, and
-    together they are most of a short job's start-up. A size limit (16 GiB unless
-    JAX_COMPILATION_CACHE_MAX_SIZE sets one) turns on the cache's file lock and LRU
-    eviction: without it, processes sharing the directory (a multi-process run on one
-    machine, a sweep) could read an entry while another writes it."""
+    together they are most of a short job's start-up."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    if jax.config.jax_compilation_cache_max_size < 0:
-        jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 def _configure_console() -> None:
