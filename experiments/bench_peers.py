@@ -303,15 +303,7 @@ def print_table(result: dict) -> None:
 
 def spawn(command: list[str]) -> tuple[int, str]:
     """Runs one framework's process to its end, output shown; (exit status, its stderr's tail)."""
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE)
-    tail = b""
-    while chunk := os.read(proc.stderr.fileno(), 65536):
-        sys.stderr.buffer.write(chunk)
-        sys.stderr.flush()
-        tail = (tail + chunk)[-4000:]
-    proc.stderr.close()
-    lines = [line for line in tail.decode(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
-    return proc.wait(), "\n".join(lines[-6:])
+    return bench_tlt.spawn(command, env=dict(os.environ))
 
 
 def run_all(launch_child=spawn, command_of=framework_command) -> dict:
