@@ -426,17 +426,22 @@ class _Group:
             state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
         return state, spec_lib.bound_tree(tree, state.cache.lengths, engine.rollout_config.max_length)
 
+    def _tree_forward(self, params, state, tree):
+        """The target's forward over every slot's draft tree, each node at its depth past the
+        cache and seeing only its ancestors (traced): tfm.decode's (logits, h, cache, *layers)."""
+        visible = spec_lib.ancestors(tree.parents)
+        depth = jnp.sum(visible, axis=2) - 1
+        return tfm.decode(params, self.engine.model_config, state.cache, tree.tokens,
+                          state.cache.lengths[:, None] + depth, mask_BTW=visible, return_logits=True,
+                          layer_ids=self._target_layer_ids(state))
+
     def _verify(self, params, drafter_params, state, tree, key, sp):
         """One target forward over every tree, lossless acceptance, commit (traced):
         (state, tokens committed per slot)."""
         engine = self.engine
-        cfg, rc = engine.model_config, engine.rollout_config
+        rc = engine.rollout_config
         start = state.cache.lengths
-        visible = spec_lib.ancestors(tree.parents)
-        depth = jnp.sum(visible, axis=2) - 1
-        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
-                                               mask_BTW=visible, return_logits=True,
-                                               layer_ids=self._target_layer_ids(state))
+        logits, h, cache, *layers = self._tree_forward(params, state, tree)
         target_logp = sampling.processed_logprobs(logits, sp)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, state.num_generated))
         path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)

@@ -105,12 +105,7 @@ def _phases(group, strategy: spec_lib.Strategy | None):
 
     def verify(params, drafter_params, state, key, sp):
         state, tree = draft(params, drafter_params, state, key, sp)
-        start = state.cache.lengths
-        visible = spec_lib.ancestors(tree.parents)
-        depth = jnp.sum(visible, axis=2) - 1
-        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, tree.tokens, start[:, None] + depth,
-                                               mask_BTW=visible, return_logits=True,
-                                               layer_ids=group._target_layer_ids(state))
+        logits, h, cache, *layers = group._tree_forward(params, state, tree)
         return state, tree, logits, h, cache, layers
 
     def verify_only(params, drafter_params, state, key, sp):
