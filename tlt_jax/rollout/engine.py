@@ -340,15 +340,20 @@ class _Group:
                         state.out_logp.at[rows, at].set(logp_BE, mode="drop"), spec)
         return new, kept
 
+    def _plain_forward(self, params, state, key, sp):
+        """The target's forward over every slot's last token and the next token sampled
+        (traced): (token [B], logp [B], h, cache, layers)."""
+        logits, h, cache, *layers = tfm.decode(params, self.engine.model_config, state.cache,
+                                               state.last_token[:, None], state.cache.lengths[:, None],
+                                               return_logits=True, layer_ids=self._target_layer_ids(state))
+        keys = _request_keys(key, state.request, state.num_generated)
+        token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
+        return token, logp, h, cache, layers
+
     def _decode_step(self, params, drafter_params, state, key, sp):
         """One plain decode step for every slot (traced): (state, tokens committed per slot)."""
         engine = self.engine
-        cfg = engine.model_config
-        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
-                                               state.cache.lengths[:, None], return_logits=True,
-                                               layer_ids=self._target_layer_ids(state))
-        keys = _request_keys(key, state.request, state.num_generated)
-        token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
+        token, logp, h, cache, layers = self._plain_forward(params, state, key, sp)
         features = None
         if engine.drafter is not None and state.spec is not None:
             features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)
@@ -435,20 +440,24 @@ class _Group:
                           state.cache.lengths[:, None] + depth, mask_BTW=visible, return_logits=True,
                           layer_ids=self._target_layer_ids(state))
 
-    def _verify(self, params, drafter_params, state, tree, key, sp):
-        """One target forward over every tree, lossless acceptance, commit (traced):
-        (state, tokens committed per slot)."""
-        engine = self.engine
-        rc = engine.rollout_config
-        start = state.cache.lengths
-        logits, h, cache, *layers = self._tree_forward(params, state, tree)
+    def _accepted(self, state, tree, logits, key, sp):
+        """Lossless acceptance over every slot's tree from the target's logits (traced):
+        (path, num_accepted, tokens, logp, nodes), the emitted tokens, their log-probs and
+        tree nodes cut to at most max_draft_depth + 1 (depth + 1 <= that many are emitted)."""
         target_logp = sampling.processed_logprobs(logits, sp)
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, state.num_generated))
         path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
         tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
-        # At most depth + 1 <= max_draft_depth + 1 tokens are emitted.
-        e = min(tokens.shape[1], rc.max_draft_depth + 1)
-        tokens, logp, nodes = tokens[:, :e], logp[:, :e], nodes[:, :e]
+        e = min(tokens.shape[1], self.engine.rollout_config.max_draft_depth + 1)
+        return path, num_accepted, tokens[:, :e], logp[:, :e], nodes[:, :e]
+
+    def _verify(self, params, drafter_params, state, tree, key, sp):
+        """One target forward over every tree, lossless acceptance, commit (traced):
+        (state, tokens committed per slot)."""
+        engine = self.engine
+        start = state.cache.lengths
+        logits, h, cache, *layers = self._tree_forward(params, state, tree)
+        path, num_accepted, tokens, logp, nodes = self._accepted(state, tree, logits, key, sp)
         features = None
         if engine.drafter is not None:
             features = engine.drafter.features(drafter_params, h, layers[0] if layers else None)

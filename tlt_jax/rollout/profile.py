@@ -37,7 +37,6 @@ from jax import lax
 
 from tlt_jax import sampling, sharding
 from tlt_jax.models import transformer as tfm
-from tlt_jax.rollout import engine as engine_lib
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.timeline import GroupTimeline, SpecChunk
 
@@ -88,14 +87,9 @@ def _phases(group, strategy: spec_lib.Strategy | None):
     """One step of each prefix program but the last (the engine's own step):
     [(name, step(params, drafter_params, state, key, sp) -> (state, checksum))]. Each restates
     the start of the engine's step (`_decode_step`, `_draft` + `_verify`) up to its phase."""
-    cfg, rc = group.engine.model_config, group.engine.rollout_config
 
     def forward(params, drafter_params, state, key, sp):
-        logits, h, cache, *layers = tfm.decode(params, cfg, state.cache, state.last_token[:, None],
-                                               state.cache.lengths[:, None], return_logits=True,
-                                               layer_ids=group._target_layer_ids(state))
-        keys = engine_lib._request_keys(key, state.request, state.num_generated)
-        token, logp = jax.vmap(lambda k, lg: sampling.sample(k, lg, sp))(keys, logits[:, 0])
+        token, logp, h, cache, layers = group._plain_forward(params, state, key, sp)
         state = dataclasses.replace(state, cache=tfm.KVCache(cache.k, cache.v, state.cache.lengths))
         return state, _checksum(token, logp, h, *layers)
 
@@ -116,16 +110,11 @@ def _phases(group, strategy: spec_lib.Strategy | None):
     def accept(params, drafter_params, state, key, sp):
         state, tree, logits, h, cache, layers = verify(params, drafter_params, state, key, sp)
         start = state.cache.lengths
-        target_logp = sampling.processed_logprobs(logits, sp)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(
-            engine_lib._request_keys(key, state.request, state.num_generated))
-        path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
-        tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
-        e = min(tokens.shape[1], rc.max_draft_depth + 1)
-        keep = jnp.where(state.active, jnp.minimum(num_accepted, e - 1), 0)
+        path, num_accepted, tokens, logp, nodes = group._accepted(state, tree, logits, key, sp)
+        keep = jnp.where(state.active, jnp.minimum(num_accepted, tokens.shape[1] - 1), 0)
         committed = spec_lib.commit_path(cache, start, path, keep)
         state = dataclasses.replace(state, cache=tfm.KVCache(committed.k, committed.v, start))
-        return state, _checksum(tokens[:, :e], logp[:, :e], nodes[:, :e], h, *layers)
+        return state, _checksum(tokens, logp, nodes, h, *layers)
 
     if strategy is None:
         return [("forward", forward)]
