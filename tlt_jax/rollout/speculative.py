@@ -330,8 +330,9 @@ HISTORY_MAX_NGRAM = 6
 
 def ngram_tree(context_BS, context_length_B, group_B, strategy: Strategy, history_BH=None) -> DraftTree:
     """The n-gram (or, with history_BH [B, H], history) strategy's draft trees."""
-    config = ngram.NgramConfig(max_ngram=HISTORY_MAX_NGRAM if history_BH is not None else 3, depth=strategy.depth,
-                               branches=strategy.topk)
+    config = ngram.NgramConfig(depth=strategy.depth, branches=strategy.topk)
+    if history_BH is not None:
+        config = dataclasses.replace(config, max_ngram=HISTORY_MAX_NGRAM)
     tokens, parents = ngram.propose(context_BS, context_length_B, group_B, config, history_BH)
     return DraftTree(tokens, parents, None)
 
