@@ -11,8 +11,10 @@ the largest micro-batch whose per-device memory (arguments + outputs + temp - al
 i.e. what the executable holds at its peak) fits --device_memory_gb is reported with its
 breakdown. The steps, as the code runs them:
 
-  learner        Learner.update_step: one GRPO update of micro_batch rows (the train
-                 state donated; more micro-batches per update add only their inputs)
+  learner        Learner.micro_step: the gradient of one GRPO micro-batch of micro_batch
+                 rows added to the update's accumulator (donated), with the optimizer
+                 state resident beside it (its other program, applying the sum, holds the
+                 same state and accumulator without activations)
   learner_remat  the same with per-layer rematerialisation (LearnerConfig.remat)
   old_logp       Learner.drafter_data_step: the old-policy pass with the drafter's data
                  (hidden states, top-K), micro_batch rows per call
@@ -110,8 +112,17 @@ def _abstract_state(optimizer, params):
     return TrainState(params, jax.eval_shape(optimizer.init, params), jax.ShapeDtypeStruct((), jnp.int32))
 
 
+def _device_bytes(x, sharding) -> int:
+    """Bytes of one device's shard of abstract array x under `sharding`."""
+    import numpy as np
+
+    return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
 def _lowered(case: Case, model_config, mesh, batch: int):
-    """The step of `case` at `batch` rows (slots), lowered from abstract arguments."""
+    """(the step of `case` at `batch` rows (slots) lowered from abstract arguments, the
+    per-device bytes that stay on the device across the call without being one of its
+    arguments)."""
     import jax
     import jax.numpy as jnp
 
@@ -127,9 +138,12 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
         minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
         minibatch.update({name: spec((batch, s - 1), jnp.float32)
-                          for name in ("rollout_logp", "advantages", "old_logp")})
-        step = learner.update_step(params, minibatch)
-        return step.lower(_abstract_state(learner.optimizer, params), minibatch)
+                          for name in ("rollout_logp", "advantages", "old_logp", "loss_weights", "token_weights")})
+        step, zeros = learner.micro_step(params, minibatch)
+        opt_state = _abstract_state(learner.optimizer, params).opt_state
+        resident = sum(_device_bytes(x, sh) for x, sh in zip(
+            jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))
+        return step.lower(params, jax.eval_shape(zeros), minibatch), resident
     if case.step == "old_logp":
         from tlt_jax.drafter_training.online import OnlineDrafterConfig
         from tlt_jax.rl.learner import Learner, LearnerConfig
@@ -137,7 +151,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         learner = Learner(model_config, LearnerConfig(attention_impl=case.attention_impl), mesh)
         rows = spec((batch, s), jnp.int32)
         step = learner.drafter_data_step(params, rows, top_k=OnlineDrafterConfig().top_k)
-        return step.lower(params, rows, rows, rows)
+        return step.lower(params, rows, rows, rows), 0
     if case.step == "drafter":
         from tlt_jax.drafter_training.buffer import DrafterBuffer
         from tlt_jax.drafter_training.online import OnlineDrafterConfig
@@ -155,7 +169,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         target = shared_target_params(params)
         step = trainer.step_fn(drafter_params, target, rows)
         return step.lower(_abstract_state(trainer.optimizer, drafter_params),
-                          {"target": target, "batch": rows, "key": key})
+                          {"target": target, "batch": rows, "key": key}), 0
     if case.step == "decode":
         from tlt_jax import sampling
         from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
@@ -167,7 +181,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         sp = sampling.SamplingParams(max_tokens=s - prompt)
         state = jax.eval_shape(lambda: group.empty_state(sp))
         step = group.chunk_step(None, speculative=False)
-        return step.lower(engine._param_shapes, None, state, key, spec((), jnp.bool_), spec((), jnp.int32), sp)
+        return step.lower(engine._param_shapes, None, state, key, spec((), jnp.bool_), spec((), jnp.int32), sp), 0
     if case.step == "distill":
         from tlt_jax.distill.train import DistillTrainer
         from tlt_jax.train_state import OptimizerConfig
@@ -180,21 +194,24 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         # As the teacher cache stores them (CacheMeta: int32 ids, bfloat16 logp by default).
         rows["ids"] = spec((batch, s, k), jnp.int32)
         rows["logp"] = spec((batch, s, k), jnp.bfloat16)
-        return trainer.step_fn(params, rows).lower(_abstract_state(trainer.optimizer, params), rows)
+        return trainer.step_fn(params, rows).lower(_abstract_state(trainer.optimizer, params), rows), 0
     raise ValueError(f"Unknown step {case.step!r}; steps: {', '.join(STEPS)}.")
 
 
 def measure(case: Case, model_config, mesh, batch: int) -> dict:
-    """Per-device bytes of the compiled step: args, out, temp, alias and their total."""
+    """Per-device bytes of the compiled step: args, out, temp, alias, resident (held across
+    the call, not an argument: the learner's optimizer state) and their total."""
     t0 = time.perf_counter()
-    mem = _lowered(case, model_config, mesh, batch).compile().memory_analysis()
+    lowered, resident = _lowered(case, model_config, mesh, batch)
+    mem = lowered.compile().memory_analysis()
     out = dict(
         args=mem.argument_size_in_bytes,
         out=mem.output_size_in_bytes,
         temp=mem.temp_size_in_bytes,
         alias=mem.alias_size_in_bytes,
+        resident=resident,
     )
-    out["total"] = out["args"] + out["out"] + out["temp"] - out["alias"]
+    out["total"] = out["args"] + out["out"] + out["temp"] - out["alias"] + out["resident"]
     out["compile_s"] = time.perf_counter() - t0
     return out
 
@@ -288,7 +305,7 @@ def describe(row: dict) -> str:
     at_least = "at least " if row["capped"] else ""
     return (f"{head} micro-batch {at_least}{row['micro_batch']} ({row['tokens']} tokens): {_gb(row['total_gb'])} GB "
             f"per device (args {_gb(row['args_gb'])}, temp {_gb(row['temp_gb'])}, out {_gb(row['out_gb'])}, aliased "
-            f"{_gb(row['alias_gb'])})")
+            f"{_gb(row['alias_gb'])}" + (f", resident {_gb(row['resident_gb'])})" if row["resident_gb"] else ")"))
 
 
 def _gb(x: float) -> str:

@@ -157,7 +157,8 @@ def test_unpacked_drafter_data_equals_the_pass_over_one_sample_per_row():
         for name in ("hidden", "ids", "logp", "layers"):
             a, b = getattr(got, name), getattr(want, name)
             assert isinstance(a, np.ndarray) and a.shape == b.shape, name
-            np.testing.assert_allclose(a[i, :kept], b[i, :kept], rtol=0, atol=1e-5, err_msg=f"{name} of sample {i}")
+            # float32 rounding of two layers at magnitudes up to ~13, the passes' shapes apart
+            np.testing.assert_allclose(a[i, :kept], b[i, :kept], rtol=1e-5, atol=2e-5, err_msg=f"{name} of sample {i}")
             assert not a[i, kept:].any(), name
     # Through the drafter's own entry point: the buffer rows built from either pass agree
     # wherever drafter training reads them (every token of a sample but its last).
@@ -173,7 +174,7 @@ def test_unpacked_drafter_data_equals_the_pass_over_one_sample_per_row():
     assert last.sum() == 7  # every sample with an answer
     for name, x in held["packed"].items():
         read = (seg > 0) & ~last if x.ndim > 2 else slice(None)
-        np.testing.assert_allclose(x[read], held["alone"][name][read], rtol=0, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(x[read], held["alone"][name][read], rtol=1e-5, atol=2e-5, err_msg=name)
 
 
 def _perturbed(params, seed, scale=0.05):
@@ -232,7 +233,7 @@ def test_packed_loss_and_gradient_equal_one_sample_per_row(aggregation):
     want_loss, want_grads = jax.value_and_grad(reference)(params)
     batch = _packed_batch(logps, minibatch_rows=lambda r: 10)
     assert not batch["segment_ids"][5:].any()  # 5 rows of padding, the last two micro-batches of 2 rows
-    loss, metrics, grads = jax.jit(learner.loss_and_grads)(params, batch)
+    loss, metrics, grads = learner.loss_and_grads(params, batch)
     assert 0 < float(metrics["clip_fraction"]) < 1
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5, atol=1e-6)
     # To 1e-5 of each weight's largest gradient entry (float32 sums of entries up to ~10).
@@ -251,12 +252,13 @@ def test_update_applies_the_full_batch_gradient_whatever_the_split_and_mesh():
     want_loss, want = jax.value_and_grad(reference)(params)
     want_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(want))))
     opt = OptimizerConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=1e30)
-    # (mesh, micro-batch rows) -> micro-batches of the padded minibatch: 5, 1 and 4.
-    for shape, micro, count in (((1, 1, 1), 1, 5), ((1, 1, 1), 8, 1), ((2, 2, 2), 2, 4)):
+    # (mesh, micro-batch rows) -> micro-batches of the padded minibatch: 5, 1, 5 (of an
+    # eighth of 8 rows) and 2 (of 4 rows, a whole row per device).
+    for shape, micro, count in (((1, 1, 1), 1, 5), ((1, 1, 1), 5, 1), ((1, 1, 1), 8, 5), ((2, 2, 2), 2, 2)):
         learner = Learner(CFG, LearnerConfig(optimizer=opt, micro_batch_size=micro, temperature=0.9, grpo=cfg),
                           _mesh(shape))
         batch = _packed_batch(logps, minibatch_rows=learner.minibatch_rows)
-        assert len(batch["tokens"]) // min(micro, len(batch["tokens"])) == count
+        assert len(batch["tokens"]) // learner.micro_rows(len(batch["tokens"])) == count
         state, metrics = learner.update(learner.init_state(params), batch)
         assert int(state.step) == 1 and metrics[0]["skipped"] == 0
         np.testing.assert_allclose(metrics[0]["loss"], float(want_loss), rtol=1e-5, atol=1e-6)
@@ -274,7 +276,7 @@ def test_padding_rows_add_exactly_zero():
     learner = Learner(CFG, LearnerConfig(micro_batch_size=2, grpo=grpo.GRPOConfig(kl_coef=0.1,
                                                                                     aggregation="seq_mean")),
                       _mesh((1, 1, 1)))
-    fn = jax.jit(learner.loss_and_grads)
+    fn = learner.loss_and_grads
     padded, _ = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, minibatch_rows=lambda r: 10)
     tight, _ = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, minibatch_rows=lambda r: 6)
     assert not padded["segment_ids"][5:].any()
@@ -291,17 +293,21 @@ def test_padding_rows_add_exactly_zero():
 
 
 def test_padded_rows_buckets():
-    # Below a micro-batch: at least micro / 8 rows, then a multiple of lcm(granule, a quarter
-    # of rows' power of two); from there on of lcm(micro, granule).
-    cases = {(24, 64, 1): 24, (25, 64, 1): 28, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
-             (5, 2, 4): 8, (9, 64, 1): 10, (17, 64, 1): 20, (33, 64, 1): 40, (9, 48, 1): 10, (45, 48, 1): 48,
-             (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 12}
+    # Below a micro-batch: a multiple of lcm(an eighth of it, granule); from there on of
+    # lcm(micro, granule).
+    cases = {(24, 64, 1): 24, (25, 64, 1): 32, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
+             (5, 2, 4): 8, (9, 64, 1): 16, (17, 64, 1): 24, (33, 64, 1): 40, (9, 48, 1): 12, (45, 48, 1): 48,
+             (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 16}
     assert {k: padded_rows(*k) for k in cases} == cases
     for granule in (1, 2, 4):
-        padded = [padded_rows(rows, 64, granule) for rows in range(8, 64)]
-        assert all(p % granule == 0 and rows <= p < rows + max(rows / 4, granule)
-                   for rows, p in zip(range(8, 64), padded))
-        assert len(set(padded)) <= 13  # four shapes per doubling from 8 rows on, and 64
+        learner = Learner(CFG, LearnerConfig(micro_batch_size=64), _mesh((granule, 1, 1)))
+        micro = set()
+        for rows in range(1, 300):
+            padded = learner.minibatch_rows(rows)
+            assert padded % granule == 0 and rows <= padded < rows + (max(8, granule) if rows < 64 else 64)
+            micro.add(learner.micro_rows(padded))
+            assert padded % learner.micro_rows(padded) == 0
+        assert micro == {max(8, granule), 64}  # two compiled shapes, whatever the batch
     learner = Learner(CFG, LearnerConfig(micro_batch_size=8), _mesh((2, 2, 2)))
     assert learner.minibatch_rows(3) == 4 and learner.minibatch_rows(9) == 16
 

@@ -1,10 +1,13 @@
 """The GRPO learner: per-token log-probs through the fused projection, AdamW updates.
 
 One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
-gradients over micro-batches of `micro_batch_size` rows (a `lax.scan`, so one compiled
-body whatever the batch). Every jitted function takes explicit shardings on the mesh:
-parameters by the logical axis rules, rows over (data, fsdp). Rows come from the host,
-the same on every process, and are placed on the mesh first, each process its shards.
+gradients over micro-batches (`Learner.micro_rows`). The micro-batches run one by one from
+the host through a compiled program of one of two shapes, as do the chunks of the log-prob
+passes, so a batch of a new size compiles nothing large (each model program of a new
+shape costs seconds to compile, minutes for a large model on a GPU). Every jitted
+function takes explicit shardings on the mesh: parameters by the logical axis rules,
+rows over (data, fsdp). Rows come from the host, the same on every process, and are
+placed on the mesh first, each process its shards.
 
 A batch is a dict of R packed rows of S tokens (`loop.build_batch`): each row holds
 several samples (prompt then answer), kept apart by segment ids, so that attention never
@@ -79,20 +82,23 @@ def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_n
 
 
 def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
-    """The rows a minibatch of `rows` packed rows is padded to (its compiled shape). Below
-    one micro-batch: at least ceil(micro_batch_size / 8) rows (the few rows of a small RL
-    step share one shape), rounded up to a multiple of lcm(granule, 2^(floor(log2 rows) - 2)):
-    padding under a quarter of the rows, at most four shapes per doubling. From one
-    micro-batch on, a multiple of lcm(micro_batch_size, granule). granule is the
-    data-parallel size, so rows shard evenly."""
+    """The rows a minibatch of `rows` packed rows is padded to. Below one micro-batch: a
+    multiple of `small_micro_rows` (an eighth of a micro-batch), so the few rows of a small
+    RL step waste little; from one micro-batch on, a multiple of lcm(micro_batch_size,
+    granule). granule is the data-parallel size, so rows shard evenly."""
     if rows < micro_batch_size:
-        rows = max(rows, -(-micro_batch_size // 8))
-        step = math.lcm(granule, 1 << max(0, rows.bit_length() - 3))
-        small = -(-rows // step) * step
-        if small < micro_batch_size:
-            return small
+        small = small_micro_rows(micro_batch_size, granule)
+        padded = -(-rows // small) * small
+        if padded < micro_batch_size:
+            return padded
     unit = math.lcm(micro_batch_size, granule)
     return -(-rows // unit) * unit
+
+
+def small_micro_rows(micro_batch_size: int, granule: int) -> int:
+    """The micro-batch of a minibatch smaller than one micro-batch: an eighth of it, on
+    the granule."""
+    return math.lcm(-(-micro_batch_size // 8), granule)
 
 
 class Learner:
@@ -120,13 +126,28 @@ class Learner:
     def minibatch_rows(self, rows: int) -> int:
         """Rows of a minibatch that needs `rows` packed rows, padding included (`padded_rows`
         on this mesh's data-parallel size): `loop.build_batch` pads to it."""
-        return padded_rows(rows, self.config.micro_batch_size, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        return padded_rows(rows, self.config.micro_batch_size, self._granule())
+
+    def micro_rows(self, rows: int) -> int:
+        """Rows of one micro-batch of a minibatch of `rows` rows (`minibatch_rows`): the
+        compiled shape of the update and of the log-prob passes' chunks. One of two,
+        whatever the batch: `micro_batch_size` on the data-parallel granule, or an eighth
+        of that below one micro-batch (the whole minibatch where rows fit neither)."""
+        cfg, granule = self.config, self._granule()
+        unit = math.lcm(cfg.micro_batch_size, granule)
+        size = small_micro_rows(cfg.micro_batch_size, granule) if rows < cfg.micro_batch_size else unit
+        return size if rows % size == 0 else rows
+
+    def _granule(self) -> int:
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     # -- log-probs of the policy at the start of the step, and of the reference ----------------
 
     def logprobs(self, params, tokens_nT, positions_nT, segment_ids_nT, with_entropy=False):
-        """`token_logprobs` of packed rows: [n, T-1] float32 (and the entropy, with_entropy)."""
-        key = ("logprobs", with_entropy, tokens_nT.shape)
+        """`token_logprobs` of packed rows: [n, T-1] float32 on the host (and the entropy,
+        with_entropy)."""
+        chunk = self._chunk_rows(tokens_nT.shape[0])
+        key = ("logprobs", with_entropy, (chunk, tokens_nT.shape[1]))
         if key not in self._steps:
             cfg = self.config
             fn = lambda p, t, pos, seg: token_logprobs(p, self.model_config, t, temperature=cfg.temperature,
@@ -137,17 +158,16 @@ class Learner:
             self._steps[key] = sharding.jit_sharded(
                 fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh),
                 out_shardings=(row_sh, row_sh) if with_entropy else row_sh)
-        return self._steps[key](params, *self._rows(tokens_nT, positions_nT, segment_ids_nT))
-
-    def _rows(self, *rows_nT):
-        """Host rows (the same on every process) as arrays over (data, fsdp)."""
-        return [jax.device_put(x, sharding.batch_sharding(self.mesh, np.ndim(x))) for x in rows_nT]
+        return self._chunked(self._steps[key], chunk, params, tokens_nT, positions_nT, segment_ids_nT)
 
     def logprobs_and_drafter_data(self, params, tokens_nT, positions_nT, segment_ids_nT, *, top_k: int,
                                   feature_layers=()):
-        """`logprobs(..., with_entropy=True)` and, from the same forward, the DrafterData."""
-        step = self.drafter_data_step(params, tokens_nT, top_k=top_k, feature_layers=feature_layers)
-        return step(params, *self._rows(tokens_nT, positions_nT, segment_ids_nT))
+        """`logprobs(..., with_entropy=True)` and, from the same forward, the DrafterData,
+        all on the host."""
+        chunk = self._chunk_rows(tokens_nT.shape[0])
+        step = self.drafter_data_step(params, jax.ShapeDtypeStruct((chunk, tokens_nT.shape[1]), jnp.int32),
+                                      top_k=top_k, feature_layers=feature_layers)
+        return self._chunked(step, chunk, params, tokens_nT, positions_nT, segment_ids_nT)
 
     def drafter_data_step(self, params, tokens_nT, *, top_k: int, feature_layers=()):
         """The jitted old-policy pass of `logprobs_and_drafter_data` for rows shaped like
@@ -166,6 +186,23 @@ class Learner:
                 fn, in_shardings=(self.param_shardings(params), row_sh, row_sh, row_sh), out_shardings=out_sh)
         return self._steps[key]
 
+    def _chunk_rows(self, rows: int) -> int:
+        """Rows per forward of a log-prob pass over a batch of `rows` rows: a micro-batch of
+        its minibatches (the update's shapes), or all rows where they do not split so."""
+        k = self.config.num_minibatches
+        return self.micro_rows(rows // k if rows % k == 0 else rows)
+
+    def _chunked(self, step, chunk: int, params, *rows_nT):
+        """`step(params, *rows)` over consecutive chunks of `chunk` rows, all dispatched
+        before the first is read back; the outputs gathered to the host and concatenated."""
+        n = rows_nT[0].shape[0]
+        outs = [step(params, *self._rows(*(x[i:i + chunk] for x in rows_nT))) for i in range(0, n, chunk)]
+        return jax.tree.map(lambda *parts: np.concatenate([sharding.to_host(p) for p in parts]), *outs)
+
+    def _rows(self, *rows_nT):
+        """Host rows (the same on every process) as arrays over (data, fsdp)."""
+        return [jax.device_put(x, sharding.batch_sharding(self.mesh, np.ndim(x))) for x in rows_nT]
+
     # -- the update ------------------------------------------------------------------------------
 
     def _loss(self, params, mb):
@@ -176,41 +213,72 @@ class Learner:
         return grpo.policy_loss(logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
                                 mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
 
-    def loss_and_grads(self, params, minibatch):
-        """(loss, metrics, float32 grads) of one minibatch, accumulated over its
-        micro-batches. The aggregation's weights come from the whole minibatch (its real
-        tokens and sequences), so the sum over micro-batches is the minibatch's loss and
-        an all-padding micro-batch adds exactly zero."""
+    def loss_and_grads(self, params, minibatch: dict):
+        """(loss, metrics, float32 grads) of one minibatch of host rows, summed in order over
+        its micro-batches (`micro_rows`), each one call of the same compiled program. The
+        aggregation's weights come from the whole minibatch (its real tokens and
+        sequences), so the sum is the minibatch's loss and an all-padding micro-batch adds
+        exactly zero."""
         n = minibatch["tokens"].shape[0]
-        micro = min(self.config.micro_batch_size, n)
+        micro = self.micro_rows(n)
         if n % micro:
             raise ValueError(f"Minibatch of {n} rows does not split into micro-batches of {micro}.")
-        mask = minibatch["loss_mask"]
-        stats = grpo.sequence_stats(mask, minibatch["segment_ids"])
-        minibatch = dict(minibatch, loss_weights=grpo.get_aggregation(self.config.grpo.aggregation)(mask, *stats),
-                         token_weights=grpo.token_mean(mask))
-        stacked = jax.tree.map(lambda x: x.reshape((n // micro, micro) + x.shape[1:]), minibatch)
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        minibatch = dict(minibatch, **self._weights(minibatch["loss_mask"], minibatch["segment_ids"]))
+        micro_batches = [{name: v[i:i + micro] for name, v in minibatch.items()} for i in range(0, n, micro)]
+        step, zeros = self.micro_step(params, micro_batches[0])
+        acc = zeros()
+        for mb in micro_batches:
+            acc = step(params, acc, jax.device_put(mb, self._batch_shardings(mb)))
+        return acc
 
-        def body(acc, mb):
-            (loss, metrics), grads = grad_fn(params, mb)
-            acc_grads, acc_loss, acc_metrics = acc
-            acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
-            acc_metrics = jax.tree.map(jnp.add, acc_metrics, metrics)
-            return (acc_grads, acc_loss + loss, acc_metrics), None
+    def _weights(self, mask_nT, segment_ids_nT) -> dict:
+        """The minibatch's loss weights (the configured aggregation) and token weights (the
+        metrics' token mean), on the host: one small program per minibatch shape."""
+        key = ("weights", np.shape(mask_nT), np.shape(segment_ids_nT))
+        if key not in self._steps:
+            aggregate = grpo.get_aggregation(self.config.grpo.aggregation)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        first = jax.tree.map(lambda x: x[0], stacked)
-        metric_zeros = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
-                                    jax.eval_shape(lambda: self._loss(params, first)[1]))
-        (grads, loss, metrics), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), metric_zeros), stacked)
-        return loss, metrics, grads
+            def fn(mask, segment_ids):
+                return dict(loss_weights=aggregate(mask, *grpo.sequence_stats(mask, segment_ids)),
+                            token_weights=grpo.token_mean(mask))
 
-    def _update_fn(self, state: TrainState, minibatch):
-        """One optimizer update from a minibatch."""
-        loss, metrics, grads = self.loss_and_grads(state.params, minibatch)
-        state, guard = apply_gradients(self.optimizer, state, grads, loss)
-        return state, dict(metrics, loss=loss, **guard)
+            self._steps[key] = sharding.jit_sharded(
+                fn, in_shardings=(sharding.batch_sharding(self.mesh, 2),) * 2,
+                out_shardings=sharding.batch_sharding(self.mesh, 2))
+        return jax.tree.map(sharding.to_host, self._steps[key](*self._rows(mask_nT, segment_ids_nT)))
+
+    def micro_step(self, params, mb: dict):
+        """(step, zeros) for micro-batches shaped like mb (the minibatch fields with its
+        loss_weights and token_weights): step(params, acc, mb) adds mb's (loss, metrics,
+        float32 grads) to acc (donated); zeros() is an empty acc. params and mb may be
+        jax.ShapeDtypeStructs (`step.lower` then compiles it abstractly)."""
+        key = ("micro", tuple(sorted((name, v.shape) for name, v in mb.items())))
+        if key not in self._steps:
+            abstract = {name: jax.ShapeDtypeStruct(v.shape, v.dtype) for name, v in mb.items()}
+            metric_names = jax.eval_shape(lambda p, m: self._loss(p, m)[1], params, abstract)
+            grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+
+            def step(params, acc, mb):
+                (loss, metrics), grads = grad_fn(params, mb)
+                acc_loss, acc_metrics, acc_grads = acc
+                return (acc_loss + loss, jax.tree.map(jnp.add, acc_metrics, metrics),
+                        jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads))
+
+            def zeros():
+                return (jnp.zeros((), jnp.float32), jax.tree.map(lambda _: jnp.zeros((), jnp.float32), metric_names),
+                        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+            acc_sh = self._acc_shardings(params)
+            self._steps[key] = (
+                sharding.jit_sharded(step, in_shardings=(self.param_shardings(params), acc_sh,
+                                                         self._batch_shardings(mb)),
+                                     out_shardings=acc_sh, donate_argnums=(1,)),
+                sharding.jit_sharded(zeros, in_shardings=(), out_shardings=acc_sh))
+        return self._steps[key]
+
+    def _acc_shardings(self, params):
+        replicated = sharding.replicated(self.mesh)
+        return replicated, replicated, self.param_shardings(params)
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, list[dict]]:
         """One RL step: `num_minibatches` updates over the batch's rows, in order.
@@ -225,21 +293,24 @@ class Learner:
         size = n // k
         results = []
         for i in range(k):
-            minibatch = {name: v[i * size:(i + 1) * size] for name, v in batch.items()}
-            step = self.update_step(state.params, minibatch)
-            # Host rows (the same on every process) as arrays over (data, fsdp).
-            state, metrics = step(state, jax.device_put(minibatch, self._batch_shardings(minibatch)))
+            acc = self.loss_and_grads(state.params, {name: v[i * size:(i + 1) * size] for name, v in batch.items()})
+            state, metrics = self._apply_step(state.params, acc)(state, acc)
             results.append(metrics)
         return state, [jax.device_get(m) for m in results]
 
-    def update_step(self, params, minibatch: dict):
-        """The jitted update of `update` for minibatches shaped like this one: (state,
-        minibatch) -> (state, metrics), the state donated. params and minibatch may be
-        jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
-        key = ("update", tuple(sorted((name, np.shape(v)) for name, v in minibatch.items())))
+    def _apply_step(self, params, acc):
+        """The jitted optimizer update from a minibatch's (loss, metrics, grads): (state,
+        acc) -> (state, metrics), the state donated."""
+        key = ("apply", tuple(sorted(acc[1])))
         if key not in self._steps:
+
+            def apply(state, acc):
+                loss, metrics, grads = acc
+                state, guard = apply_gradients(self.optimizer, state, grads, loss)
+                return state, dict(metrics, loss=loss, **guard)
+
             st_sh = self.state_shardings(params)
             self._steps[key] = sharding.jit_sharded(
-                self._update_fn, in_shardings=(st_sh, self._batch_shardings(minibatch)),
+                apply, in_shardings=(st_sh, self._acc_shardings(params)),
                 out_shardings=(st_sh, sharding.replicated(self.mesh)), donate_argnums=(0,))
         return self._steps[key]
