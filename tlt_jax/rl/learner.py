@@ -2,9 +2,10 @@
 
 One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
 gradients over micro-batches (`Learner.micro_rows`). The micro-batches run one by one from
-the host through a compiled program of one of two shapes, as do the chunks of the log-prob
-passes, so a batch of a new size compiles nothing large (each model program of a new
-shape costs seconds to compile, minutes for a large model on a GPU). Every jitted
+the host through one compiled program per micro-batch shape, as do the chunks of the
+log-prob passes, and those shapes are few (one per power of two under `micro_batch_size`,
+and that size), so a batch of a new size soon compiles nothing large: each model program
+of a new shape costs seconds to compile here, minutes for a large model on a GPU. Every jitted
 function takes explicit shardings on the mesh: parameters by the logical axis rules,
 rows over (data, fsdp). Rows come from the host, the same on every process, and are
 placed on the mesh first, each process its shards.
@@ -82,23 +83,20 @@ def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_n
 
 
 def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
-    """The rows a minibatch of `rows` packed rows is padded to. Below one micro-batch: a
-    multiple of `small_micro_rows` (an eighth of a micro-batch), so the few rows of a small
-    RL step waste little; from one micro-batch on, a multiple of lcm(micro_batch_size,
-    granule). granule is the data-parallel size, so rows shard evenly."""
+    """The rows a minibatch of `rows` packed rows is padded to (its compiled shape). Below
+    one micro-batch: at least ceil(micro_batch_size / 8) rows (the few rows of a small RL
+    step share one shape), rounded up to a multiple of lcm(granule, 2^(floor(log2 rows) - 2)):
+    padding under a quarter of the rows, at most four shapes per doubling. From one
+    micro-batch on, a multiple of lcm(micro_batch_size, granule). granule is the
+    data-parallel size, so rows shard evenly."""
     if rows < micro_batch_size:
-        small = small_micro_rows(micro_batch_size, granule)
-        padded = -(-rows // small) * small
-        if padded < micro_batch_size:
-            return padded
+        rows = max(rows, -(-micro_batch_size // 8))
+        step = math.lcm(granule, 1 << max(0, rows.bit_length() - 3))
+        small = -(-rows // step) * step
+        if small < micro_batch_size:
+            return small
     unit = math.lcm(micro_batch_size, granule)
     return -(-rows // unit) * unit
-
-
-def small_micro_rows(micro_batch_size: int, granule: int) -> int:
-    """The micro-batch of a minibatch smaller than one micro-batch: an eighth of it, on
-    the granule."""
-    return math.lcm(-(-micro_batch_size // 8), granule)
 
 
 class Learner:
@@ -130,13 +128,16 @@ class Learner:
 
     def micro_rows(self, rows: int) -> int:
         """Rows of one micro-batch of a minibatch of `rows` rows (`minibatch_rows`): the
-        compiled shape of the update and of the log-prob passes' chunks. One of two,
-        whatever the batch: `micro_batch_size` on the data-parallel granule, or an eighth
-        of that below one micro-batch (the whole minibatch where rows fit neither)."""
+        compiled shape of the update and of the log-prob passes' chunks. From one
+        micro-batch on, `micro_batch_size` on the data-parallel granule; below it, the
+        largest lcm(granule, 2^k) that divides rows (padding bucket sizes are multiples of
+        one): at most one shape per power of two under micro_batch_size in any run."""
         cfg, granule = self.config, self._granule()
         unit = math.lcm(cfg.micro_batch_size, granule)
-        size = small_micro_rows(cfg.micro_batch_size, granule) if rows < cfg.micro_batch_size else unit
-        return size if rows % size == 0 else rows
+        if rows >= cfg.micro_batch_size:
+            return unit if rows % unit == 0 else rows
+        sizes = [math.lcm(granule, 1 << k) for k in range(rows.bit_length())]
+        return max([m for m in sizes if rows % m == 0], default=rows)
 
     def _granule(self) -> int:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
