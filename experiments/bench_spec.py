@@ -105,7 +105,7 @@ def breakdown_row(engine, prompts, sp, key, strategy, plain, spec, plain_chunk):
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
     decode_speedup = spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     chunk = lambda c: dict(steps=c.steps, parts=c.parts, sum_s=c.sum_s, wall_s=c.wall_s, calls=c.reps,
-                           after_another_s=c.after_another_s)
+                           after_another_s=c.after_another_s, wall_median_s=c.wall_median_s)
     return dict(plain_chunk=chunk(plain_chunk), spec_chunk=chunk(spec_chunk), rollout=rollouts, ideal_speedup=ideal,
                 efficiency=speedup / ideal, decode_efficiency=decode_speedup / ideal)
 
@@ -266,7 +266,8 @@ def print_breakdown(rows):
               + f" = {sc['sum_s'] * 1e3:7.2f} / {sc['wall_s'] * 1e3:7.2f}; plain {pc['steps']} steps: "
               + " ".join(f"{v * 1e3:7.2f}" for v in pc["parts"].values())
               + f" = {pc['sum_s'] * 1e3:7.2f} / {pc['wall_s'] * 1e3:7.2f}; after another program: spec "
-              f"{sc['after_another_s'] * 1e3:.2f}, plain {pc['after_another_s'] * 1e3:.2f}")
+              f"{sc['after_another_s'] * 1e3:.2f}, plain {pc['after_another_s'] * 1e3:.2f}; median wall: spec "
+              f"{sc['wall_median_s'] * 1e3:.2f}, plain {pc['wall_median_s'] * 1e3:.2f}")
     print("\nper rollout, s: parts summed / the timeline's wall")
     for r in rows:
         for kind, ro in r["rollout"].items():
