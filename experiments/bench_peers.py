@@ -86,8 +86,8 @@ def setup_target(setup: dict) -> tuple[str, str]:
     """(checkpoint dir, drafter export dir) of a setup: the shipped ones, or bench_tlt's
     deepened target built once into --cache_dir."""
     if setup.get("warm_start", "assets") == "assets":
-        return bench_tlt.build_warm_start("assets", bench_tlt._CACHE.value)
-    return bench_tlt.build_target(setup["layers"], bench_tlt._CACHE.value, setup["warm_start"])
+        return bench_tlt.build_warm_start("assets", bench_tlt.CACHE.value)
+    return bench_tlt.build_target(setup["layers"], bench_tlt.CACHE.value, setup["warm_start"])
 
 
 def ours_config(mode: str, setup: dict, target_dir: str, drafter_dir: str, seed: int, steps: int):
@@ -166,7 +166,7 @@ def run_ours(mode: str, work: dict, check: dict) -> dict:
     from tlt_jax.models.hf_io import load_hf
     from tlt_jax.rl.train import train_rl
 
-    launch.enable_compilation_cache(bench_tlt._xla_cache_dir())
+    launch.enable_compilation_cache(bench_tlt.xla_cache_dir())
     cfg, params = load_hf(work["model_dir"])
     h = tfm.forward(jax.tree.map(jnp.asarray, params), cfg, jnp.asarray(check["tokens"]))
     diff = max_logit_diff(check, tfm.logits_from_hidden(params, cfg, h))
@@ -179,9 +179,9 @@ def run_ours(mode: str, work: dict, check: dict) -> dict:
         import shutil
 
         shutil.rmtree(c.run_dir)
-    programs = bench_tlt._cached_programs()
+    programs = bench_tlt.cached_programs()
     train_rl(c, progress=False)
-    out["new_compiled_programs"] = bench_tlt._cached_programs() - programs
+    out["new_compiled_programs"] = bench_tlt.cached_programs() - programs
     records = metrics.read_metrics(os.path.join(c.run_dir, metrics.METRICS_FILENAME))
     steps = []
     for r in (r for r in records if "time_step_s" in r):
@@ -237,7 +237,7 @@ def framework_command(name: str, work_path: str, out: str, python_of=tunix_pytho
         if why:
             return None, why
     return [sys.executable, "-m", "experiments.bench_peers", f"--single={name}", f"--work={work_path}",
-            f"--out={out}", f"--cache_dir={bench_tlt._CACHE.value}", f"--work_dir={_WORK_DIR.value}",
+            f"--out={out}", f"--cache_dir={bench_tlt.CACHE.value}", f"--work_dir={_WORK_DIR.value}",
             f"--max_logit_diff={_MAX_LOGIT_DIFF.value}"], ""
 
 
@@ -293,7 +293,7 @@ def print_table(result: dict) -> None:
               f"{s.get('rollout_speedup_vs_baseline', 0.0):8.2f}")
     cold = {n: r["new_compiled_programs"] for n, r in result["frameworks"].items() if r.get("new_compiled_programs")}
     if cold:
-        print(f"Programs compiled during the runs (not found in {bench_tlt._CACHE.value}/xla): {cold}. Learner "
+        print(f"Programs compiled during the runs (not found in {bench_tlt.CACHE.value}/xla): {cold}. Learner "
               "shapes that first appear after the warm-up steps compile inside timed steps: run the same command "
               "again for a fair ratio.")
     tlt = result["frameworks"].get("tlt", {}).get("summary", {})
@@ -313,9 +313,9 @@ def run_all(launch_child=spawn, command_of=framework_command) -> dict:
         if name not in FRAMEWORKS:
             raise ValueError(f"Unknown framework {name!r}: the frameworks are {', '.join(FRAMEWORKS)}.")
     setup = SETUPS[_SETUP.value]
-    steps = bench_tlt._STEPS.value or setup["steps"]
+    steps = bench_tlt.STEPS.value or setup["steps"]
     warmup = setup["warmup_steps"] if _WARMUP.value is None else _WARMUP.value
-    seed = bench_tlt._SEED.value
+    seed = bench_tlt.SEED.value
     os.makedirs(_WORK_DIR.value, exist_ok=True)
     work = make_work(_SETUP.value, seed, steps)
     work_path = os.path.abspath(os.path.join(_WORK_DIR.value, f"work_{_SETUP.value}.json"))
@@ -356,7 +356,7 @@ def run_all(launch_child=spawn, command_of=framework_command) -> dict:
 
 
 def _out() -> str:
-    return bench_tlt._OUT.value
+    return bench_tlt.OUT.value
 
 
 def _machine() -> str:

@@ -75,12 +75,12 @@ from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "gpu"],
                             "Run size (see PRESETS).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
-_OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
-_STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
+SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
+OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
 _MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram): "
                            "the order of the first pair of runs; the next pair runs them in reverse (ABBA).")
-_CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
+CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
 _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of the modes go here.")
 _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
                               "preset's deepened SFT model; needs --drafter.")
@@ -267,7 +267,7 @@ def main(argv):
 def _target(preset: dict) -> tuple[str, str]:
     if _TARGET.value:
         return _TARGET.value, _DRAFTER.value
-    return build_target(preset["layers"], _CACHE.value, preset.get("warm_start", "assets"), preset.get("mlp_size", 0))
+    return build_target(preset["layers"], CACHE.value, preset.get("warm_start", "assets"), preset.get("mlp_size", 0))
 
 
 def run_in_process(modes: list[str]) -> dict:
@@ -276,26 +276,26 @@ def run_in_process(modes: list[str]) -> dict:
     order, see the module docstring)."""
     launch.maybe_initialize_distributed()
     preset = PRESETS[_PRESET.value]
-    steps = _STEPS.value or preset["steps"]
+    steps = STEPS.value or preset["steps"]
     # Repeated runs (and the second mode's learner, the same programs) skip compiles.
-    launch.enable_compilation_cache(_xla_cache_dir())
+    launch.enable_compilation_cache(xla_cache_dir())
     t0 = time.perf_counter()
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
+                  preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
-        config = mode_config(mode, preset, target_dir, drafter_dir, _SEED.value, steps)
+        config = mode_config(mode, preset, target_dir, drafter_dir, SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
             shutil.rmtree(config.run_dir)
         t_mode = time.perf_counter()
-        programs = _cached_programs()
+        programs = cached_programs()
         summary = train_rl(config, progress=True)
         records = metrics.read_metrics(os.path.join(config.run_dir, metrics.METRICS_FILENAME))
         result["modes"][mode] = dict(summarise(records, preset["warmup_steps"]), wall_s=time.perf_counter() - t_mode,
                                      final_eval_accuracy=summary["final_eval_accuracy"],
                                      sft_eval_accuracy=summary["sft_eval_accuracy"], tlt=summary.get("tlt"),
-                                     new_compiled_programs=_cached_programs() - programs)
+                                     new_compiled_programs=cached_programs() - programs)
         _write(result)
     modes = result["modes"]
     if "baseline" in modes and "tlt" in modes:
@@ -311,8 +311,8 @@ def run_in_process(modes: list[str]) -> dict:
             final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
     _write(result)
-    if _OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
-        plot_acceptance(modes, os.path.splitext(_OUT.value)[0] + "_acceptance.png")
+    if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
+        plot_acceptance(modes, os.path.splitext(OUT.value)[0] + "_acceptance.png")
     return result
 
 
@@ -370,7 +370,7 @@ def _print_rewards(result: dict, rows: list[tuple[str, dict]]) -> None:
 def _warn_compiles(counts: dict) -> None:
     cold = {name: n for name, n in counts.items() if n}
     if cold:
-        print(f"Programs compiled during the runs (not found in {_CACHE.value}/xla): {cold}. Shapes that first "
+        print(f"Programs compiled during the runs (not found in {CACHE.value}/xla): {cold}. Shapes that first "
               "appear after the warm-up steps (learner rows, prefill buckets) compile inside timed steps, and a "
               "later run finds an earlier run's programs compiled: run the same command again for a fair ratio.")
 
@@ -433,7 +433,7 @@ def run_repeats(launch_child=spawn) -> int:
     a fresh process (`launch_child(command, env)`), in ABBA order; rewrites --out after every
     run. Returns the exit status: 1 if a run failed (the others are kept), else 0."""
     preset = PRESETS[_PRESET.value]
-    steps = _STEPS.value or preset["steps"]
+    steps = STEPS.value or preset["steps"]
     order = abba_order(_MODES.value, _REPEATS.value)
     parts = os.path.join(_RUN_DIR.value, "runs_parts")
     for run in order:
@@ -450,10 +450,10 @@ def run_repeats(launch_child=spawn) -> int:
     # The warm start and the target are built here, once, before any run (a cold build trains
     # the warm start); on the CPU, so that this process holds none of an accelerator's memory.
     jax.config.update("jax_platforms", "cpu")
-    launch.enable_compilation_cache(_xla_cache_dir())
+    launch.enable_compilation_cache(xla_cache_dir())
     t0 = time.perf_counter()
     _target(preset)
-    result = dict(preset=_PRESET.value, seed=_SEED.value, steps=steps, layers=preset["layers"],
+    result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
                   tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
                   child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
     failed = []
@@ -487,11 +487,11 @@ def run_repeats(launch_child=spawn) -> int:
         result.update(aggregate(result["runs"]), wall_s=time.perf_counter() - t_start)
         _write(result)
     print_repeats(result)
-    if _OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "ngram")):
-        plot_acceptance(result["modes"], os.path.splitext(_OUT.value)[0] + "_acceptance.png")
+    if OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "ngram")):
+        plot_acceptance(result["modes"], os.path.splitext(OUT.value)[0] + "_acceptance.png")
     if failed:
         print(f"{len(failed)} of {len(order)} runs failed (runs {', '.join(str(r['run']) for r in failed)}); the "
-              "others are kept" + (f" in {_OUT.value}" if _OUT.value else ""))
+              "others are kept" + (f" in {OUT.value}" if OUT.value else ""))
     return 1 if failed else 0
 
 
@@ -618,19 +618,19 @@ def plot_acceptance(modes: dict, path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def _xla_cache_dir() -> str:
-    return os.path.abspath(os.path.join(_CACHE.value, "xla"))
+def xla_cache_dir() -> str:
+    return os.path.abspath(os.path.join(CACHE.value, "xla"))
 
 
-def _cached_programs() -> int:
+def cached_programs() -> int:
     """Programs in the benchmark's persistent compilation cache (every compile is kept)."""
-    path = _xla_cache_dir()
+    path = xla_cache_dir()
     return len(os.listdir(path)) if os.path.isdir(path) else 0
 
 
 def _write(result):
-    if _OUT.value:
-        metrics.write_json(_OUT.value, result)
+    if OUT.value:
+        metrics.write_json(OUT.value, result)
 
 
 if __name__ == "__main__":
