@@ -36,8 +36,12 @@ def run(work: dict, check: dict, max_logit_diff: float, logit_diff) -> dict:
     samples = work["prompts_per_step"] * work["num_samples"]
     reward_fn = rewards.get_reward(work["reward"])
 
-    def task_reward(prompts, completions, **columns):
-        return reward_fn(prompts, completions, **columns)
+    # The dataset holds each prompt and its row number only: Arrow cannot hold every column
+    # as it is (cpu_long's operands exceed int64), and the reward reads the work's own values.
+    columns = [name for name in rows[0] if name != "prompt"]
+
+    def task_reward(prompts, completions, row, **_):
+        return reward_fn(prompts, completions, **{name: [rows[i][name] for i in row] for name in columns})
 
     with tempfile.TemporaryDirectory() as output_dir:
         args = trl.GRPOConfig(
@@ -51,7 +55,8 @@ def run(work: dict, check: dict, max_logit_diff: float, logit_diff) -> dict:
             shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none",
             dataloader_num_workers=0, disable_tqdm=True)
         trainer = trl.GRPOTrainer(model=model, reward_funcs=task_reward, args=args, processing_class=tokenizer,
-                                  train_dataset=datasets.Dataset.from_list(rows))
+                                  train_dataset=datasets.Dataset.from_list(
+                                      [dict(prompt=r["prompt"], row=i) for i, r in enumerate(rows)]))
         steps, current = [], {}
 
         def timed(name, fn):
