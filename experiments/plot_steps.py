@@ -13,13 +13,9 @@ mean over the file's complete pairs (each pair: its baseline run's step time ove
 run's), the acceptance the mean over its TLT runs; steps before the preset's warm-up end
 (`steady_steps`) have no ratio (their compiles differ by mode). Prints the table it plots.
 """
+import argparse
 import json
 import math
-
-from absl import app, flags
-
-_RUNS = flags.DEFINE_list("runs", [], "label=path of a bench_tlt ABBA JSON, one per line of the plot.")
-_OUT = flags.DEFINE_string("out", "", "Write the plot here (PNG).")
 
 
 def per_step(result: dict) -> dict:
@@ -64,10 +60,15 @@ def plot(lines: dict, path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main(argv):
-    del argv
+def main(argv=None):
+    # argparse, not absl flags: --runs and --out would clash with the benchmarks' flags of
+    # the same names in one process (the tests import several scripts).
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", required=True, help="label=path,...: bench_tlt ABBA JSONs, one line each.")
+    parser.add_argument("--out", default="", help="Write the plot here (PNG).")
+    args = parser.parse_args(argv)
     lines = {}
-    for item in _RUNS.value:
+    for item in args.runs.split(","):
         label, sep, path = item.partition("=")
         if not sep:
             raise ValueError(f"--runs item {item!r}: write label=path.")
@@ -80,9 +81,9 @@ def main(argv):
             a, r = steps.get(step, (None, None))
             cells.append(f"{'-' if a is None else f'{a:.2f}':>10} {'-' if r is None else f'{r:.2f}x':>13}")
         print(f"{step:>4}  " + "  ".join(cells))
-    if _OUT.value:
-        plot(lines, _OUT.value)
+    if args.out:
+        plot(lines, args.out)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

@@ -1,4 +1,5 @@
 """plot_steps: per-step ratios and acceptance of bench_tlt ABBA results."""
+import json
 import math
 
 import pytest
@@ -24,3 +25,12 @@ def test_per_step_pairs_each_baseline_run_with_its_tlt_run():
     runs[3]["result"]["modes"]["baseline"]["steady_steps"] = [3, 4]
     with pytest.raises(ValueError, match="pair 2"):
         plot_steps.per_step(dict(runs=runs, pairs=pairs))
+
+
+def test_main_prints_and_plots(tmp_path, capsys):
+    runs = [dict(run=1, pair=1, mode="baseline", result={"modes": {"baseline": _mode([2], [3.0])}}),
+            dict(run=2, pair=1, mode="tlt", result={"modes": {"tlt": _mode([2], [2.0], [1.5, 2.5])}})]
+    path = tmp_path / "abba.json"
+    path.write_text(json.dumps(dict(runs=runs, pairs=[dict(pair=1, baseline_run=1, tlt_run=2)])))
+    plot_steps.main([f"--runs=warm={path}", f"--out={tmp_path / 'steps.png'}"])
+    assert "1.50x" in capsys.readouterr().out and (tmp_path / "steps.png").stat().st_size > 0
