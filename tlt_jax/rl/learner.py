@@ -221,9 +221,7 @@ class Learner:
         sequences), so the sum is the minibatch's loss and an all-padding micro-batch adds
         exactly zero."""
         n = minibatch["tokens"].shape[0]
-        micro = self.micro_rows(n)
-        if n % micro:
-            raise ValueError(f"Minibatch of {n} rows does not split into micro-batches of {micro}.")
+        micro = self.micro_rows(n)  # divides n by construction
         minibatch = dict(minibatch, **self._weights(minibatch["loss_mask"], minibatch["segment_ids"]))
         micro_batches = [{name: v[i:i + micro] for name, v in minibatch.items()} for i in range(0, n, micro)]
         step, zeros = self.micro_step(params, micro_batches[0])
