@@ -130,7 +130,7 @@ def forward_seconds(group, state, num_tokens: int, min_seconds: float = 1.0) -> 
         def body(i, carry):
             cache, acc = carry
             logits, h, new = tfm.decode(params, cfg, cache, tokens_BT, positions, mask_BTW=mask, return_logits=True)
-            return tfm.KVCache(new.k, new.v, cache.lengths), acc + jnp.sum(logits) + jnp.sum(h)
+            return new.with_lengths(cache.lengths), acc + jnp.sum(logits) + jnp.sum(h)
 
         return lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
 

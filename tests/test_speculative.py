@@ -32,10 +32,12 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False, eos_token_id=0):
+def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False, eos_token_id=0,
+            kv_bucket=64):
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=4,
-                       eos_token_id=eos_token_id, max_draft_depth=4, time_spec_phases=time_spec_phases)
+                       eos_token_id=eos_token_id, max_draft_depth=4, time_spec_phases=time_spec_phases,
+                       kv_bucket=kv_bucket)
     return RolloutEngine(CFG, params, mesh, rc, dcfg, dparams)
 
 
@@ -315,6 +317,29 @@ def test_switching_between_plain_and_speculative_mid_run_keeps_greedy_tokens(par
         np.testing.assert_array_equal(a, b)
     assert plain.finish_reason == mixed.finish_reason
     np.testing.assert_allclose(np.concatenate(plain.logprobs), np.concatenate(mixed.logprobs), atol=1e-5)
+
+
+def test_attention_buckets_keep_every_token(params):
+    """Chunks whose attention reads only the cache slots their sequences reach (buckets of
+    4, 8, ... 64 slots) give the tokens of chunks that read all 64: plain and each
+    speculative strategy, greedy and sampled."""
+    prompts = PROMPTS + [[11, 12], [13], [14, 15, 16], [17, 18, 19, 20]]
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    for sp in (sampling.SamplingParams(temperature=0.0, max_tokens=20, stop_tokens=(18, 29)),
+               sampling.SamplingParams(temperature=1.0, max_tokens=20)):
+        for strategy in STRATEGIES:
+            speculation = _Band(strategy, lo=0, hi=5)  # plain while more than 5 run, then speculative
+            runs = {}
+            for bucket in (0, 4):
+                engine = _engine(params, DCFG, dparams, num_slots=8, max_length=64, kv_bucket=bucket)
+                runs[bucket] = engine.generate(prompts, 1, sp, jax.random.PRNGKey(3), speculation=speculation)
+                read = {key[0][-1] for key in engine.groups[0]._compiled if key[0][0] == "chunk"}
+                assert read == {64} if bucket == 0 else len(read) >= 2 and min(read) <= 16, (strategy.name, read)
+            assert _modes(runs[4]) == "PS", strategy.name
+            for a, b in zip(runs[0].tokens, runs[4].tokens):
+                np.testing.assert_array_equal(a, b, err_msg=strategy.name)
+            assert runs[0].finish_reason == runs[4].finish_reason
+            np.testing.assert_allclose(np.concatenate(runs[0].logprobs), np.concatenate(runs[4].logprobs), atol=1e-5)
 
 
 def _mimic_drafter(params, config):

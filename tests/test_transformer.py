@@ -1,4 +1,7 @@
-"""Forward, prefill and decode agree; tree-masked decode equals per-branch sequences."""
+"""Forward, prefill and decode agree; tree-masked decode equals per-branch sequences; a cache
+read up to its attended slots."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,9 +112,35 @@ def test_tree_grown_level_by_level_equals_one_shot(params):
     for lo, hi in [(0, 1), (1, 3), (3, 5)]:
         logits, _, grown = tfm.decode(params, CFG, cache, tree_tokens[:, lo:hi], depth[:, lo:hi],
                                       mask_BTW=jnp.asarray(ancestors[lo:hi, :hi])[None], return_logits=True)
-        cache = tfm.KVCache(grown.k, grown.v, cache.lengths)  # the levels stay scratch
+        cache = grown.with_lengths(cache.lengths)  # the levels stay scratch
         pieces.append(logits)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), one_shot, atol=1e-5, rtol=1e-5)
+
+
+def test_attended_slots_are_all_decode_reads(params):
+    """A cache read up to `attended` slots: what lies beyond (NaN here) never reaches the
+    outputs, which equal those of the whole cache; the writes past it still land."""
+    b, s, attended = 2, 24, 13
+    tokens = _tokens(b, 12)
+    cache = tfm.init_cache(CFG, b, s)
+    _, cache = tfm.prefill(params, CFG, cache, tokens[:, :8], jnp.array([8, 5]))
+    beyond = (jnp.arange(s) >= attended)[None, None, :, None, None]
+    poisoned = dataclasses.replace(cache, k=jnp.where(beyond, jnp.nan, cache.k),
+                                   v=jnp.where(beyond, jnp.nan, cache.v)).attending(attended)
+    step = jax.jit(lambda c, tok, pos: tfm.decode(params, CFG, c, tok, pos, return_logits=True))
+    lengths = cache.lengths[:, None]
+    for t in (1, 4):  # lengths + 4 <= 13: a step of one token and one of four
+        want, _, whole = step(cache, tokens[:, 8:8 + t], lengths + jnp.arange(t))
+        got, _, part = step(poisoned, tokens[:, 8:8 + t], lengths + jnp.arange(t))
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        assert part.attended == attended and part.lengths.tolist() == whole.lengths.tolist()
+    tree = jnp.tril(jnp.ones((b, 4, 4), bool))
+    want = step(cache, tokens[:, 8:12], lengths + jnp.arange(4))[0]
+    got = jax.jit(lambda c: tfm.decode(params, CFG, c, tokens[:, 8:12], lengths + jnp.arange(4), mask_BTW=tree,
+                                       return_logits=True)[0])(poisoned)
+    np.testing.assert_allclose(got, want, atol=1e-5)  # an explicit mask reads the same slots
+    with pytest.raises(ValueError, match="attended slots 25"):
+        cache.attending(25)
 
 
 def test_decode_layouts_equal_the_stacked_one(params):

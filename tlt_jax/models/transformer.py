@@ -385,23 +385,43 @@ class KVCache:
     so that the layout is this module's choice alone. (Head-major [L, B, K, S, Dh] spares
     XLA:CPU a transpose of each layer's cache per step, yet measured 18% slower decode
     steps there at batch 128; on the GPU it is untried.)
+
+    attended (static; None: max_length): decode's attention reads only the first
+    `attended` slots, since a step's cost grows with the slots it reads, not with those
+    the cache holds. The holder keeps lengths + W <= attended for every sequence whose
+    output it uses (W: the step's new slots); slots beyond still take writes. Every
+    cache derived from this one keeps it (`with_lengths`, the methods below, decode).
     """
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    attended: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def max_length(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def attended_slots(self) -> int:
+        return self.max_length if self.attended is None else self.attended
+
+    def with_lengths(self, lengths_B: jax.Array) -> "KVCache":
+        return dataclasses.replace(self, lengths=lengths_B)
+
+    def attending(self, slots: int | None) -> "KVCache":
+        """The same entries, attention reading the first `slots` (None: all)."""
+        if slots is not None and not 0 < slots <= self.max_length:
+            raise ValueError(f"attended slots {slots} must be in 1..{self.max_length} (the cache's slots).")
+        return dataclasses.replace(self, attended=slots)
 
     def with_rows(self, rows_R: jax.Array, rows_cache: "KVCache", lengths_R: jax.Array) -> "KVCache":
         """Rows rows_R (out of range: dropped) take rows_cache's P slots as their first P
         and lengths_R as their lengths: prompts prefilled on their own, put in place."""
         p = rows_cache.max_length
         put = lambda a, v: a.at[:, rows_R, :p].set(v, mode="drop")
-        return KVCache(put(self.k, rows_cache.k), put(self.v, rows_cache.v),
-                       self.lengths.at[rows_R].set(lengths_R, mode="drop"))
+        return dataclasses.replace(self, k=put(self.k, rows_cache.k), v=put(self.v, rows_cache.v),
+                                   lengths=self.lengths.at[rows_R].set(lengths_R, mode="drop"))
 
     def with_slots_copied(self, src_BT: jax.Array, dst_BT: jax.Array, lengths_B: jax.Array) -> "KVCache":
         """Each row's entries at slots src_BT copied to slots dst_BT (destinations out of
@@ -412,7 +432,7 @@ class KVCache:
         def copy(a):  # the entries are [L, B, T, K, Dh]
             return a.at[:, rows, dst_BT].set(a[:, rows, src], mode="drop")
 
-        return KVCache(copy(self.k), copy(self.v), lengths_B)
+        return dataclasses.replace(self, k=copy(self.k), v=copy(self.v), lengths=lengths_B)
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -455,7 +475,7 @@ def _decode(params, config, cache, tokens_BT, positions_BT, mask_BTW, return_log
     c = config
     x = _inputs(params, c, tokens_BT, inputs_BTD)
     b, t = x.shape[:2]
-    s = cache.max_length
+    s = cache.attended_slots  # the slots attention reads
     start_B = cache.lengths
     w = t if mask_BTW is None else mask_BTW.shape[2]
     if mask_BTW is None:
@@ -501,7 +521,7 @@ def _decode(params, config, cache, tokens_BT, positions_BT, mask_BTW, return_log
         carry, _ = lax.scan(layer_fn, carry, (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32)))
     x, k_all, v_all, collected = carry
     h = _final_norm(params, c, x)
-    cache = KVCache(k_all, v_all, start_B + w)
+    cache = dataclasses.replace(cache, k=k_all, v=v_all, lengths=start_B + w)
     out = (logits_from_hidden(params, c, h), h, cache) if return_logits else (h, cache)
     return out + (collected,) if layer_ids else out
 
@@ -515,11 +535,11 @@ def prefill(params: Params, config: ModelConfig, cache: KVCache, tokens_BT: jax.
     `forward`.
     """
     b, t = tokens_BT.shape
-    empty = KVCache(cache.k, cache.v, jnp.zeros((b,), jnp.int32))
+    empty = cache.with_lengths(jnp.zeros((b,), jnp.int32))
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     h_BTD, cache = _decode(params, config, empty, tokens_BT, positions_BT, None, False, (), None, attention_impl,
                            from_empty=True)
-    cache = KVCache(cache.k, cache.v, lengths_B.astype(jnp.int32))
+    cache = cache.with_lengths(lengths_B.astype(jnp.int32))
     h_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     if return_logits:
         return logits_from_hidden(params, config, h_BD), h_BD, cache

@@ -36,8 +36,8 @@ import numpy as np
 from jax import lax
 
 from tlt_jax import sampling, sharding
-from tlt_jax.models import transformer as tfm
 from tlt_jax.rollout import speculative as spec_lib
+from tlt_jax.rollout.engine import attending
 from tlt_jax.rollout.timeline import GroupTimeline, SpecChunk
 
 SPEC_PARTS = ("sync", "draft", "verify", "accept", "bookkeeping")
@@ -94,7 +94,7 @@ def _phases(group, strategy: spec_lib.Strategy | None):
 
     def forward(params, drafter_params, state, key, sp):
         token, logp, h, cache, layers = group._plain_forward(params, state, key, sp)
-        state = dataclasses.replace(state, cache=tfm.KVCache(cache.k, cache.v, state.cache.lengths))
+        state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
         return state, _checksum(token, logp, h, *layers)
 
     def draft(params, drafter_params, state, key, sp):
@@ -108,7 +108,7 @@ def _phases(group, strategy: spec_lib.Strategy | None):
 
     def verify_only(params, drafter_params, state, key, sp):
         state, tree, logits, h, cache, layers = verify(params, drafter_params, state, key, sp)
-        state = dataclasses.replace(state, cache=tfm.KVCache(cache.k, cache.v, state.cache.lengths))
+        state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
         return state, _checksum(tree.tokens, logits, h, *layers)
 
     def accept(params, drafter_params, state, key, sp):
@@ -117,7 +117,7 @@ def _phases(group, strategy: spec_lib.Strategy | None):
         path, num_accepted, tokens, logp, nodes = group._accepted(state, tree, logits, key, sp)
         keep = jnp.where(state.active, jnp.minimum(num_accepted, tokens.shape[1] - 1), 0)
         committed = spec_lib.commit_path(cache, start, path, keep)
-        state = dataclasses.replace(state, cache=tfm.KVCache(committed.k, committed.v, start))
+        state = dataclasses.replace(state, cache=committed.with_lengths(start))
         return state, _checksum(tokens, logp, nodes, h, *layers)
 
     if strategy is None:
@@ -126,16 +126,18 @@ def _phases(group, strategy: spec_lib.Strategy | None):
             ("verify", verify_only), ("accept", accept)]
 
 
-def _loop_program(group, step, speculative: bool):
-    """step run `steps` times in one device loop, the state donated: (params, drafter_params,
-    state, key, steps, sp) -> (state, checksum)."""
+def _loop_program(group, step, speculative: bool, attended: int | None):
+    """step run `steps` times in one device loop, attention reading `attended` cache slots
+    as in the engine's chunk, the state donated: (params, drafter_params, state, key, steps,
+    sp) -> (state, checksum)."""
     def fn(params, drafter_params, state, key, steps, sp):
         def body(i, carry):
             state, acc = carry
             state, c = step(params, drafter_params, state, key, sp)
             return state, acc + c
 
-        return lax.fori_loop(0, steps, body, (state, jnp.float32(0)))
+        state, acc = lax.fori_loop(0, steps, body, (attending(state, attended), jnp.float32(0)))
+        return attending(state, None), acc
 
     rep = sharding.replicated(group.mesh)
     shardings = group._shardings(speculative)
@@ -192,10 +194,12 @@ def chunk_breakdown(group, state, key, strategy: spec_lib.Strategy | None, sp: s
     speculative = state.spec is not None
     if strategy is not None and not speculative:
         raise ValueError("A speculative chunk needs a speculative slot state (empty_state(..., speculative=True)).")
-    out = group.run_chunk(_copy(state), key, False, strategy, sp, 0)
+    lengths, active = jax.device_get((state.cache.lengths, state.active))
+    attended = group.attended_slots(lengths, active, strategy, speculative)
+    out = group.run_chunk(_copy(state), key, False, strategy, sp, 0, attended)
     steps = int(jax.device_get(out[1]))
     sync = _sync_program(group, speculative)
-    loops = [(name, _loop_program(group, step, speculative)) for name, step in _phases(group, strategy)]
+    loops = [(name, _loop_program(group, step, speculative, attended)) for name, step in _phases(group, strategy)]
 
     def call(name, program):
         s = _copy(state)
@@ -203,7 +207,7 @@ def chunk_breakdown(group, state, key, strategy: spec_lib.Strategy | None, sp: s
         if name == "sync":
             jax.device_get(program(s, key, jnp.int32(steps))[1])
         elif name in ("chunk", "wall"):  # as the host loop calls and waits for it
-            new, n, active, kept = group.run_chunk(s, key, False, strategy, sp, 0)
+            new, n, active, kept = group.run_chunk(s, key, False, strategy, sp, 0, attended)
             jax.device_get((new.active, n, active, kept))
         else:
             jax.device_get(program(group.params, group.drafter_params, s, key, jnp.int32(steps), sp)[1])

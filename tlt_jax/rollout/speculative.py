@@ -74,6 +74,13 @@ class Strategy:
         return self.drafter == "eagle" and self.topk > 1
 
     @property
+    def num_tree_nodes(self) -> int:
+        """The nodes of each draft tree the target verifies, the root included."""
+        if self.drafter in ("ngram", "history"):
+            return ngram.NgramConfig(depth=self.depth, branches=self.topk).num_nodes
+        return self.num_nodes if self.is_eagle_tree else self.depth + 1
+
+    @property
     def name(self) -> str:
         if self.drafter in ("ngram", "history"):
             return f"{self.drafter}-d{self.depth}-b{self.topk}"
@@ -197,7 +204,7 @@ class Drafter:
         g_last = jnp.take_along_axis(g, last, axis=1)[:, 0]
         logits = tfm.logits_from_hidden(drafter_lib.model_params(drafter_params, target_params), self.target_config,
                                         g_last)
-        cache = tfm.KVCache(cache.k, cache.v, start + state.pending_count)
+        cache = cache.with_lengths(start + state.pending_count)
         emptied = DrafterState(cache, state.pending_tokens, state.pending_features, jnp.zeros_like(start))
         return emptied, logits, g_last
 
@@ -261,7 +268,7 @@ class Drafter:
             tokens.append(token.astype(jnp.int32))
             qs.append(q)
             if j + 1 < d:
-                scratch = tfm.KVCache(cache.k, cache.v, n)
+                scratch = cache.with_lengths(n)
                 logits, g, cache = self._decode(drafter_params, target_params, scratch, tokens[-1][:, None],
                                                 g_BD[:, None], (n + j)[:, None],
                                                 jnp.ones((b, 1, j + 1), bool))
@@ -289,7 +296,7 @@ class Drafter:
             mask = jnp.concatenate([fed_anc, jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))], axis=2)
             logits, g, fed = self._decode(drafter_params, target_params, cache, fed_tokens, frontier_g,
                                           jnp.broadcast_to((n + level - 1)[:, None], (b, k)), mask)
-            cache = tfm.KVCache(fed.k, fed.v, n)  # the fed levels stay scratch
+            cache = fed.with_lengths(n)  # the fed levels stay scratch
             child_scores, child_tokens = jax.lax.top_k(jax.nn.log_softmax(logits), k)  # [B, k, k]
             child_scores = child_scores + jnp.take_along_axis(jnp.concatenate(cand_scores, 1), frontier, 1)[..., None]
             cand_tokens.append(child_tokens.reshape(b, k * k))
