@@ -71,8 +71,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # RL prompts come from their own seed: the SFT run drew its training problems from
     # seed 0, and a memorised problem gives no learning signal.
     c.data = data_config(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1)
+    # kv_bucket: attention reads the cache in buckets of kv_bucket, twice that, ... slots
+    # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket.
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
-                                               steps_per_sync=16, temperature=1.0, top_p=1.0))
+                                               steps_per_sync=16, temperature=1.0, top_p=1.0, kv_bucket=64))
     c.num_samples = 8  # G
     c.prompts_per_step = 16
     c.advantage = "grpo"
@@ -150,7 +152,7 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
         # micro-batches that `experiments.plan_memory` fits.
         c.data.update(prompt_field="question", answer_field="answer",
                       system_prompt="Please reason step by step, and put your final answer within \\boxed{}.")
-        c.rollout.update(num_slots=512, max_prompt_length=512, max_tokens=1024)
+        c.rollout.update(num_slots=512, max_prompt_length=512, max_tokens=1024, kv_bucket=256)  # 4 buckets
         c.prompts_per_step, c.num_samples = 64, 8
         c.learner.update(micro_batch_size=16, num_minibatches=4)
         c.steps, c.eval_every, c.checkpoint_every = 200, 20, 20
@@ -159,7 +161,7 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
         # Qwen2.5-7B on MATH (problem, boxed solution), tensor-parallel over 2 devices a group.
         c.data.update(prompt_field="problem", answer_field="solution",
                       system_prompt="Please reason step by step, and put your final answer within \\boxed{}.")
-        c.rollout.update(num_slots=256, max_prompt_length=1024, max_tokens=3072)
+        c.rollout.update(num_slots=256, max_prompt_length=1024, max_tokens=3072, kv_bucket=512)  # 4 buckets
         c.prompts_per_step, c.num_samples = 64, 8
         c.learner.update(micro_batch_size=4, num_minibatches=8)
         c.mesh.update(data=-1, fsdp=1, tensor=2)

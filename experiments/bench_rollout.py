@@ -2,6 +2,13 @@ r"""Decode throughput of the rollout engine against the HBM roofline and transfo
 
   python -m experiments.bench_rollout --preset=gpu --out=bench_rollout.json
   python -m experiments.bench_rollout --preset=cpu
+  python -m experiments.bench_rollout --model_dir=runs/bench_tlt_cache/target_l16_long_tail --batches=64 \
+      --cache_slots=352 --attend=all,bucket --layouts=fused --nohf    # what attention buckets buy
+
+With --cache_slots the cache holds more slots than the sequences reach (a rollout's cache
+holds max_length, its sequences mostly far fewer); --attend=all times decode with attention
+reading every slot, bucket (the engine's default) reading the engine's bucket of them
+(`RolloutConfig.kv_bucket`).
 
 For each model shape and batch size: every slot is filled with a prompt, then one device
 loop of `new_tokens` decode steps is timed (median over repeats). The roofline of a step
@@ -27,6 +34,7 @@ from configs import models
 from tlt_jax import launch, metrics, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
+from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 
 _PRESET = flags.DEFINE_enum("preset", "cpu", ["cpu", "gpu"], "Shapes to run.")
@@ -43,6 +51,12 @@ LAYOUTS = {"fused": dict(per_layer_weights=True, fused_projections=True),
            "stacked": dict(per_layer_weights=False, fused_projections=False)}
 _LAYOUTS = flags.DEFINE_list("layouts", ["fused", "per_layer", "stacked"],
                              f"Decode weight layouts to time: {list(LAYOUTS)}.")
+_MODEL_DIR = flags.DEFINE_string("model_dir", "", "A Hugging Face checkpoint to time in place of --models.")
+_CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 0, "KV-cache slots per sequence (0: the prompt and new tokens "
+                                    "exactly).")
+ATTEND = ("bucket", "all")
+_ATTEND = flags.DEFINE_list("attend", ["bucket"], "Slots decode's attention reads: bucket (the engine's bucket "
+                            "over the live sequences), all (every cache slot); several: a row each.")
 
 PRESETS = {
     "cpu": dict(models=["tiny"], batches=[1, 4, 16], prompt=16, new_tokens=32, repeats=3),
@@ -73,12 +87,17 @@ def kv_bytes_per_token(cfg) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.dtype.itemsize
 
 
-def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout):
+def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout, cache_slots=0, attend="bucket"):
+    """(seconds of one chunk of new_tokens decode steps, compile seconds, slots attention read)."""
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len, max_length=prompt_len + new_tokens + 1,
-                       steps_per_sync=new_tokens, **LAYOUTS[layout])
+    rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len,
+                       max_length=max(cache_slots, prompt_len + new_tokens + 1), steps_per_sync=new_tokens,
+                       **LAYOUTS[layout])
     engine = RolloutEngine(cfg, params, mesh, rc)
     group = engine.groups[0]
+    attended = rc.max_length
+    if attend == "bucket":
+        attended = group.attended_slots(np.full((batch,), prompt_len), np.ones((batch,), bool), None, False)
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=new_tokens + 1)
     prompts = np.random.RandomState(0).randint(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
     key = jax.random.PRNGKey(0)
@@ -89,17 +108,17 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout):
         return group.insert(state, prompts, np.full((batch,), prompt_len, np.int32), rows, rows, rows, key, sp)
 
     t0 = time.perf_counter()
-    jax.block_until_ready(group.run_chunk(filled(), key, False, None, sp))
+    jax.block_until_ready(group.run_chunk(filled(), key, False, None, sp, 0, attended))
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         state = jax.block_until_ready(filled())
         t0 = time.perf_counter()
-        state, steps, _, _ = group.run_chunk(state, key, False, None, sp)
+        state, steps, _, _ = group.run_chunk(state, key, False, None, sp, 0, attended)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
         assert int(steps) == new_tokens
-    return statistics.median(times), compile_s
+    return statistics.median(times), compile_s, attended
 
 
 def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats, static):
@@ -135,6 +154,8 @@ def main(argv):
     unknown = set(_LAYOUTS.value) - set(LAYOUTS)
     if unknown:
         raise SystemExit(f"Unknown --layouts {sorted(unknown)}; choose from {list(LAYOUTS)}.")
+    if set(_ATTEND.value) - set(ATTEND):
+        raise SystemExit(f"Unknown --attend {sorted(set(_ATTEND.value) - set(ATTEND))}; choose from {list(ATTEND)}.")
     preset = PRESETS[_PRESET.value]
     model_names = _MODELS.value or preset["models"]
     batches = [int(b) for b in (_BATCHES.value or preset["batches"])]
@@ -143,25 +164,31 @@ def main(argv):
     rows = []
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
                   bandwidth_gbs=bandwidth, jax=jax.__version__, rows=rows)
-    for name in model_names:
-        cfg = from_config_dict(models.model_config(name))
-        params = tfm.init_params(cfg, jax.random.PRNGKey(0))
+    for name in ([_MODEL_DIR.value] if _MODEL_DIR.value else model_names):
         hf_dir = None
-        if _HF.value:
-            from tlt_jax.models.hf_io import save_hf
+        if _MODEL_DIR.value:
+            cfg, params = load_hf(name)
+            params = jax.tree.map(jnp.asarray, params)
+            name, hf_dir = os.path.basename(os.path.normpath(name)), name
+        else:
+            cfg = from_config_dict(models.model_config(name))
+            params = tfm.init_params(cfg, jax.random.PRNGKey(0))
+        if _HF.value and hf_dir is None:
             hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
             save_hf(hf_dir, cfg, jax.device_get(params))
-        for b, layout in [(b, layout) for b in batches for layout in _LAYOUTS.value]:
-            seconds, compile_s = bench_ours(cfg, params, b, p, n, repeats, layout)
+        for b, layout, attend in [(b, lay, a) for b in batches for lay in _LAYOUTS.value for a in _ATTEND.value]:
+            seconds, compile_s, attended = bench_ours(cfg, params, b, p, n, repeats, layout, _CACHE_SLOTS.value,
+                                                      attend)
             step_s = seconds / n
             # Mean KV entries read per step: the prompt plus, on average, half the answer.
             kv = b * (p + (n - 1) / 2) * kv_bytes_per_token(cfg)
             roofline_s = (param_bytes(params) + kv) / (bandwidth * 1e9)
-            row = dict(model=name, batch=b, layout=layout, prompt=p, new_tokens=n, step_ms=step_s * 1e3,
+            row = dict(model=name, batch=b, layout=layout, prompt=p, new_tokens=n, attend=attend,
+                       cache_slots=max(_CACHE_SLOTS.value, p + n + 1), attended_slots=attended, step_ms=step_s * 1e3,
                        tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
-            first_layout = layout == _LAYOUTS.value[0]
-            if hf_dir and first_layout and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
+            first_layout = layout == _LAYOUTS.value[0] and attend == _ATTEND.value[0]
+            if _HF.value and hf_dir and first_layout and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
                 for static in (False, True):
                     hf = bench_hf(hf_dir, b, p, n, repeats, static)
                     label = "hf_static" if static else "hf"
@@ -173,11 +200,13 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(result)
-    header = (f"{'model':14} {'batch':>5} {'layout':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} {'roof %':>6} "
-              f"{'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}")
+    header = (f"{'model':14} {'batch':>5} {'layout':>9} {'read':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} "
+              f"{'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}")
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
     for r in rows:
-        print(f"{r['model']:14} {r['batch']:5d} {r['layout']:>9} {r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} "
+        read = f"{r['attended_slots']}/{r['cache_slots']}"
+        print(f"{r['model'][:14]:14} {r['batch']:5d} {r['layout']:>9} {read:>9} {r['step_ms']:8.2f} "
+              f"{r['tokens_per_s']:9.0f} "
               f"{r['roofline_step_ms']:8.3f} "
               f"{100 * r['roofline_fraction']:6.1f} {r.get('hf_tokens_per_s', float('nan')):9.0f} "
               f"{r.get('speedup_vs_hf', float('nan')):5.2f} {r.get('speedup_vs_hf_static', float('nan')):6.2f}")
