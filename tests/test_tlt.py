@@ -1,5 +1,7 @@
 """TLT in the RL run: speculation chosen by the tuner, the drafter trained on the spot and
-published, and its state (drafter, optimizer, buffer, version, tuner) resumed."""
+published (never with non-finite weights), and its state (drafter, optimizer, buffer, version,
+tuner) resumed."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,11 +13,14 @@ import numpy as np
 import pytest
 
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
-from tlt_jax import checkpoint, metrics
+from tlt_jax import checkpoint, metrics, sharding
 from tlt_jax.data import rewards
-from tlt_jax.drafter_training.online import OnlineDrafter
+from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
+from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.train import train_rl
-from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 
 TLT = {**OVERRIDES, "tlt.enabled": True, "steps": 3, "eval_every": 3, "checkpoint_every": 1,
        "tlt.drafter.init": "", "tlt.drafter.batch_size": 4, "tlt.drafter.seq_len": 48,
@@ -162,3 +167,27 @@ def test_bad_tlt_config_is_refused_before_anything_runs(tmp_path, override, mess
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         train_rl(config, progress=False)
     assert not os.path.exists(tmp_path / "run")  # nothing written
+
+
+def test_a_drafter_from_nothing_never_publishes_non_finite_weights():
+    """A drafter trained from random weights (`tlt.drafter.init=""`) whose weights turn
+    non-finite is never handed to the engine: the engine keeps the last finite version."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    dcfg = drafter_lib.DrafterConfig(num_layers=1)
+    fresh = drafter_lib.init_drafter(cfg, dcfg, jax.random.PRNGKey(1))
+    engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
+                           sharding.make_mesh({"data": 1}, jax.devices()[:1]),
+                           RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, fresh)
+    online = OnlineDrafter(engine, cfg, dcfg, fresh, OnlineDrafterConfig(batch_size=2, seq_len=8), temperature=1.0)
+    in_engine = lambda: jax.device_get(engine.groups[0].drafter_params)
+    moved = jax.tree.map(lambda x: x + 1.0, online.state.params)
+    online.state, online.steps = dataclasses.replace(online.state, params=moved), 1
+    assert online.publish() and online.version == 1
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(moved))
+    poisoned = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan), moved)
+    online.state, online.steps = dataclasses.replace(online.state, params=poisoned), 2
+    assert not online.publish() and online.version == 1
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(moved))
+    online.state, online.steps = dataclasses.replace(online.state, params=moved), 3  # finite again: published
+    assert online.publish() and online.version == 2
