@@ -88,7 +88,8 @@ def kv_bytes_per_token(cfg) -> int:
 
 
 def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout, cache_slots=0, attend="bucket"):
-    """(seconds of one chunk of new_tokens decode steps, compile seconds, slots attention read)."""
+    """(seconds of one chunk of new_tokens decode steps, compile seconds, slots attention read,
+    slots the cache holds)."""
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=batch, max_prompt_length=prompt_len,
                        max_length=max(cache_slots, prompt_len + new_tokens + 1), steps_per_sync=new_tokens,
@@ -97,7 +98,7 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout, cach
     group = engine.groups[0]
     attended = rc.max_length
     if attend == "bucket":
-        attended = group.attended_slots(np.full((batch,), prompt_len), np.ones((batch,), bool), None, False)
+        attended = group.kv_bucket_for(np.full((batch,), prompt_len), np.ones((batch,), bool), None, False)
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=new_tokens + 1)
     prompts = np.random.RandomState(0).randint(1, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
     key = jax.random.PRNGKey(0)
@@ -118,7 +119,7 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout, cach
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
         assert int(steps) == new_tokens
-    return statistics.median(times), compile_s, attended
+    return statistics.median(times), compile_s, attended, rc.max_length
 
 
 def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats, static):
@@ -177,18 +178,18 @@ def main(argv):
             hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
             save_hf(hf_dir, cfg, jax.device_get(params))
         for b, layout, attend in [(b, lay, a) for b in batches for lay in _LAYOUTS.value for a in _ATTEND.value]:
-            seconds, compile_s, attended = bench_ours(cfg, params, b, p, n, repeats, layout, _CACHE_SLOTS.value,
-                                                      attend)
+            seconds, compile_s, attended, cache_slots = bench_ours(cfg, params, b, p, n, repeats, layout,
+                                                                   _CACHE_SLOTS.value, attend)
             step_s = seconds / n
             # Mean KV entries read per step: the prompt plus, on average, half the answer.
             kv = b * (p + (n - 1) / 2) * kv_bytes_per_token(cfg)
             roofline_s = (param_bytes(params) + kv) / (bandwidth * 1e9)
             row = dict(model=name, batch=b, layout=layout, prompt=p, new_tokens=n, attend=attend,
-                       cache_slots=max(_CACHE_SLOTS.value, p + n + 1), attended_slots=attended, step_ms=step_s * 1e3,
+                       cache_slots=cache_slots, attended_slots=attended, step_ms=step_s * 1e3,
                        tokens_per_s=b * n / seconds, roofline_step_ms=roofline_s * 1e3,
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
-            first_layout = layout == _LAYOUTS.value[0] and attend == _ATTEND.value[0]
-            if _HF.value and hf_dir and first_layout and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
+            first_variant = layout == _LAYOUTS.value[0] and attend == _ATTEND.value[0]  # transformers once
+            if _HF.value and hf_dir and first_variant and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
                 for static in (False, True):
                     hf = bench_hf(hf_dir, b, p, n, repeats, static)
                     label = "hf_static" if static else "hf"

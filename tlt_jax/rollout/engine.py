@@ -88,9 +88,9 @@ class RolloutConfig:
     time_spec_phases: bool = False
     # Attention reads the cache in buckets of slots (`kv_buckets`): a chunk reads the
     # smallest of kv_bucket, 2 kv_bucket, 4 kv_bucket, ... and max_length that holds every
-    # live sequence and what the chunk adds to it (`attended_slots`), since a decode step's
-    # cost grows with the slots it reads (at batch 64 on a 16-layer CPU target, 352 slots
-    # cost 2.4x what 128 do). One compiled chunk per bucket; 0: always max_length.
+    # live sequence and what the chunk adds to it (`_Group.kv_bucket_for`), since a decode
+    # step's cost grows with the slots it reads (at batch 64 on a 16-layer CPU target, 352
+    # slots cost 2.4x what 128 do). One compiled chunk per bucket; 0: always max_length.
     kv_bucket: int = 64
 
     def __post_init__(self):
@@ -401,8 +401,8 @@ class _Group:
         cache = cache.with_lengths(jnp.where(was_active, cache.lengths, state.cache.lengths))
         return dataclasses.replace(new, cache=cache), kept
 
-    def attended_slots(self, lengths_B: np.ndarray, active_B: np.ndarray, strategy: spec_lib.Strategy | None,
-                       speculative: bool) -> int:
+    def kv_bucket_for(self, lengths_B: np.ndarray, active_B: np.ndarray, strategy: spec_lib.Strategy | None,
+                      speculative: bool) -> int:
         """The smallest of the engine's `kv_buckets` that holds every active sequence's
         cache length (host arrays) plus what a chunk of `strategy` reaches past it."""
         rc = self.engine.rollout_config
@@ -413,7 +413,7 @@ class _Group:
                   attended: int | None = None):
         """Up to steps_per_sync plain decode steps (strategy None) or spec_steps_per_sync
         speculative ones (draft, then verify and commit) in one device loop, attention
-        reading the first `attended` cache slots (None: all; `attended_slots` says how many
+        reading the first `attended` cache slots (None: all; `kv_bucket_for` says how many
         the state's live sequences need). The loop stops
         early once a slot frees up while requests are pending (prompt refills), or once
         fewer than `floor` sequences are active (the speculation policy chooses anew for
@@ -588,7 +588,7 @@ class _Group:
             if all(s < 0 for s in slot_request):
                 break
             strategy = speculation.strategy_for(num_active) if speculation is not None else None
-            attended = self.attended_slots(lengths, active, strategy, speculation is not None)
+            attended = self.kv_bucket_for(lengths, active, strategy, speculation is not None)
             # The policy hears only steady-state timings: a step's first call compiles it.
             step_key = (rc.time_spec_phases and strategy is not None, strategy, sp, attended)
             steady = step_key in self._has_run

@@ -195,7 +195,7 @@ def chunk_breakdown(group, state, key, strategy: spec_lib.Strategy | None, sp: s
     if strategy is not None and not speculative:
         raise ValueError("A speculative chunk needs a speculative slot state (empty_state(..., speculative=True)).")
     lengths, active = jax.device_get((state.cache.lengths, state.active))
-    attended = group.attended_slots(lengths, active, strategy, speculative)
+    attended = group.kv_bucket_for(lengths, active, strategy, speculative)
     out = group.run_chunk(_copy(state), key, False, strategy, sp, 0, attended)
     steps = int(jax.device_get(out[1]))
     sync = _sync_program(group, speculative)
