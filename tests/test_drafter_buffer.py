@@ -293,6 +293,20 @@ def test_add_checks_what_it_is_given():
     assert buffer.ready(8) and len(buffer) == 1 and buffer.state_dict()["rows"]["hidden"].dtype == np.dtype("bfloat16")
 
 
+def test_rows_of_a_step_are_spread_over_it_and_draw_nothing():
+    buffer = DrafterBuffer(8, 3, 2, max_bytes=10 ** 6, keep_steps=3, seed=5)
+    _add(buffer, 0, [1] * 3, [7] * 3, 8)  # a full row per sample
+    _add(buffer, 1, [1] * 5, [7] * 5, 8, first=3)
+    twin = DrafterBuffer(8, 3, 2, max_bytes=10 ** 6, keep_steps=3, seed=5)
+    twin.load_state_dict(buffer.state_dict())
+    first = lambda rows: rows["tokens"][:, 0].tolist()
+    assert first(buffer.rows_of_step(1, 3)) == [400, 600, 800]  # rows 0, 2, 4 of the five
+    rows = buffer.rows_of_step(0, 5)  # three held: all of them, then rows that train nothing
+    assert first(rows)[:3] == [100, 200, 300] and not rows["mask"][3:].any() and not rows["segment_ids"][3:].any()
+    assert not buffer.rows_of_step(7, 2)["mask"].any()
+    jax.tree.map(np.testing.assert_array_equal, buffer.sample(4), twin.sample(4))
+
+
 def test_sampling_is_deterministic_and_resumes_exactly(tmp_path):
     def filled(seed):
         buffer = DrafterBuffer(8, 3, 2, max_bytes=10 ** 6, num_feature_layers=1, feature_dtype="bfloat16", seed=seed)

@@ -73,16 +73,43 @@ def test_loss_matches_a_dense_reference_on_the_shifted_positions(target, rows):
     kl_BT = jnp.sum(jnp.exp(top_p) * (top_p - jnp.take_along_axis(drafter_logp, top_ids, -1)), -1)
     huber_BT = jnp.mean(optax.losses.huber_loss(g, h[:, 1:-1]), -1)
     agree_BT = jnp.argmax(drafter_logp, -1) == top_ids[..., 0]
+    accept_BT = jnp.sum(jnp.minimum(jnp.exp(top_p), jnp.exp(jnp.take_along_axis(drafter_logp, top_ids, -1))), -1)
     # x_{t+2} is a target of segment 1 for t = 1..6, of segment 2 for t = 10..11.
     mask = np.zeros((B, T - 2), bool)
     mask[:, 1:7] = mask[:, 10:12] = True
     np.testing.assert_array_equal(dt.entry_mask(batch), mask)
-    ref = {"kl": kl_BT, "feature_loss": huber_BT, "top1_agree": agree_BT}
+    ref = {"kl": kl_BT, "feature_loss": huber_BT, "top1_agree": agree_BT, "accept_rate": accept_BT}
     ref = {k: float(jnp.sum(jnp.where(mask, v, 0.0)) / mask.sum()) for k, v in ref.items()}
     assert int(aux["count"]) == mask.sum()
     for name, want in ref.items():
         np.testing.assert_allclose(float(aux[name]), want, rtol=1e-4, atol=1e-6, err_msg=name)
     np.testing.assert_allclose(float(loss), 0.3 * ref["feature_loss"] + 0.7 * ref["kl"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("block", [0, 3])
+def test_draft_agreement_against_a_float64_reference(target, block):
+    """accept = sum over the target's top-K of min(p, q), q the drafter's softmax at the
+    temperature; with the whole vocabulary as the top-K it is 1 - TV(p, q)."""
+    rng = np.random.default_rng(int(block) + 7)
+    b, t, v = 3, 7, CFG.vocab_size
+    g = rng.normal(size=(b, t, CFG.hidden_size)).astype(np.float32)
+    p_logits = rng.normal(size=(b, t, v)) * 2
+    p = np.exp(p_logits - p_logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    temperature = 0.7
+    w = np.asarray(tfm.lm_head_weight(target, CFG), np.float64)
+    z = g.astype(np.float64) @ w / temperature
+    q = np.exp(z - z.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    for k in (5, v):
+        ids = np.argsort(-p, -1)[..., :k].astype(np.int32)
+        logp = np.log(np.take_along_axis(p, ids, -1)).astype(np.float32)
+        top1, accept = jax.jit(functools.partial(dt.draft_agreement, config=CFG, temperature=temperature,
+                                                 block=block))(target, g_BTD=g, ids_BTK=ids, logp_BTK=logp)
+        want = np.minimum(np.take_along_axis(p, ids, -1), np.take_along_axis(q, ids, -1)).sum(-1)
+        np.testing.assert_allclose(np.asarray(accept), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(top1), np.argmax(z, -1))
+    np.testing.assert_allclose(np.asarray(accept), 1 - 0.5 * np.abs(p - q).sum(-1), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_entries_contribute_nothing(target, rows):

@@ -172,3 +172,15 @@ def test_timeline_summary_of_a_scripted_rollout():
     assert s == dict(wall_s=4.0, tokens=16, tokens_per_s=4.0, group_idle_s=3.0, group_idle_fraction=3 / 8,
                      slot_idle_fraction=1 - 13 / 16, decode_steps=3, speculative_steps=1, speculative_tokens=5,
                      acceptance_length=2.5, draft_s=0.5, verify_s=1.0)
+
+
+def test_acceptance_by_depth_of_scripted_chunks():
+    """Committed tokens are accepted drafts plus the bonus; a position is reached when every
+    draft before it was accepted, and counts only under strategies drafting that deep."""
+    chain3 = SpecChunk(0.0, 1.0, [4], [10], depth=3, committed_per_sequence=[1, 2, 3, 4])  # 0..3 accepted
+    chain1 = SpecChunk(1.0, 2.0, [2], [3], depth=1, committed_per_sequence=[2, 1])
+    group = GroupTimeline(0, 4, start=0.0, end=2.0, chunks=[Chunk(0.0, 0.5, [4], [4]), chain3, chain1])
+    # d=1: chain3 reaches it 4 times (3 passed), chain1 twice (1 passed); d=2: 3 reached, 2
+    # passed; d=3: 2 reached, 1 passed.
+    assert RolloutTimeline([group], origin=0.0).acceptance_by_depth() == [4 / 6, 2 / 3, 1 / 2]
+    assert RolloutTimeline([GroupTimeline(0, 4, chunks=[Chunk(0.0, 1.0, [4], [4])])]).acceptance_by_depth() == []

@@ -72,6 +72,10 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
                                                                                      "plain")}
     assert all(n > 0 for n in pulls.values()), pulls
     assert any(r["acceptance_length"] > 1 for r in steps)
+    # The drafter that served each rollout, scored teacher-forced on its own sequences; and
+    # live acceptance per draft position (eagle-d3 drafts 3 deep).
+    assert all(0 < r["drafter/served_accept_rate"] <= 1 for r in steps)
+    assert any(0 <= r.get("accept_depth_3", -1) <= 1 for r in steps)
     assert 0 < summary["tlt"]["speculative_token_share"] <= 1
     assert summary["tlt"]["drafter_version"] == 2
     assert set(summary["tlt"]) == {"speculative_token_share", "acceptance_length_mean", "drafter_version",

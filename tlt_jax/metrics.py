@@ -231,6 +231,8 @@ _LABELS = {
     "eval_top1_agree": "eval top-1 agreement",
     "lr": "learning rate",
     "acceptance_length": "acceptance length",
+    "accept_rate": "teacher-forced acceptance",
+    "drafter/served_accept_rate": "served drafter's teacher-forced acceptance",
     "speculative_token_share": "speculative token share",
     "rollout_tokens_per_s": "rollout tokens/s",
     "drafter_version": "drafter version",

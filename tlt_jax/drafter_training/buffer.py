@@ -212,6 +212,21 @@ class DrafterBuffer:
                 out[k][at] = chunk.rows[k][idx[at] - starts[c]]
         return out
 
+    def rows_of_step(self, rl_step: int, n: int) -> dict:
+        """[n, ...] arrays of every row field: n rows of RL step `rl_step` spread evenly over
+        those held (all of them, then rows with nothing to train on, when fewer are held;
+        only such rows when none is). Draws nothing: `sample`'s sequence is unchanged."""
+        held = [c for c in self._chunks if c.step == rl_step]
+        out = self.empty_batch(n)
+        total = sum(len(c) for c in held)
+        if not total:
+            return out
+        idx = np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
+        rows = {k: np.concatenate([c.rows[k] for c in held]) for k in out}
+        for k in out:
+            out[k][:len(idx)] = rows[k][idx]
+        return out
+
     def stats(self) -> dict:
         """rows, samples and RL steps held, their bytes, and since construction the samples
         truncated to seq_len and the rows dropped to respect max_bytes."""

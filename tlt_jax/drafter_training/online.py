@@ -65,6 +65,9 @@ class OnlineDrafterConfig:
     feature_noise: float = 0.2
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
+    # Rows of each RL step on which the drafter that drafted its rollouts is scored,
+    # teacher-forced (`served_metrics`; 0: never).
+    eval_rows: int = 16
 
     def __post_init__(self):
         for name in ("top_k", "batch_size", "keep_steps"):
@@ -73,8 +76,9 @@ class OnlineDrafterConfig:
         if self.seq_len < 3:
             raise ValueError(f"tlt.drafter.seq_len={self.seq_len} must be >= 3 (a drafter entry reads a token and "
                              "predicts the one after the next).")
-        if self.prompt_tail < 0 or self.checkpoint_every < 0:
-            raise ValueError("tlt.drafter.prompt_tail and tlt.drafter.checkpoint_every must be >= 0.")
+        if self.prompt_tail < 0 or self.checkpoint_every < 0 or self.eval_rows < 0:
+            raise ValueError("tlt.drafter.prompt_tail, tlt.drafter.checkpoint_every and tlt.drafter.eval_rows must "
+                             "be >= 0.")
 
 
 class OnlineDrafter:
@@ -101,6 +105,7 @@ class OnlineDrafter:
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
         self._published_steps = 0
+        self.served: dict[str, float] = {}  # served_metrics of the last RL step added
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -122,6 +127,27 @@ class OnlineDrafter:
         host = jax.device_get(data)
         self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, pad(host.hidden), pad(host.ids),
                         pad(host.logp), pad(host.layers))
+        self.served = self.served_metrics(rl_step)
+
+    def served_metrics(self, rl_step: int) -> dict[str, float]:
+        """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
+        rollouts) predicts that step's own sequences, teacher-forced on `eval_rows` of its
+        rows: "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
+        strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", and
+        the seconds it took. Empty with eval_rows 0."""
+        if not self.config.eval_rows:
+            return {}
+        t0 = time.perf_counter()
+        group = self._home  # read once: the spot thread may move the train state meanwhile
+        out = self._evaluate(group, self.buffer.rows_of_step(rl_step, self.config.eval_rows))
+        return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
+                "drafter/served_kl": out["kl"], "drafter/served_eval_s": time.perf_counter() - t0}
+
+    def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
+        trainer = self._trainer(group)
+        params = self.engine.groups[group].drafter_params
+        target = shared_target_params(self.engine.groups[group].params)
+        return {k: float(v) for k, v in jax.device_get(trainer.evaluate(params, target, rows)).items()}
 
     def has_data(self) -> bool:
         return self.buffer.ready(self.config.batch_size)
@@ -147,13 +173,16 @@ class OnlineDrafter:
 
     def warm_up(self) -> float:
         """Compiles the drafter step on its home group (a throwaway copy of the state takes
-        the step), so that the first step in a gap does not compile; returns the seconds."""
+        the step) and the served drafter's evaluation, so that neither compiles inside an RL
+        step; returns the seconds."""
         t0 = time.perf_counter()
         trainer = self._trainer(self._home)
         copy = jax.tree.map(jnp.copy, self.state)
         target = shared_target_params(self.engine.groups[self._home].params)
         jax.block_until_ready(trainer.step(copy, target, self.buffer.empty_batch(self.config.batch_size),
                                            self._noise_key))
+        if self.config.eval_rows:
+            self._evaluate(self._home, self.buffer.empty_batch(self.config.eval_rows))
         return time.perf_counter() - t0
 
     def _state_shardings(self, trainer: DrafterTrainer) -> TrainState:

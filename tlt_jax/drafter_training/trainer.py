@@ -83,6 +83,27 @@ def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temper
     return jnp.moveaxis(ids_TBK, 0, 1), jnp.moveaxis(logp_TBK, 0, 1)
 
 
+def draft_agreement(params, config: ModelConfig, g_BTD: jax.Array, ids_BTK: jax.Array, logp_BTK: jax.Array,
+                    temperature: float = 1.0, block: int = 0):
+    """(top1_BT int32, accept_BT float32): the argmax token of the logits of the drafter's
+    predicted hidden states g_BTD, and the probability that a draft sampled from them passes
+    lossless verification against the target's top-K (ids_BTK, logp_BTK): sum over those
+    ids of min(p, q), q the drafter's softmax at `temperature` (a lower bound by the target's
+    mass outside its top K; exact when that is zero). `block` as in topk_of_hidden."""
+    def agree(g_xD, ids_xK, logp_xK):
+        logits_xV = tfm.logits_from_hidden(params, config, g_xD) / temperature
+        logq_xK = jnp.take_along_axis(logits_xV, ids_xK, -1) - jax.nn.logsumexp(logits_xV, -1, keepdims=True)
+        accept = jnp.sum(jnp.minimum(jnp.exp(logp_xK), jnp.exp(logq_xK)), -1)
+        return jnp.argmax(logits_xV, -1).astype(jnp.int32), accept
+
+    if not block or block >= g_BTD.shape[1]:
+        return agree(g_BTD, ids_BTK, logp_BTK)
+    top1_TB, accept_TB = jax.lax.map(lambda x: agree(*x), tuple(jnp.moveaxis(a, 1, 0) for a in (g_BTD, ids_BTK,
+                                                                                               logp_BTK)),
+                                     batch_size=block)
+    return jnp.moveaxis(top1_TB, 0, 1), jnp.moveaxis(accept_TB, 0, 1)
+
+
 def target_outputs(target_params, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
                    rows: dict, *, top_k: int, temperature: float = 1.0, topk_block: int = 0) -> dict:
     """The target's by-products over `rows` (tokens / positions / segment_ids [B, T]) that
@@ -122,8 +143,10 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
     """Teacher-forced drafter loss over a batch of rows with the target's outputs.
 
     batch: ROW_FIELDS of the rows and `target_outputs` of them. Entries t = 0 .. T-3.
-    Returns (loss, {"kl", "feature_loss", "top1_agree", "count"}): means over the trained
-    entries (nats per token; smooth L1 per hidden unit; fraction) and their number.
+    Returns (loss, {"kl", "feature_loss", "top1_agree", "accept_rate", "count"}): means over
+    the trained entries (nats per token; smooth L1 per hidden unit; fractions; accept_rate
+    is draft_agreement's, the teacher-forced chance that the first draft is accepted) and
+    their number.
     """
     cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
     # Features of positions 0 .. T-2, fused here so that the gradient reaches `fuse`. Entry t
@@ -149,10 +172,12 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
                                reduction="mean", impl=loss_impl)
     feature_loss = per_entry(jnp.mean(optax.losses.huber_loss(g_BTD.astype(jnp.float32),
                                                               f_next_BTD.astype(jnp.float32), delta=1.0), axis=-1))
-    top1_BT = topk_of_hidden(target_params, target_config, jax.lax.stop_gradient(g_BTD), 1, block=topk_block)[0]
-    agree = per_entry((top1_BT[..., 0] == ids_BTK[..., 0]).astype(jnp.float32))
+    top1_BT, accept_BT = draft_agreement(target_params, target_config, jax.lax.stop_gradient(g_BTD), ids_BTK,
+                                         logp_BTK, temperature, topk_block)
+    agree = per_entry((top1_BT == ids_BTK[..., 0]).astype(jnp.float32))
     loss = feature_weight * feature_loss + kl_weight * kl
-    return loss, {"kl": kl, "feature_loss": feature_loss, "top1_agree": agree, "count": count}
+    return loss, {"kl": kl, "feature_loss": feature_loss, "top1_agree": agree, "accept_rate": per_entry(accept_BT),
+                  "count": count}
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -227,7 +252,7 @@ class DrafterTrainer:
 
     def step(self, state: TrainState, target_params, batch: dict, noise_key: jax.Array):
         """One guarded update on `self.batch` output; returns (state, {"loss", "kl",
-        "feature_loss", "top1_agree", "count", "grad_norm", "skipped"})."""
+        "feature_loss", "top1_agree", "accept_rate", "count", "grad_norm", "skipped"})."""
         step = self.step_fn(state.params, target_params, batch)
         # Host rows as arrays on the mesh first: with several processes jit takes no numpy
         # input with a non-trivial sharding, even one this process alone holds.
@@ -245,7 +270,8 @@ class DrafterTrainer:
         return self._step
 
     def evaluate(self, drafter_params, target_params, batch: dict) -> dict:
-        """drafter_loss's (loss and) metrics on a batch, without noise."""
+        """drafter_loss's (loss and) metrics on a batch (`batch` output, host rows or
+        arrays), without noise."""
         if self._eval is None:
             def fn(params, inputs):
                 loss, aux = self._loss(params, inputs, noise=False)
@@ -255,6 +281,7 @@ class DrafterTrainer:
                 fn, in_shardings=(self.drafter_shardings(drafter_params),
                                   self._input_shardings(target_params, batch, False)),
                 out_shardings=sharding.replicated(self.mesh))
+        batch = jax.device_put(batch, self._batch_shardings(batch))  # as in `step`
         return self._eval(drafter_params, {"target": target_params, "batch": batch})
 
 

@@ -304,6 +304,8 @@ class RLLoop:
             "rollout_tokens": timeline["tokens"],
             "acceptance_length": timeline["acceptance_length"],
             "speculative_token_share": timeline["speculative_tokens"] / max(timeline["tokens"], 1),
+            **{f"accept_depth_{d}": rate for d, rate in enumerate(rollouts.timeline.acceptance_by_depth(), 1)
+               if not np.isnan(rate)},
             **tlt_metrics,
         }
         for g in rollouts.timeline.groups:

@@ -99,6 +99,7 @@ class TLT:
             if self.spot is not None:
                 stats = self.spot.end_rl_step()
                 out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+            out.update(self.drafter.served)
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
                         "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows})
         report = self.tuner.report()

@@ -603,8 +603,8 @@ class _Group:
                 t2 = time.perf_counter()
                 per_sequence = [int(k) for k in kept if k > 0]
                 timeline.chunks.append(SpecChunk(t0, t2, [num_active], [sum(per_sequence)], strategy=strategy.name,
-                                                 committed_per_sequence=per_sequence, draft_s=t1 - t0,
-                                                 verify_s=t2 - t1))
+                                                 committed_per_sequence=per_sequence, depth=strategy.depth,
+                                                 draft_s=t1 - t0, verify_s=t2 - t1))
                 tokens = sum(per_sequence)
             else:
                 floor = speculation.chunk_floor(num_active) if speculation is not None else 0
@@ -617,7 +617,7 @@ class _Group:
                     timeline.chunks.append(Chunk(t0, t2, active_steps[:n].tolist(), kept.sum(1).tolist()))
                 else:
                     timeline.chunks.append(SpecChunk(t0, t2, active_steps[:n].tolist(), kept.sum(1).tolist(),
-                                                     strategy=strategy.name,
+                                                     strategy=strategy.name, depth=strategy.depth,
                                                      committed_per_sequence=kept[kept > 0].tolist()))
                 tokens = int(kept.sum())
             if steady and speculation is not None:

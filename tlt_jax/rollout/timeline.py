@@ -30,6 +30,7 @@ class SpecChunk(Chunk):
     kind: str = "speculative"
     strategy: str = ""
     committed_per_sequence: list[int] = dataclasses.field(default_factory=list)
+    depth: int = 0  # drafts per step: the most a step can accept (the strategy's depth)
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -73,6 +74,26 @@ class GroupTimeline:
 class RolloutTimeline:
     groups: list[GroupTimeline]
     origin: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def acceptance_by_depth(self) -> list[float]:
+        """Per draft position d = 1, 2, ...: of the sequence-steps whose first d - 1 drafts
+        were accepted, under strategies drafting at least d deep, the share whose d-th draft
+        was accepted too. Read from the tokens committed (accepted drafts plus the bonus), so a
+        sequence that ended inside a step (its end token, max_tokens) counts as a rejection at
+        the position after its last token."""
+        reached: list[int] = []
+        passed: list[int] = []
+        for c in (c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)):
+            if c.depth > len(reached):
+                reached += [0] * (c.depth - len(reached))
+                passed += [0] * (c.depth - len(passed))
+            for committed in c.committed_per_sequence:
+                accepted = min(committed - 1, c.depth)
+                for d in range(min(accepted + 1, c.depth)):
+                    reached[d] += 1
+                for d in range(accepted):
+                    passed[d] += 1
+        return [p / r if r else float("nan") for p, r in zip(passed, reached)]
 
     def summary(self) -> dict:
         """Wall time, tokens/s, and the two long-tail losses.
