@@ -9,8 +9,9 @@ prompt as in RL, with every slot filled: plain decode against each strategy, run
 every step, at each batch size and temperature, over `waves` slot-fulls of requests.
 Each configuration is generated once to compile and once timed. The table reports
 tokens/s over the whole generate (prefill and host bookkeeping included, the same for
-both sides), the speed-up, the speed-up of the decode chunks alone, and the acceptance
-length (mean tokens committed per sequence per verify step, bonus included);
+both sides), the speed-up, the speed-up of the decode chunks alone, the acceptance
+length (mean tokens committed per sequence per verify step, bonus included) and the
+acceptance per draft position (`RolloutTimeline.acceptance_by_depth`);
 `breakeven_batch` is, per strategy and temperature, the largest batch at which
 speculation still pays end to end: the input to the adaptive tuner.
 
@@ -28,6 +29,7 @@ size, and a verify forward over k tokens against one decode step's forward.
       --drafter=runs/bench_tlt_cache/drafter_l16_f4096 --out=docs/results/bench_spec_regime_wide.json
 """
 import json
+import math
 import os
 import time
 
@@ -86,6 +88,7 @@ def run_once(engine, prompts, g, sp, speculation, key):
     tokens = int(out.lengths.sum())
     return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, decode_tokens_per_s=tokens / decode_s,
                 acceptance_length=s["acceptance_length"], timeline=out.timeline.groups[0],
+                acceptance_by_depth=[None if math.isnan(r) else r for r in out.timeline.acceptance_by_depth()],
                 tuner_s=timed.seconds if timed is not None else 0.0)
 
 
@@ -232,7 +235,8 @@ def main(argv):
                            plain_decode_tokens_per_s=plain["decode_tokens_per_s"],
                            spec_decode_tokens_per_s=spec["decode_tokens_per_s"],
                            decode_speedup=spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
-                           acceptance_length=spec["acceptance_length"], plain_tokens=plain["tokens"],
+                           acceptance_length=spec["acceptance_length"],
+                           acceptance_by_depth=spec["acceptance_by_depth"], plain_tokens=plain["tokens"],
                            spec_tokens=spec["tokens"])
                 if _BREAKDOWN.value:
                     row.update(breakdown_row(engine, all_prompts, sp, key, strategy, plain, spec, plain_chunk))
@@ -246,11 +250,12 @@ def main(argv):
     _write(result)
     print(f"\nbackend {result['backend']} ({result['device']}), target {model_cfg.num_params() / 1e6:.1f}M params")
     print(f"{'batch':>5} {'T':>3} {'strategy':20} {'plain tok/s':>11} {'spec tok/s':>10} {'x':>5} "
-          f"{'decode x':>8} {'acc len':>7}")
+          f"{'decode x':>8} {'acc len':>7}  accepted at depth 1, 2, ... (given the drafts before it)")
     for r in rows:
+        by_depth = " ".join("  - " if a is None else f"{a:.2f}" for a in r["acceptance_by_depth"])
         print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:20} {r['plain_tokens_per_s']:11.0f} "
               f"{r['spec_tokens_per_s']:10.0f} {r['speedup']:5.2f} {r['decode_speedup']:8.2f} "
-              f"{r['acceptance_length']:7.2f}")
+              f"{r['acceptance_length']:7.2f}  {by_depth}")
     print("largest batch where speculation pays:", json.dumps(result["breakeven_batch"]))
     if _BREAKDOWN.value:
         print_breakdown(rows)

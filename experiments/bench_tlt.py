@@ -234,6 +234,11 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 steady_steps=[r["step"] for r in steady],
                 steady_times={k: [r[k] for r in steady] for k in ("time_rollout_s", "time_step_s")},
                 acceptance_length=[r["acceptance_length"] for r in steps],
+                # The drafter that served each step, teacher-forced on that step's sequences
+                # (None: no drafter), and live acceptance per draft position (whatever arms ran).
+                served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
+                acceptance_by_depth=[[r[f"accept_depth_{d}"] for d in range(1, 9) if f"accept_depth_{d}" in r]
+                                     for r in steps],
                 speculative_token_share=[r["speculative_token_share"] for r in steps],
                 drafter_version=[r.get("drafter_version", 0) for r in steps],
                 drafter_steps=[r.get("spot/steps", 0) + r.get("spot/catch_up_steps", 0) for r in steps],
@@ -600,21 +605,28 @@ def paired_speedups(baseline: dict, tlt: dict) -> dict:
 
 
 def plot_acceptance(modes: dict, path: str) -> None:
-    """Acceptance length per RL step of each drafter the modes ran (adaptive, frozen, n-gram)."""
+    """Per RL step of each drafter the modes ran (adaptive, frozen, n-gram): the live
+    acceptance length, and the teacher-forced acceptance of the drafter that served the
+    step on the step's own sequences (which does not mix in the arms the tuner chose)."""
     from matplotlib.figure import Figure
 
     labels = {"tlt": "adaptive (spot-trained)", "frozen": "frozen at step 0", "ngram": "none (n-gram only)"}
-    figure = Figure(figsize=(7, 3.2), layout="constrained")
-    ax = figure.subplots()
+    figure = Figure(figsize=(7, 5.6), layout="constrained")
+    live, served = figure.subplots(2, 1, sharex=True)
     for mode, label in labels.items():
         if mode in modes:
             # A step whose tail chunks all decoded plainly has no acceptance: a gap, not 0.
             values = [a if a > 0 else float("nan") for a in modes[mode]["acceptance_length"]]
-            ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("acceptance length")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+            live.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+            rates = [float("nan") if a is None else a for a in modes[mode].get("served_accept_rate", [])]
+            if any(not math.isnan(a) for a in rates):
+                served.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=label)
+    live.set_ylabel("acceptance length (live)")
+    served.set_ylabel("first-draft acceptance,\nteacher-forced")
+    served.set_xlabel("RL step")
+    for ax in (live, served):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
     figure.savefig(path, dpi=100)
 
 
