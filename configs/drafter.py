@@ -46,6 +46,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Width of the uniform noise on the features the drafter reads in training (EAGLE: 0.2
     # wide); the final-normed features of the tiny target have RMS about 1.
     c.feature_noise = 0.2
+    # Training-time test (EAGLE-3): passes past the first in which the drafter reads its own
+    # earlier predictions, as in drafting past the first token (1: none; each pass costs
+    # about one more forward and loss).
+    c.ttt_steps = 1
     c.topk_block = 0  # positions per top-K block (bounds the [B, block, V] logits); 0: all at once
     c.loss_impl = "auto"
     c.remat = False

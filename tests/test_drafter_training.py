@@ -112,6 +112,77 @@ def test_draft_agreement_against_a_float64_reference(target, block):
     np.testing.assert_allclose(np.asarray(accept), 1 - 0.5 * np.abs(p - q).sum(-1), rtol=1e-5, atol=1e-6)
 
 
+def test_training_time_test_passes_are_the_chain_drafts_of_inference(target):
+    """Pass i of forward_unrolled at entry t equals the i-th draft of a chain started after
+    entry t - i, run as the engine runs it (catch-up over the target's features one entry at
+    a time, then each draft reading the previous draft's output), in both packed segments."""
+    dcfg = drafter_lib.DrafterConfig(num_layers=1)
+    dparams = drafter_lib.init_drafter(CFG, dcfg, jax.random.PRNGKey(3), init_std=0.3)
+    rng = np.random.default_rng(11)
+    t, steps = 12, 3
+    tokens = rng.integers(0, CFG.vocab_size, (1, t)).astype(np.int32)
+    features = rng.normal(size=(1, t, CFG.hidden_size)).astype(np.float32)
+    segments = [(0, 7), (7, 12)]
+    segment_ids = np.concatenate([np.full(b - a, n + 1) for n, (a, b) in enumerate(segments)])[None].astype(np.int32)
+    positions = np.concatenate([np.arange(b - a) for a, b in segments])[None].astype(np.int32)
+    passes = jax.jit(functools.partial(drafter_lib.forward_unrolled, target_config=CFG, config=dcfg, steps=steps))(
+        dparams, target, tokens_BT=tokens, features_BTD=features, positions_BT=positions, segment_ids_BT=segment_ids)
+    one = jax.jit(lambda cache, token, feature, position: drafter_lib.decode(
+        dparams, target, CFG, dcfg, cache, token, feature, position, return_logits=False))
+    checked = 0
+    for a, b in segments:
+        for start in range(a, b):
+            cache = drafter_lib.init_cache(CFG, dcfg, 1, 16)
+            for e in range(a, start):  # catch-up: committed entries read the target's features
+                _, cache = one(cache, tokens[:, e:e + 1], features[:, e:e + 1], positions[:, e:e + 1])
+            feature = features[:, start:start + 1]
+            for i in range(min(steps, b - start)):
+                e = start + i
+                g, cache = one(cache, tokens[:, e:e + 1], feature, positions[:, e:e + 1])
+                np.testing.assert_allclose(np.asarray(passes[i][0, e]), np.asarray(g[0, 0]), rtol=2e-5, atol=2e-5,
+                                           err_msg=f"pass {i} entry {e}")
+                feature, checked = g, checked + 1
+    assert checked == sum(min(steps, b - s) for a, b in segments for s in range(a, b))
+    # Pass 0 is the teacher-forced forward.
+    g0 = drafter_lib.forward(dparams, target, CFG, dcfg, tokens, features, positions_BT=positions,
+                             segment_ids_BT=segment_ids)
+    np.testing.assert_allclose(np.asarray(passes[0]), np.asarray(g0), rtol=2e-5, atol=2e-5)
+
+
+def test_training_time_test_loss_is_the_mean_of_its_passes(target, rows):
+    """ttt_steps=3: pass 0's loss and metrics are those of ttt_steps=1; the loss is the mean
+    of the three passes', passes 1 and 2 scored by the same dense reference on their own
+    outputs, over the trained entries whose chain (t - i .. t) lies in their segment."""
+    dparams = drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(1), init_std=0.3)
+    batch = _batch(target, rows, PLAIN)
+    loss1, aux1 = _loss(PLAIN)(dparams, target, batch)
+    loss3, aux3 = _loss(PLAIN, ttt_steps=3)(dparams, target, batch)
+    for name in ("kl", "feature_loss", "top1_agree", "accept_rate", "count"):
+        np.testing.assert_allclose(float(aux3[name]), float(aux1[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+    h = batch["hidden"]
+    cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
+    passes = drafter_lib.forward_unrolled(dparams, target, CFG, PLAIN, nxt(rows["tokens"]), h[:, :-2], 3,
+                                          positions_BT=cut(rows["positions"]), segment_ids_BT=cut(rows["segment_ids"]))
+    ids, logp = nxt(batch["ids"]), nxt(batch["logp"])
+    total = float(loss1)
+    for i in (1, 2):
+        drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, passes[i]))
+        kl_BT = jnp.sum(jnp.exp(logp) * (logp - jnp.take_along_axis(drafter_logp, ids, -1)), -1)
+        huber_BT = jnp.mean(optax.losses.huber_loss(passes[i], h[:, 1:-1]), -1)
+        accept_BT = jnp.sum(jnp.minimum(jnp.exp(logp), jnp.exp(jnp.take_along_axis(drafter_logp, ids, -1))), -1)
+        # Trained entries are 1..6 and 10..11 (segments of entries 0..8, 9..13): two back
+        # from entries 1 and 10 leaves the segment.
+        mask = np.array(dt.entry_mask(batch))
+        if i == 2:
+            mask[:, 1] = mask[:, 10] = False
+        mean = lambda x: float(jnp.sum(jnp.where(mask, x, 0.0)) / mask.sum())
+        total += 0.3 * mean(huber_BT) + 0.7 * mean(kl_BT)
+        np.testing.assert_allclose(float(aux3[f"accept_rate_pass{i}"]), mean(accept_BT), rtol=1e-4)
+    np.testing.assert_allclose(float(loss3), total / 3, rtol=1e-4)
+    with pytest.raises(ValueError, match="ttt_steps=0 must be >= 1"):
+        dt.DrafterTrainer(CFG, PLAIN, OptimizerConfig(), None, top_k=K, feature_weight=1.0, kl_weight=1.0, ttt_steps=0)
+
+
 def test_masked_entries_contribute_nothing(target, rows):
     """Changing what masked entries are scored against, or a whole row with no targets,
     changes neither the loss nor its gradient."""

@@ -63,6 +63,7 @@ class OnlineDrafterConfig:
     feature_weight: float = 1.0
     kl_weight: float = 1.0
     feature_noise: float = 0.2
+    ttt_steps: int = 1  # training-time test passes (DrafterTrainer; 1: none)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
     # Rows of each RL step on which the drafter that drafted its rollouts is scored,
@@ -70,7 +71,7 @@ class OnlineDrafterConfig:
     eval_rows: int = 16
 
     def __post_init__(self):
-        for name in ("top_k", "batch_size", "keep_steps"):
+        for name in ("top_k", "batch_size", "keep_steps", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tlt.drafter.{name}={getattr(self, name)} must be >= 1.")
         if self.seq_len < 3:
@@ -113,7 +114,7 @@ class OnlineDrafter:
             self._trainers[group] = DrafterTrainer(
                 self.target_config, self.drafter_config, c.optimizer, self.engine.groups[group].mesh, top_k=c.top_k,
                 feature_weight=c.feature_weight, kl_weight=c.kl_weight, temperature=self.temperature,
-                feature_noise=c.feature_noise)
+                feature_noise=c.feature_noise, ttt_steps=c.ttt_steps)
         return self._trainers[group]
 
     # -- data

@@ -139,14 +139,18 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
                  drafter_config: drafter_lib.DrafterConfig, batch: dict, *, feature_weight: float,
                  kl_weight: float, temperature: float = 1.0, feature_noise: float = 0.0,
                  noise_key: jax.Array | None = None, loss_impl: str = "auto", topk_block: int = 0,
-                 remat: bool = False):
+                 remat: bool = False, ttt_steps: int = 1):
     """Teacher-forced drafter loss over a batch of rows with the target's outputs.
 
     batch: ROW_FIELDS of the rows and `target_outputs` of them. Entries t = 0 .. T-3.
-    Returns (loss, {"kl", "feature_loss", "top1_agree", "accept_rate", "count"}): means over
-    the trained entries (nats per token; smooth L1 per hidden unit; fractions; accept_rate
-    is draft_agreement's, the teacher-forced chance that the first draft is accepted) and
-    their number.
+    ttt_steps > 1 adds training-time test (`drafter.forward_unrolled`): passes 1 ..
+    ttt_steps - 1 train the drafter on its own earlier predictions, as it drafts past the
+    first token; the loss is the mean of the passes' losses.
+    Returns (loss, {"kl", "feature_loss", "top1_agree", "accept_rate", "count"}): pass 0's
+    means over the trained entries (nats per token; smooth L1 per hidden unit; fractions;
+    accept_rate is draft_agreement's, the teacher-forced chance that the first draft is
+    accepted) and their number; with ttt_steps > 1 also "accept_rate_pass<i>", that of the
+    (i+1)-th draft given the drafts before it were the right tokens.
     """
     cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
     # Features of positions 0 .. T-2, fused here so that the gradient reaches `fuse`. Entry t
@@ -156,28 +160,41 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
     f_BTD, f_next_BTD = f_all_BTD[:, :-1], jax.lax.stop_gradient(f_all_BTD[:, 1:])
     if feature_noise and noise_key is not None:
         f_BTD = f_BTD + jax.random.uniform(noise_key, f_BTD.shape, f_BTD.dtype, -feature_noise / 2, feature_noise / 2)
-    g_BTD = drafter_lib.forward(drafter_params, target_params, target_config, drafter_config, nxt(batch["tokens"]),
-                                f_BTD, positions_BT=cut(batch["positions"]),
-                                segment_ids_BT=cut(batch["segment_ids"]), remat=remat)
-    mask_BT = entry_mask(batch)
-    count = jnp.sum(mask_BT)
-    per_entry = lambda x_BT: jnp.sum(jnp.where(mask_BT, x_BT, 0.0)) / jnp.maximum(count, 1)
-
-    b, t, d = g_BTD.shape
+    tokens_BT, positions_BT, segments_BT = nxt(batch["tokens"]), cut(batch["positions"]), cut(batch["segment_ids"])
+    if ttt_steps > 1:
+        passes = drafter_lib.forward_unrolled(drafter_params, target_params, target_config, drafter_config,
+                                              tokens_BT, f_BTD, ttt_steps, positions_BT=positions_BT,
+                                              segment_ids_BT=segments_BT)
+    else:
+        passes = [drafter_lib.forward(drafter_params, target_params, target_config, drafter_config, tokens_BT,
+                                      f_BTD, positions_BT=positions_BT, segment_ids_BT=segments_BT, remat=remat)]
+    entries_BT = entry_mask(batch)
     ids_BTK, logp_BTK = nxt(batch["ids"]), nxt(batch["logp"])
-    k = ids_BTK.shape[-1]
-    w_DV = tfm.lm_head_weight(target_params, target_config).astype(g_BTD.dtype)
-    kl = losses.linear_topk_kl(g_BTD.reshape(b * t, d), w_DV, ids_BTK.reshape(b * t, k),
-                               logp_BTK.reshape(b * t, k), mask_N=mask_BT.reshape(b * t), temperature=temperature,
-                               reduction="mean", impl=loss_impl)
-    feature_loss = per_entry(jnp.mean(optax.losses.huber_loss(g_BTD.astype(jnp.float32),
-                                                              f_next_BTD.astype(jnp.float32), delta=1.0), axis=-1))
-    top1_BT, accept_BT = draft_agreement(target_params, target_config, jax.lax.stop_gradient(g_BTD), ids_BTK,
-                                         logp_BTK, temperature, topk_block)
-    agree = per_entry((top1_BT == ids_BTK[..., 0]).astype(jnp.float32))
-    loss = feature_weight * feature_loss + kl_weight * kl
-    return loss, {"kl": kl, "feature_loss": feature_loss, "top1_agree": agree, "accept_rate": per_entry(accept_BT),
-                  "count": count}
+    w_DV = tfm.lm_head_weight(target_params, target_config).astype(passes[0].dtype)
+    total, aux = 0.0, {}
+    for i, g_BTD in enumerate(passes):
+        b, t, d = g_BTD.shape
+        # Pass i's entry t continues a chain from entry t - i: all of it in t's segment.
+        chain_BT = jnp.concatenate([jnp.zeros((b, i), bool), segments_BT[:, :t - i] == segments_BT[:, i:]], axis=1)
+        mask_BT = entries_BT & chain_BT
+        count = jnp.sum(mask_BT)
+        per_entry = lambda x_BT: jnp.sum(jnp.where(mask_BT, x_BT, 0.0)) / jnp.maximum(count, 1)
+        k = ids_BTK.shape[-1]
+        kl = losses.linear_topk_kl(g_BTD.reshape(b * t, d), w_DV, ids_BTK.reshape(b * t, k),
+                                   logp_BTK.reshape(b * t, k), mask_N=mask_BT.reshape(b * t),
+                                   temperature=temperature, reduction="mean", impl=loss_impl)
+        feature_loss = per_entry(jnp.mean(optax.losses.huber_loss(g_BTD.astype(jnp.float32),
+                                                                  f_next_BTD.astype(jnp.float32), delta=1.0), axis=-1))
+        top1_BT, accept_BT = draft_agreement(target_params, target_config, jax.lax.stop_gradient(g_BTD), ids_BTK,
+                                             logp_BTK, temperature, topk_block)
+        total = total + feature_weight * feature_loss + kl_weight * kl
+        if i == 0:
+            aux = {"kl": kl, "feature_loss": feature_loss, "count": count,
+                   "top1_agree": per_entry((top1_BT == ids_BTK[..., 0]).astype(jnp.float32)),
+                   "accept_rate": per_entry(accept_BT)}
+        else:
+            aux[f"accept_rate_pass{i}"] = per_entry(accept_BT)
+    return total / len(passes), aux
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -191,13 +208,15 @@ class DrafterTrainer:
     def __init__(self, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
                  optimizer_config: OptimizerConfig, mesh, *, top_k: int, feature_weight: float, kl_weight: float,
                  temperature: float = 1.0, feature_noise: float = 0.0, loss_impl: str = "auto",
-                 topk_block: int = 0, remat: bool = False):
+                 topk_block: int = 0, remat: bool = False, ttt_steps: int = 1):
+        if ttt_steps < 1:
+            raise ValueError(f"ttt_steps={ttt_steps} must be >= 1 (1: no training-time test).")
         self.target_config, self.drafter_config, self.mesh = target_config, drafter_config, mesh
         self.optimizer = make_optimizer(optimizer_config)
         self.learning_rate = learning_rate_schedule(optimizer_config)
         self.top_k, self.temperature, self.topk_block = top_k, temperature, topk_block
         self._loss_kwargs = dict(feature_weight=feature_weight, kl_weight=kl_weight, temperature=temperature,
-                                 loss_impl=loss_impl, topk_block=topk_block, remat=remat)
+                                 loss_impl=loss_impl, topk_block=topk_block, remat=remat, ttt_steps=ttt_steps)
         self.feature_noise = feature_noise
         self._target_fn = self._step = self._eval = None
 
@@ -367,7 +386,8 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     trainer = DrafterTrainer(target_cfg, dcfg, OptimizerConfig(**config.optimizer), mesh, top_k=config.top_k,
                              feature_weight=config.feature_weight, kl_weight=config.kl_weight,
                              temperature=config.temperature, feature_noise=config.feature_noise,
-                             loss_impl=config.loss_impl, topk_block=config.topk_block, remat=config.remat)
+                             loss_impl=config.loss_impl, topk_block=config.topk_block, remat=config.remat,
+                             ttt_steps=config.ttt_steps)
     target = trainer.place_target(host_target)
     state = trainer.init_state(drafter_lib.init_drafter(target_cfg, dcfg, jax.random.PRNGKey(config.seed)))
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)

@@ -139,6 +139,41 @@ def forward(drafter_params, target_params, target_config: ModelConfig, config: D
                        positions_BT=positions_BT, segment_ids_BT=segment_ids_BT, remat=remat, inputs_BTD=u)
 
 
+def forward_unrolled(drafter_params, target_params, target_config: ModelConfig, config: DrafterConfig,
+                     tokens_BT: jax.Array, features_BTD: jax.Array, steps: int, *, positions_BT: jax.Array,
+                     segment_ids_BT: jax.Array) -> list[jax.Array]:
+    """Training-time test (EAGLE-3): `forward`, then steps - 1 more passes in which every
+    entry reads the drafter's own previous-pass prediction in place of the target's feature,
+    each seeing exactly what a chain draft sees at that depth. Pass i (0-based) at entry t
+    is the i-th draft past committed entry t - i: it reads (x_{t+1}, g^{i-1}_{t-1}) and
+    attends to pass 0's entries up to t - i (those catch-up writes from target features)
+    and to pass j's entry t - i + j for 0 < j <= i (the chain's own). Returns
+    [g^0_BTD, ..., g^{steps-1}_BTD]; an entry of pass i whose chain leaves its segment
+    (t - i before the segment's first entry) reads a neighbour's output: mask it.
+    """
+    if steps < 1:
+        raise ValueError(f"forward_unrolled needs steps >= 1, got {steps}.")
+    b, t = tokens_BT.shape
+    layer_cfg = config.layer_config(target_config)
+    params = model_params(drafter_params, target_params, config)
+    cache = tfm.init_cache(layer_cfg, b, steps * t, features_BTD.dtype)
+    e = jnp.arange(t)
+    same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]  # [B, query t, key p]
+    outputs, features = [], features_BTD
+    for i in range(steps):
+        # Pass 0's entries up to t - i, then pass j's entry t - i + j (j = i: the entry itself).
+        blocks = [same_BTT & (e[None, :] <= e[:, None] - i)[None]]
+        blocks += [same_BTT & (e[None, :] == e[:, None] - i + j)[None] for j in range(1, i)]
+        if i:
+            blocks.append(jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)))
+        u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features)
+        g, cache = tfm.decode(params, layer_cfg, cache.with_lengths(jnp.zeros((b,), jnp.int32)), None, positions_BT,
+                              mask_BTW=jnp.concatenate(blocks, axis=2), inputs_BTD=u)
+        outputs.append(g)
+        features = jnp.concatenate([features_BTD[:, :1], g[:, :-1].astype(features_BTD.dtype)], axis=1)
+    return outputs
+
+
 def init_cache(target_config: ModelConfig, config: DrafterConfig, batch_size: int, max_length: int,
                dtype=None) -> tfm.KVCache:
     return tfm.init_cache(config.layer_config(target_config), batch_size, max_length, dtype)
