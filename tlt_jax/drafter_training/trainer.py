@@ -314,7 +314,7 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
     """Speculative rollouts of `prompts` with an EAGLE chain of `depth` drafts at every step,
     each ending on any of `end_token_ids` (default the target config's): the timeline's
     summary (acceptance_length: tokens committed per sequence and verify step, the bonus
-    token included) and the samples' mean length."""
+    token included), its acceptance per draft position and the samples' mean length."""
     engine = RolloutEngine(target_config, target_params, mesh, RolloutConfig(
         num_slots=num_slots, max_prompt_length=max_prompt_length, max_length=max_prompt_length + max_tokens,
         eos_token_id=end_token_ids or target_config.eos_token_id, max_draft_depth=depth), drafter_config,
@@ -322,7 +322,8 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
     out = engine.generate(prompts, num_samples, sampling.SamplingParams(temperature=temperature, max_tokens=max_tokens),
                           jax.random.PRNGKey(seed), speculation=speculative.FixedSpeculation(
                               speculative.Strategy("eagle", depth=depth), max_active=num_slots))
-    return {**out.timeline.summary(), "length_mean": float(out.lengths.mean())}
+    return {**out.timeline.summary(), "acceptance_by_depth": out.timeline.acceptance_by_depth(),
+            "length_mean": float(out.lengths.mean())}
 
 
 # ----------------------------------------------------------------------------- job
@@ -426,7 +427,8 @@ def train_drafter(config, *, progress: bool = True) -> dict:
         io.save_drafter(drafter_dir, state.params, dcfg, target_cfg, fingerprint.fingerprint_arrays(host_target),
                         step=config.steps)
     records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
-    metrics.plot_curves(records, ["loss", "kl", "feature_loss", "top1_agree", "eval_top1_agree", "grad_norm", "lr"],
+    metrics.plot_curves(records, ["loss", "kl", "feature_loss", "top1_agree", "eval_top1_agree", "eval_accept_rate",
+                                  "grad_norm", "lr"],
                         os.path.join(run_dir, "drafter_curves.png"),
                         title=f"drafter {dcfg.num_layers} layer(s), features {dcfg.feature_layers or 'final'}")
     summary = {**record, "steps": config.steps, "resumed_from": start, "train_seconds": t_train,
