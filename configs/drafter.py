@@ -82,3 +82,15 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.acceptance.update(max_tokens=288, max_prompt_length=64)
         c.run_dir = "runs/drafter_long_tail"
     return c
+
+
+def get_sweep(preset: str = "tiny") -> list[dict]:
+    """Drafter recipes side by side, all drafting the same chain at inference: the plain
+    EAGLE recipe, training-time test over 3 passes, and EAGLE-3 fusion of a low, a middle
+    and the last target layer (`experiments.compare_drafters` tabulates them):
+
+      python -m experiments.sweep --launcher=experiments.train_drafter \
+          --config=configs/drafter.py:long_tail --sweep_dir=runs/drafter_recipes
+    """
+    last = 15 if preset == "gpu" else 3  # the last layer of the preset's target
+    return [{"ttt_steps": 1}, {"ttt_steps": 3}, {"drafter.feature_layers": (0, last // 2, last)}]

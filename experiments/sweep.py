@@ -10,6 +10,8 @@ builds products). Each point runs as
   python -m experiments.sweep --launcher=experiments.generate \
       --config=configs/generate.py:tiny --sweep_dir=runs/sweep --parallel=2
   python -m experiments.sweep --launcher=experiments.train_rl --config=configs/rl.py:tiny --dry_run
+
+`--set=key=value` (repeatable) overrides every point, before the point's own overrides.
 """
 import importlib.util
 import json
@@ -27,6 +29,8 @@ _CONFIG = flags.DEFINE_string("config", None, "Config file and argument, path.py
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", "runs/sweep", "Each point runs in <sweep_dir>/<name>.")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Points run at once.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands only.")
+_SET = flags.DEFINE_multi_string("set", [], "key=value: an override of every point (before the point's own), e.g. "
+                                 "--set=target_dir=runs/sft_long_tail/hf.")
 flags.mark_flags_as_required(["launcher", "config"])
 
 
@@ -49,11 +53,17 @@ def point_name(overrides: dict) -> str:
     return ",".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items()) or "default"
 
 
-def commands(launcher: str, config_spec: str, points: list[dict], sweep_dir: str) -> list[tuple[str, list[str]]]:
+def commands(launcher: str, config_spec: str, points: list[dict], sweep_dir: str,
+             common: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+    """(point name, command) per point; `common` ("key=value") overrides every point."""
+    for item in common:
+        if "=" not in item:
+            raise ValueError(f"--set={item!r}: write key=value, e.g. --set=steps=100.")
     out = []
     for overrides in points:
         name = point_name(overrides)
         cmd = [sys.executable, "-m", launcher, f"--config={config_spec}"]
+        cmd += [f"--config.{item}" for item in common]
         cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
         cmd.append(f"--config.run_dir={os.path.join(sweep_dir, name)}")
         out.append((name, cmd))
@@ -62,7 +72,7 @@ def commands(launcher: str, config_spec: str, points: list[dict], sweep_dir: str
 
 def main(argv):
     del argv
-    todo = commands(_LAUNCHER.value, _CONFIG.value, load_sweep(_CONFIG.value), _SWEEP_DIR.value)
+    todo = commands(_LAUNCHER.value, _CONFIG.value, load_sweep(_CONFIG.value), _SWEEP_DIR.value, tuple(_SET.value))
     if _DRY_RUN.value:
         for _, cmd in todo:
             print(" ".join(cmd))

@@ -53,6 +53,14 @@ def test_generate_with_override_and_sweep_dry_run():
     lines = out.stdout.strip().splitlines()
     assert len(lines) == len(generate.get_sweep()) == 4
     assert all("--config.run_dir=/tmp/sweep_test/" in line for line in lines)
+    # --set overrides every point, before the point's own overrides (which win).
+    todo = sweep.commands("experiments.train_drafter", "configs/drafter.py:long_tail",
+                          [{"ttt_steps": 3}, {"steps": 5}], "/tmp/s", ("steps=100", "acceptance.depth=8"))
+    assert [c[-4:] for _, c in todo] == [
+        ["--config.steps=100", "--config.acceptance.depth=8", "--config.ttt_steps=3", "--config.run_dir=/tmp/s/ttt_steps=3"],
+        ["--config.steps=100", "--config.acceptance.depth=8", "--config.steps=5", "--config.run_dir=/tmp/s/steps=5"]]
+    with pytest.raises(ValueError, match="--set='steps': write key=value"):
+        sweep.commands("experiments.train_drafter", "configs/drafter.py:long_tail", [{}], "/tmp/s", ("steps",))
 
 
 def test_generate_with_the_shipped_target_and_drafter():
@@ -206,3 +214,19 @@ def test_dw_accum_error_reports_both_accumulators(tmp_path):
     assert [r["blocks"] for r in rows] == [None, 8, 8]
     # float32 accumulation stays near one bf16 rounding; bf16 accumulation adds its own
     assert errors["float32"] < 2 * errors["exact, rounded to bf16 once"] < errors["param"]
+
+
+def test_compare_drafters_reads_each_recipe_from_its_summary(tmp_path):
+    from experiments import compare_drafters
+    from tlt_jax import metrics
+
+    run = tmp_path / "ttt_steps=3"
+    metrics.write_json(run / "summary.json", {
+        "steps": 600, "train_seconds": 12.5, "eval_accept_rate": 0.8, "eval_accept_rate_pass2": 0.6,
+        "eval_accept_rate_pass1": 0.7, "eval_top1_agree": 0.9,
+        "acceptance": {"acceptance_length": 3.1, "acceptance_by_depth": [0.9, 0.8, None]}})
+    row = compare_drafters.read_run(str(run))
+    assert row["run"] == "ttt_steps=3" and row["eval_accept_rate"] == [0.8, 0.7, 0.6]
+    assert row["acceptance_by_depth"] == [0.9, 0.8, None] and row["acceptance_length"] == 3.1
+    with pytest.raises(ValueError, match="has no summary.json: the run did not finish"):
+        compare_drafters.read_run(str(tmp_path / "missing"))

@@ -34,6 +34,7 @@ reaches in the rollout engine.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -322,7 +323,8 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
     out = engine.generate(prompts, num_samples, sampling.SamplingParams(temperature=temperature, max_tokens=max_tokens),
                           jax.random.PRNGKey(seed), speculation=speculative.FixedSpeculation(
                               speculative.Strategy("eagle", depth=depth), max_active=num_slots))
-    return {**out.timeline.summary(), "acceptance_by_depth": out.timeline.acceptance_by_depth(),
+    by_depth = [None if math.isnan(a) else a for a in out.timeline.acceptance_by_depth()]  # None: never reached
+    return {**out.timeline.summary(), "acceptance_by_depth": by_depth,
             "length_mean": float(out.lengths.mean())}
 
 
@@ -366,7 +368,8 @@ def acceptance_prompts(tokenizer, examples, prompt_format, num_prompts: int, max
 
 def train_drafter(config, *, progress: bool = True) -> dict:
     """Runs (or resumes) the drafter job of `configs/drafter.py`; returns the last step's
-    metrics with the final evaluation, timings and, when configured, rollout acceptance."""
+    metrics with the final evaluation, timings and, when configured, rollout acceptance
+    (also written to <run_dir>/summary.json)."""
     t_start = time.time()
     check_paths(config)
     run_dir = config.run_dir
@@ -444,4 +447,5 @@ def train_drafter(config, *, progress: bool = True) -> dict:
             num_slots=a.num_slots, max_prompt_length=a.max_prompt_length, seed=config.seed, end_token_ids=end_ids)
         summary["acceptance_seconds"] = time.time() - t_accept
     summary["total_seconds"] = time.time() - t_start
+    metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
     return summary
