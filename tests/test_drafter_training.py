@@ -175,7 +175,7 @@ def test_training_time_test_loss_is_the_mean_of_its_passes(target, rows):
         mask = np.array(dt.entry_mask(batch))
         if i == 2:
             mask[:, 1] = mask[:, 10] = False
-        mean = lambda x: float(jnp.sum(jnp.where(mask, x, 0.0)) / mask.sum())
+        mean = lambda x, mask=mask: float(jnp.sum(jnp.where(mask, x, 0.0)) / mask.sum())
         total += 0.3 * mean(huber_BT) + 0.7 * mean(kl_BT)
         np.testing.assert_allclose(float(aux3[f"accept_rate_pass{i}"]), mean(accept_BT), rtol=1e-4)
     np.testing.assert_allclose(float(loss3), total / 3, rtol=1e-4)

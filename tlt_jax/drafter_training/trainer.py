@@ -34,6 +34,7 @@ reaches in the rollout engine.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -136,6 +137,10 @@ def entry_mask(batch) -> jax.Array:
     return batch["mask"][:, 1:] & (seg_BT[:, :-2] == seg_BT[:, 1:-1]) & (seg_BT[:, :-2] > 0)
 
 
+def _masked_mean(x_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask_BT, x_BT, 0.0)) / jnp.maximum(jnp.sum(mask_BT), 1)
+
+
 def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
                  drafter_config: drafter_lib.DrafterConfig, batch: dict, *, feature_weight: float,
                  kl_weight: float, temperature: float = 1.0, feature_noise: float = 0.0,
@@ -179,7 +184,7 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
         chain_BT = jnp.concatenate([jnp.zeros((b, i), bool), segments_BT[:, :t - i] == segments_BT[:, i:]], axis=1)
         mask_BT = entries_BT & chain_BT
         count = jnp.sum(mask_BT)
-        per_entry = lambda x_BT: jnp.sum(jnp.where(mask_BT, x_BT, 0.0)) / jnp.maximum(count, 1)
+        per_entry = functools.partial(_masked_mean, mask_BT=mask_BT)
         k = ids_BTK.shape[-1]
         kl = losses.linear_topk_kl(g_BTD.reshape(b * t, d), w_DV, ids_BTK.reshape(b * t, k),
                                    logp_BTK.reshape(b * t, k), mask_N=mask_BT.reshape(b * t),
