@@ -6,9 +6,9 @@ r"""TLT end to end: the same RL run with TLT off (the baseline) and on, each in 
 Same config, seed and data in every mode; only `tlt.*` differs. Modes:
   baseline   --config.tlt.enabled=False: plain rollouts, no drafter
   tlt        adaptive speculation (the tuner) and the drafter trained on the spot
-  frozen     (with --drafters) TLT with the warm-start drafter never trained: what a
+  frozen     TLT with the warm-start drafter never trained: what a
              static drafter accepts as the policy moves
-  ngram      (with --drafters) TLT with n-gram arms only: no drafter at all
+  ngram      TLT with n-gram arms only: no drafter at all
   history    TLT with the n-gram arms searching each prompt's earlier rollouts too
              (`history-*` arms in their place), no EAGLE arm
 
