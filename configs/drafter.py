@@ -92,5 +92,5 @@ def get_sweep(preset: str = "tiny") -> list[dict]:
       python -m experiments.sweep --launcher=experiments.train_drafter \
           --config=configs/drafter.py:long_tail --sweep_dir=runs/drafter_recipes
     """
-    last = 15 if preset == "gpu" else 3  # the last layer of the preset's target
+    last = 15 if preset == "gpu" else 3  # the last layer of the preset's own target (not of a --set target_dir)
     return [{"ttt_steps": 1}, {"ttt_steps": 3}, {"drafter.feature_layers": (0, last // 2, last)}]

@@ -37,7 +37,8 @@ from configs.common import data_config
 # learned nor how it is scored (speculation is lossless, so TLT's switch and its tuner are
 # among them). A change to any other field, a new one included, is refused unless
 # --config.resume_changes names it.
-RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "save_hf",
+RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "tlt.drafter.eval_rows",
+                "save_hf",
                 "reward_workers", "reward_overlap", "tlt.enabled", "tlt.tuner", "sft.run_dir", "wandb")
 
 

@@ -225,6 +225,12 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     return c
 
 
+def _by_depth(record: dict) -> list[float]:
+    """A step's accept_depth_<d> metrics in order of d (those its rollout reached)."""
+    return [v for _, v in sorted((int(k.rsplit("_", 1)[1]), v) for k, v in record.items()
+                                 if k.startswith("accept_depth_"))]
+
+
 def summarise(records: list[dict], warmup: int) -> dict:
     steps = [r for r in records if "time_step_s" in r]
     steady = steps[warmup:] or steps
@@ -237,8 +243,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 # The drafter that served each step, teacher-forced on that step's sequences
                 # (None: no drafter), and live acceptance per draft position (whatever arms ran).
                 served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
-                acceptance_by_depth=[[r[f"accept_depth_{d}"] for d in range(1, 9) if f"accept_depth_{d}" in r]
-                                     for r in steps],
+                acceptance_by_depth=[_by_depth(r) for r in steps],
                 speculative_token_share=[r["speculative_token_share"] for r in steps],
                 drafter_version=[r.get("drafter_version", 0) for r in steps],
                 drafter_steps=[r.get("spot/steps", 0) + r.get("spot/catch_up_steps", 0) for r in steps],

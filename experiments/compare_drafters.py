@@ -40,7 +40,7 @@ def read_run(run_dir: str) -> dict:
 
 def main(argv):
     del argv
-    dirs = sorted(glob.glob(_RUNS.value))
+    dirs = sorted(d for d in glob.glob(_RUNS.value) if os.path.isdir(d))  # a sweep's logs lie beside its runs
     if not dirs:
         raise SystemExit(f"--runs={_RUNS.value!r} matches no directory.")
     rows = [read_run(d) for d in dirs]

@@ -129,7 +129,6 @@ def test_training_time_test_passes_are_the_chain_drafts_of_inference(target):
         dparams, target, tokens_BT=tokens, features_BTD=features, positions_BT=positions, segment_ids_BT=segment_ids)
     one = jax.jit(lambda cache, token, feature, position: drafter_lib.decode(
         dparams, target, CFG, dcfg, cache, token, feature, position, return_logits=False))
-    checked = 0
     for a, b in segments:
         for start in range(a, b):
             cache = drafter_lib.init_cache(CFG, dcfg, 1, 16)
@@ -141,8 +140,7 @@ def test_training_time_test_passes_are_the_chain_drafts_of_inference(target):
                 g, cache = one(cache, tokens[:, e:e + 1], feature, positions[:, e:e + 1])
                 np.testing.assert_allclose(np.asarray(passes[i][0, e]), np.asarray(g[0, 0]), rtol=2e-5, atol=2e-5,
                                            err_msg=f"pass {i} entry {e}")
-                feature, checked = g, checked + 1
-    assert checked == sum(min(steps, b - s) for a, b in segments for s in range(a, b))
+                feature = g
     # Pass 0 is the teacher-forced forward.
     g0 = drafter_lib.forward(dparams, target, CFG, dcfg, tokens, features, positions_BT=positions,
                              segment_ids_BT=segment_ids)

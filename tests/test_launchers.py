@@ -218,7 +218,6 @@ def test_dw_accum_error_reports_both_accumulators(tmp_path):
 
 def test_compare_drafters_reads_each_recipe_from_its_summary(tmp_path):
     from experiments import compare_drafters
-    from tlt_jax import metrics
 
     run = tmp_path / "ttt_steps=3"
     metrics.write_json(run / "summary.json", {
@@ -230,3 +229,8 @@ def test_compare_drafters_reads_each_recipe_from_its_summary(tmp_path):
     assert row["acceptance_by_depth"] == [0.9, 0.8, None] and row["acceptance_length"] == 3.1
     with pytest.raises(ValueError, match="has no summary.json: the run did not finish"):
         compare_drafters.read_run(str(tmp_path / "missing"))
+    # As a sweep lays it out: each point's log beside its run directory.
+    (tmp_path / "ttt_steps=3.log").write_text("log")
+    out = _run("experiments.compare_drafters", f"--runs={tmp_path}/*", f"--out={tmp_path}/cmp.json")
+    assert out.returncode == 0, out.stderr
+    assert "ttt_steps=3" in out.stdout and os.path.getsize(tmp_path / "cmp.png") > 0

@@ -202,11 +202,16 @@ class DrafterBuffer:
             raise ValueError("The drafter buffer is empty; check ready() before sampling.")
         rng = np.random.default_rng([self.seed, self._draws])
         self._draws += 1
-        idx = rng.choice(n, batch_size, replace=n < batch_size)
-        starts = np.cumsum([0] + [len(c) for c in self._chunks])
+        return self._gather(self._chunks, rng.choice(n, batch_size, replace=n < batch_size))
+
+    def _gather(self, chunks: list[_Chunk], idx: np.ndarray, out: dict | None = None) -> dict:
+        """Rows idx of `chunks`' rows laid end to end, into the first len(idx) rows of `out`
+        (default: new arrays of exactly those rows)."""
+        starts = np.cumsum([0] + [len(c) for c in chunks])
         chunk_of = np.searchsorted(starts, idx, side="right") - 1
-        out = {k: np.empty((batch_size, *shape), dtype) for k, (shape, dtype) in self._fields.items()}
-        for c, chunk in enumerate(self._chunks):
+        if out is None:
+            out = {k: np.empty((len(idx), *shape), dtype) for k, (shape, dtype) in self._fields.items()}
+        for c, chunk in enumerate(chunks):
             at = np.flatnonzero(chunk_of == c)
             for k in out:
                 out[k][at] = chunk.rows[k][idx[at] - starts[c]]
@@ -219,12 +224,8 @@ class DrafterBuffer:
         held = [c for c in self._chunks if c.step == rl_step]
         out = self.empty_batch(n)
         total = sum(len(c) for c in held)
-        if not total:
-            return out
-        idx = np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
-        rows = {k: np.concatenate([c.rows[k] for c in held]) for k in out}
-        for k in out:
-            out[k][:len(idx)] = rows[k][idx]
+        if total:
+            self._gather(held, np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64)), out)
         return out
 
     def stats(self) -> dict:

@@ -139,8 +139,9 @@ class OnlineDrafter:
         if not self.config.eval_rows:
             return {}
         t0 = time.perf_counter()
-        group = self._home  # read once: the spot thread may move the train state meanwhile
-        out = self._evaluate(group, self.buffer.rows_of_step(rl_step, self.config.eval_rows))
+        out = self._evaluate(self._home, self.buffer.rows_of_step(rl_step, self.config.eval_rows))
+        if not out["count"]:  # no trained entry among the step's rows: nothing to score
+            return {}
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
                 "drafter/served_kl": out["kl"], "drafter/served_eval_s": time.perf_counter() - t0}
 

@@ -156,7 +156,8 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
     means over the trained entries (nats per token; smooth L1 per hidden unit; fractions;
     accept_rate is draft_agreement's, the teacher-forced chance that the first draft is
     accepted) and their number; with ttt_steps > 1 also "accept_rate_pass<i>", that of the
-    (i+1)-th draft given the drafts before it were the right tokens.
+    (i+1)-th draft given the drafts before it were the right tokens, over "count_pass<i>"
+    entries.
     """
     cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
     # Features of positions 0 .. T-2, fused here so that the gradient reaches `fuse`. Entry t
@@ -199,7 +200,7 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
                    "top1_agree": per_entry((top1_BT == ids_BTK[..., 0]).astype(jnp.float32)),
                    "accept_rate": per_entry(accept_BT)}
         else:
-            aux[f"accept_rate_pass{i}"] = per_entry(accept_BT)
+            aux.update({f"accept_rate_pass{i}": per_entry(accept_BT), f"count_pass{i}": count})
     return total / len(passes), aux
 
 
@@ -217,6 +218,8 @@ class DrafterTrainer:
                  topk_block: int = 0, remat: bool = False, ttt_steps: int = 1):
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps={ttt_steps} must be >= 1 (1: no training-time test).")
+        if remat and ttt_steps > 1:
+            raise ValueError("remat=True recomputes the teacher-forced pass only; set ttt_steps=1 or remat=False.")
         self.target_config, self.drafter_config, self.mesh = target_config, drafter_config, mesh
         self.optimizer = make_optimizer(optimizer_config)
         self.learning_rate = learning_rate_schedule(optimizer_config)
@@ -371,6 +374,12 @@ def acceptance_prompts(tokenizer, examples, prompt_format, num_prompts: int, max
     return prompts
 
 
+def _entries(metrics_out: dict, key: str) -> float:
+    """The entries drafter_loss's metric `key` is a mean over: its own pass's for
+    accept_rate_pass<i>, pass 0's for every other."""
+    return float(metrics_out[f"count_{key.rsplit('_', 1)[1]}"] if "_pass" in key else metrics_out["count"])
+
+
 def train_drafter(config, *, progress: bool = True) -> dict:
     """Runs (or resumes) the drafter job of `configs/drafter.py`; returns the last step's
     metrics with the final evaluation, timings and, when configured, rollout acceptance
@@ -405,13 +414,14 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
     def run_eval(state, step) -> dict:
-        totals, count = {}, 0.0
+        totals, counts = {}, {}
         for _, rows_batch in padded_batches(rows["eval"], config.eval_batch_size):
             out = jax.device_get(trainer.evaluate(state.params, target, trainer.batch(target, rows_batch)))
-            n = float(out.pop("count"))
-            totals = {k: totals.get(k, 0.0) + float(v) * n for k, v in out.items()}
-            count += n
-        return {f"eval_{k}": v / max(count, 1.0) for k, v in totals.items()}
+            for k, v in out.items():
+                if not k.startswith("count"):
+                    n = _entries(out, k)
+                    totals[k], counts[k] = totals.get(k, 0.0) + float(v) * n, counts.get(k, 0.0) + n
+        return {f"eval_{k}": v / max(counts[k], 1.0) for k, v in totals.items()}
 
     noise_key = jax.random.PRNGKey(config.seed + 1)
 

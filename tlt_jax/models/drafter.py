@@ -156,7 +156,7 @@ def forward_unrolled(drafter_params, target_params, target_config: ModelConfig, 
     b, t = tokens_BT.shape
     layer_cfg = config.layer_config(target_config)
     params = model_params(drafter_params, target_params, config)
-    cache = tfm.init_cache(layer_cfg, b, steps * t, features_BTD.dtype)
+    cache = tfm.init_cache(layer_cfg, b, steps * t)
     e = jnp.arange(t)
     same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]  # [B, query t, key p]
     outputs, features = [], features_BTD
@@ -167,8 +167,10 @@ def forward_unrolled(drafter_params, target_params, target_config: ModelConfig, 
         if i:
             blocks.append(jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)))
         u = _fc_inputs(drafter_params, target_params, target_config, tokens_BT, features)
-        g, cache = tfm.decode(params, layer_cfg, cache.with_lengths(jnp.zeros((b,), jnp.int32)), None, positions_BT,
-                              mask_BTW=jnp.concatenate(blocks, axis=2), inputs_BTD=u)
+        # The passes so far hold (i + 1) T slots: attention reads those only.
+        start = cache.with_lengths(jnp.zeros((b,), jnp.int32)).attending((i + 1) * t)
+        g, cache = tfm.decode(params, layer_cfg, start, None, positions_BT, mask_BTW=jnp.concatenate(blocks, axis=2),
+                              inputs_BTD=u)
         outputs.append(g)
         features = jnp.concatenate([features_BTD[:, :1], g[:, :-1].astype(features_BTD.dtype)], axis=1)
     return outputs

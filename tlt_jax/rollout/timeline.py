@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Chunk:
@@ -81,19 +83,16 @@ class RolloutTimeline:
         was accepted too. Read from the tokens committed (accepted drafts plus the bonus), so a
         sequence that ended inside a step (its end token, max_tokens) counts as a rejection at
         the position after its last token."""
-        reached: list[int] = []
-        passed: list[int] = []
-        for c in (c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)):
-            if c.depth > len(reached):
-                reached += [0] * (c.depth - len(reached))
-                passed += [0] * (c.depth - len(passed))
-            for committed in c.committed_per_sequence:
-                accepted = min(committed - 1, c.depth)
-                for d in range(min(accepted + 1, c.depth)):
-                    reached[d] += 1
-                for d in range(accepted):
-                    passed[d] += 1
-        return [p / r if r else float("nan") for p, r in zip(passed, reached)]
+        spec = [c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)]
+        depth = max((c.depth for c in spec), default=0)
+        reached, passed = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
+        d = np.arange(depth)
+        for c in spec:
+            accepted = np.minimum(np.asarray(c.committed_per_sequence, np.int64) - 1, c.depth)
+            # Position d (0-based) is reached when d drafts were accepted, and passed on d + 1.
+            reached += np.sum((accepted[:, None] >= d) & (d < c.depth), axis=0)
+            passed += np.sum((accepted[:, None] > d) & (d < c.depth), axis=0)
+        return [float(p / r) if r else float("nan") for p, r in zip(passed, reached)]
 
     def summary(self) -> dict:
         """Wall time, tokens/s, and the two long-tail losses.
