@@ -9,18 +9,14 @@ draft position, with the seconds its training took.
 
 Reads <run_dir>/summary.json (written by `train_drafter`); the plot goes beside --out (.png).
 """
+import argparse
 import glob
 import json
 import os
 
-from absl import app, flags
 from matplotlib.figure import Figure
 
 from tlt_jax import metrics
-
-_RUNS = flags.DEFINE_string("runs", None, "Glob of drafter run directories.")
-_OUT = flags.DEFINE_string("out", "runs/compare_drafters.json", "JSON result; the plot goes beside it (.png).")
-flags.mark_flag_as_required("runs")
 
 
 def read_run(run_dir: str) -> dict:
@@ -38,13 +34,18 @@ def read_run(run_dir: str) -> dict:
                 acceptance_by_depth=a.get("acceptance_by_depth", []))
 
 
-def main(argv):
-    del argv
-    dirs = sorted(d for d in glob.glob(_RUNS.value) if os.path.isdir(d))  # a sweep's logs lie beside its runs
+def main(argv=None):
+    # argparse, not absl flags: --runs and --out would clash with compare_runs' flags of the
+    # same names in one process (the tests import several scripts).
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", required=True, help="Glob of drafter run directories.")
+    parser.add_argument("--out", default="runs/compare_drafters.json", help="JSON result; the plot goes beside it.")
+    args = parser.parse_args(argv)
+    dirs = sorted(d for d in glob.glob(args.runs) if os.path.isdir(d))  # a sweep's logs lie beside its runs
     if not dirs:
-        raise SystemExit(f"--runs={_RUNS.value!r} matches no directory.")
+        raise SystemExit(f"--runs={args.runs!r} matches no directory.")
     rows = [read_run(d) for d in dirs]
-    metrics.write_json(_OUT.value, dict(runs=rows))
+    metrics.write_json(args.out, dict(runs=rows))
     print(f"{'recipe':28} {'steps':>5} {'train s':>8} {'top-1':>6} {'accept (teacher-forced, per pass)':>34} "
           f"{'acc len':>7}  live accepted at depth 1, 2, ...")
     for r in rows:
@@ -63,8 +64,8 @@ def main(argv):
     ax.set_ylabel("accepted, given the drafts before it")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    figure.savefig(os.path.splitext(_OUT.value)[0] + ".png", dpi=100)
+    figure.savefig(os.path.splitext(args.out)[0] + ".png", dpi=100)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()

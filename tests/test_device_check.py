@@ -37,7 +37,8 @@ def _run(timeout, **extra):
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("device_check_dry")
-    done = _run(600, DRY="1", OUT=str(out), DRY_TIMEOUT="300")
+    # The whole script: 7.5 min alone on a slow 2-core machine, more beside other tests.
+    done = _run(1200, DRY="1", OUT=str(out), DRY_TIMEOUT="300")
     return done, str(out)
 
 

@@ -106,7 +106,6 @@ class OnlineDrafter:
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
         self._published_steps = 0
-        self.served: dict[str, float] = {}  # served_metrics of the last RL step added
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -128,7 +127,6 @@ class OnlineDrafter:
         host = jax.device_get(data)
         self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, pad(host.hidden), pad(host.ids),
                         pad(host.logp), pad(host.layers))
-        self.served = self.served_metrics(rl_step)
 
     def served_metrics(self, rl_step: int) -> dict[str, float]:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s

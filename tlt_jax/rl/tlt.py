@@ -46,6 +46,7 @@ class TLT:
         self._groups_done: list[int] = []
         self._num_groups = 1
         self._previous_report = tuner.report()
+        self._served: dict[str, float] = {}  # the drafter's served_metrics of this RL step
 
     def close(self):
         if self.spot is not None:
@@ -54,7 +55,7 @@ class TLT:
     # -- events of one RL step
 
     def begin(self, rl_step: int, num_groups: int) -> None:
-        self._num_groups, self._groups_done = num_groups, []
+        self._num_groups, self._groups_done, self._served = num_groups, [], {}
         if self.tuner.history is not None:  # the history arms' store evicts by RL step
             self.tuner.history.begin_step(rl_step)
         if self.spot is not None:
@@ -87,6 +88,7 @@ class TLT:
     def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data) -> None:
         if self.spot is not None:
             self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data)
+            self._served = self.drafter.served_metrics(rl_step)  # the engine's drafter: the one that drafted it
             self.spot.notify_data()
 
     def end(self) -> dict:
@@ -99,7 +101,7 @@ class TLT:
             if self.spot is not None:
                 stats = self.spot.end_rl_step()
                 out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
-            out.update(self.drafter.served)
+            out.update(self._served)
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
                         "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows})
         report = self.tuner.report()
