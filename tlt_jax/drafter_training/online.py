@@ -133,7 +133,7 @@ class OnlineDrafter:
         rollouts) predicts that step's own sequences, teacher-forced on `eval_rows` of its
         rows: "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
         strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", and
-        the seconds it took. Empty with eval_rows 0."""
+        the seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
         if not self.config.eval_rows:
             return {}
         t0 = time.perf_counter()
@@ -141,7 +141,7 @@ class OnlineDrafter:
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
-                "drafter/served_kl": out["kl"], "drafter/served_eval_s": time.perf_counter() - t0}
+                "drafter/served_kl": out["kl"], "time_served_eval_s": time.perf_counter() - t0}
 
     def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
         trainer = self._trainer(group)
