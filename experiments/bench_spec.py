@@ -30,7 +30,6 @@ size, and a verify forward over k tokens against one decode step's forward.
 """
 import dataclasses
 import json
-import math
 import os
 import time
 
@@ -89,7 +88,7 @@ def run_once(engine, prompts, g, sp, speculation, key):
     tokens = int(out.lengths.sum())
     return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, decode_tokens_per_s=tokens / decode_s,
                 acceptance_length=s["acceptance_length"], timeline=out.timeline.groups[0],
-                acceptance_by_depth=[None if math.isnan(r) else r for r in out.timeline.acceptance_by_depth()],
+                acceptance_by_depth=out.timeline.acceptance_by_depth(),
                 tuner_s=timed.seconds if timed is not None else 0.0)
 
 

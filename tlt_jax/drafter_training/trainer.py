@@ -35,7 +35,6 @@ reaches in the rollout engine.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 
@@ -72,6 +71,15 @@ ROW_FIELDS = ("tokens", "positions", "segment_ids", "mask")
 # ----------------------------------------------------------------------------- target side
 
 
+def _by_position_blocks(fn, block: int, *arrays_BT):
+    """fn over [B, T, ...] arrays, `block` positions at a time (0: all at once), so that
+    the [B, block, V] logits fn makes are all that ever exist; its outputs are [B, T, ...]."""
+    if not block or block >= arrays_BT[0].shape[1]:
+        return fn(*arrays_BT)
+    out_T = jax.lax.map(lambda xs: fn(*xs), tuple(jnp.moveaxis(a, 1, 0) for a in arrays_BT), batch_size=block)
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), out_T)
+
+
 def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temperature: float = 1.0,
                    block: int = 0):
     """(ids_BTK int32, logp_BTK float32): top-k of the logits of hidden states, `block`
@@ -79,10 +87,7 @@ def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temper
     def topk(h_xD):
         return losses.topk_from_logits(tfm.logits_from_hidden(params, config, h_xD), k, temperature)
 
-    if not block or block >= h_BTD.shape[1]:
-        return topk(h_BTD)
-    ids_TBK, logp_TBK = jax.lax.map(topk, jnp.moveaxis(h_BTD, 1, 0), batch_size=block)
-    return jnp.moveaxis(ids_TBK, 0, 1), jnp.moveaxis(logp_TBK, 0, 1)
+    return _by_position_blocks(topk, block, h_BTD)
 
 
 def draft_agreement(params, config: ModelConfig, g_BTD: jax.Array, ids_BTK: jax.Array, logp_BTK: jax.Array,
@@ -98,12 +103,7 @@ def draft_agreement(params, config: ModelConfig, g_BTD: jax.Array, ids_BTK: jax.
         accept = jnp.sum(jnp.minimum(jnp.exp(logp_xK), jnp.exp(logq_xK)), -1)
         return jnp.argmax(logits_xV, -1).astype(jnp.int32), accept
 
-    if not block or block >= g_BTD.shape[1]:
-        return agree(g_BTD, ids_BTK, logp_BTK)
-    top1_TB, accept_TB = jax.lax.map(lambda x: agree(*x), tuple(jnp.moveaxis(a, 1, 0) for a in (g_BTD, ids_BTK,
-                                                                                               logp_BTK)),
-                                     batch_size=block)
-    return jnp.moveaxis(top1_TB, 0, 1), jnp.moveaxis(accept_TB, 0, 1)
+    return _by_position_blocks(agree, block, g_BTD, ids_BTK, logp_BTK)
 
 
 def target_outputs(target_params, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
@@ -331,8 +331,7 @@ def rollout_acceptance(target_config: ModelConfig, target_params, drafter_config
     out = engine.generate(prompts, num_samples, sampling.SamplingParams(temperature=temperature, max_tokens=max_tokens),
                           jax.random.PRNGKey(seed), speculation=speculative.FixedSpeculation(
                               speculative.Strategy("eagle", depth=depth), max_active=num_slots))
-    by_depth = [None if math.isnan(a) else a for a in out.timeline.acceptance_by_depth()]  # None: never reached
-    return {**out.timeline.summary(), "acceptance_by_depth": by_depth,
+    return {**out.timeline.summary(), "acceptance_by_depth": out.timeline.acceptance_by_depth(),
             "length_mean": float(out.lengths.mean())}
 
 

@@ -305,7 +305,7 @@ class RLLoop:
             "acceptance_length": timeline["acceptance_length"],
             "speculative_token_share": timeline["speculative_tokens"] / max(timeline["tokens"], 1),
             **{f"accept_depth_{d}": rate for d, rate in enumerate(rollouts.timeline.acceptance_by_depth(), 1)
-               if not np.isnan(rate)},
+               if rate is not None},
             **tlt_metrics,
         }
         for g in rollouts.timeline.groups:

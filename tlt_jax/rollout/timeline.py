@@ -77,12 +77,12 @@ class RolloutTimeline:
     groups: list[GroupTimeline]
     origin: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def acceptance_by_depth(self) -> list[float]:
+    def acceptance_by_depth(self) -> list[float | None]:
         """Per draft position d = 1, 2, ...: of the sequence-steps whose first d - 1 drafts
         were accepted, under strategies drafting at least d deep, the share whose d-th draft
         was accepted too. Read from the tokens committed (accepted drafts plus the bonus), so a
         sequence that ended inside a step (its end token, max_tokens) counts as a rejection at
-        the position after its last token."""
+        the position after its last token. None: a position no step reached."""
         spec = [c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)]
         depth = max((c.depth for c in spec), default=0)
         reached, passed = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
@@ -92,7 +92,7 @@ class RolloutTimeline:
             # Position d (0-based) is reached when d drafts were accepted, and passed on d + 1.
             reached += np.sum((accepted[:, None] >= d) & (d < c.depth), axis=0)
             passed += np.sum((accepted[:, None] > d) & (d < c.depth), axis=0)
-        return [float(p / r) if r else float("nan") for p, r in zip(passed, reached)]
+        return [float(p / r) if r else None for p, r in zip(passed, reached)]
 
     def summary(self) -> dict:
         """Wall time, tokens/s, and the two long-tail losses.
