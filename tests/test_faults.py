@@ -57,9 +57,12 @@ FAULTS = {
     # With speculation: the EAGLE and n-gram arms of tests/test_tlt.py.
     "rollout": Fault("rollout:2", tlt=True, overrides=(("tlt.tuner.arms", TLT["tlt.tuner.arms"]),)),
 }
-# A kill in a rollout with TLT on is also what tests/test_tlt.py's SIGKILL test does (it
-# kills as the step-2 checkpoints appear, in step 2's rollout); here it runs with -m slow.
-_SLOW = {"rollout"}
+# Run with -m slow, each covered elsewhere by a kill at another point of the same kind:
+# a kill in a rollout with TLT on, and in the spot trainer's step, by tests/test_tlt.py's
+# SIGKILL test (it kills as the step-2 checkpoints appear, and checks drafter, tuner and
+# buffer restored); a kill in the reward or the learner, between two checkpoints, by
+# tests/test_rl_train.py's, which resumes bit for bit.
+_SLOW = {"rollout", "drafter_step", "reward", "learner"}
 
 
 # Every run is a process of its own (killed, or resumed with `_spy` recording what it
