@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from experiments import device_summary
+from tests.conftest import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "experiments/device_check.sh"
@@ -22,7 +23,8 @@ JSON = {"spec": ["bench_spec.json"], "tlt": ["bench_tlt.json"], "rollout": ["ben
 
 def _env(**extra):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the H200 run has one GPU (conftest's 8 are for sharding tests)
+    # One CPU device, as the H200 run has one GPU (conftest's 8 are for sharding tests).
+    env["XLA_FLAGS"] = FAST_COMPILE
     for name in ("BLOCKS", "OUT", "DRY", "PLAN", "PACK", "DRY_TIMEOUT", "SPEC_ARGS", "TLT_ARGS", "VERIFY_ARGS"):
         env.pop(name, None)
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)

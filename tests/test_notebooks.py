@@ -7,6 +7,8 @@ import sys
 import nbformat
 import pytest
 
+from tests.conftest import FAST_COMPILE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB = os.path.join(REPO, "colab")
 NOTEBOOKS = sorted(f for f in os.listdir(COLAB) if f.endswith(".ipynb"))
@@ -25,10 +27,9 @@ def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     # The kernel is a fresh process: one CPU device (not the test process's 8), smoke sizes,
-    # runs written under tmp_path. Compiles are most of a smoke run's time, and XLA's backend
-    # optimisation level 0 takes about 40% off them.
+    # runs written under tmp_path, compiled fast.
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_backend_optimization_level=0".strip())
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} {FAST_COMPILE}".strip())
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("TLT_NOTEBOOK_SMOKE", "1")
     monkeypatch.setenv("TLT_NOTEBOOK_RUNS", str(tmp_path))
