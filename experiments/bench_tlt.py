@@ -73,7 +73,8 @@ from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
-_PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "gpu"],
+_PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
+                                                   "gpu"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -128,6 +129,13 @@ PRESETS = {
     # (docs/benchmarks.md). The tail preset's shape (every chunk is the tuner's).
     "cpu_wide": dict(layers=16, mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=4, num_samples=8,
                      max_tokens=96, num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
+    # cpu_wide's regime in the rollout alone: the engine decodes the 16-layer target with
+    # every MLP padded to 4096 zero units (`rollout.decode_mlp_size`: the same tokens, 104 MB
+    # of weights read per step), while the learner and the drafter train the model as it is,
+    # as a GPU's learner is not slowed by decode's weight reads. 2 prompts x 8 samples, so
+    # the tail runs at the small batches where a verify of a few tokens costs about a step.
+    "cpu_wide_decode": dict(layers=16, decode_mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=2,
+                            num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
@@ -189,7 +197,8 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c = rl_configs.get_config("tiny")
     c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
-    c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"])
+    c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"],
+                     decode_mlp_size=preset.get("decode_mlp_size", 0))
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 

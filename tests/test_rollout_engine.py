@@ -76,6 +76,21 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(reference.tokens, different.tokens))
 
 
+def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
+    """decode_mlp_size: the rollout's weights are wider (zero units) and its samples the model's."""
+    engine = _engine(params, 4, decode_mlp_size=160)
+    layer = engine.local_groups[0].params["layers"][0]
+    assert layer["w_down"].shape == (160, CFG.hidden_size) and not np.asarray(layer["w_down"])[64:].any()
+    padded = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
+    for a, b, la, lb in zip(reference.tokens, padded.tokens, reference.logprobs, padded.logprobs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(la, lb, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_mlp_size=32 is below the model's MLP width 64"):
+        _engine(params, 4, decode_mlp_size=32)
+    with pytest.raises(ValueError, match="decode_mlp_size=-1 must be >= 0"):
+        RolloutConfig(decode_mlp_size=-1)
+
+
 def test_data_parallel_groups_signal_done(params, reference):
     engine = _engine(params, 2, data=2, tensor=2)  # fused q/k/v split by kv head across the tensor axis
     assert engine.num_groups == 2

@@ -152,7 +152,8 @@ def check_config(config) -> None:
     _prefixed("rollout.", lambda: RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
                                                max_length=r.max_prompt_length + r.max_tokens,
                                                steps_per_sync=r.steps_per_sync,
-                                               kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket)))
+                                               kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
+                                               decode_mlp_size=r.get("decode_mlp_size", 0)))
     samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
     if k < 1 or samples % k:
         raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
@@ -224,6 +225,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
         num_slots=r.num_slots, max_prompt_length=r.max_prompt_length, max_length=seq_len,
         steps_per_sync=r.steps_per_sync, eos_token_id=end_ids, kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
+        decode_mlp_size=r.get("decode_mlp_size", 0),
         max_draft_depth=max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8), dcfg, dparams)
     lc = config.learner
     learner = Learner(model_cfg, LearnerConfig(

@@ -92,6 +92,12 @@ class RolloutConfig:
     # step's cost grows with the slots it reads (at batch 64 on a 16-layer CPU target, 352
     # slots cost 2.4x what 128 do). One compiled chunk per bucket; 0: always max_length.
     kv_bucket: int = 64
+    # A stand-in for a bigger target in rollout alone: decode runs every MLP padded to
+    # this many units whose weights are zero (transformer.pad_mlp), so the tokens are the
+    # model's while each step reads weights several times the CPU's caches, as a GPU's
+    # decode is bound by reading its weights. The learner trains the model as it is.
+    # 0: the model's own width.
+    decode_mlp_size: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_id", end_token_ids(self.eos_token_id))
@@ -102,6 +108,8 @@ class RolloutConfig:
             raise ValueError("num_slots, steps_per_sync, spec_steps_per_sync and max_prompt_length must be positive.")
         if self.kv_bucket < 0:
             raise ValueError(f"kv_bucket={self.kv_bucket} must be >= 0 (0: attention reads all max_length slots).")
+        if self.decode_mlp_size < 0:
+            raise ValueError(f"decode_mlp_size={self.decode_mlp_size} must be >= 0 (0: the model's own MLP width).")
 
     @property
     def kv_buckets(self) -> tuple[int, ...]:
@@ -679,6 +687,9 @@ class RolloutEngine:
     def __init__(self, model_config: ModelConfig, params, mesh: Mesh, rollout_config: RolloutConfig,
                  drafter_config: drafter_lib.DrafterConfig | None = None, drafter_params=None):
         self.model_config, self.rollout_config = model_config, rollout_config
+        if 0 < rollout_config.decode_mlp_size < model_config.intermediate_size:
+            raise ValueError(f"decode_mlp_size={rollout_config.decode_mlp_size} is below the model's MLP width "
+                             f"{model_config.intermediate_size}: it pads, so it can only grow (0: off).")
         # Fused q/k/v are split over the tensor axis by kv head: fuse only when the kv heads
         # split evenly, or the query weights (split by query head unfused) would be copied
         # whole to every device.
@@ -718,10 +729,12 @@ class RolloutEngine:
     def _engine_layout(self, params):
         """The weights as decode reads them: in the compute dtype (every use casts to it,
         so this changes no result and halves the bytes per step of float32 masters), per
-        layer and with fused projections as the rollout config asks."""
-        cfg = self.model_config
+        layer, with fused projections and padded MLPs as the rollout config asks."""
+        cfg, rc = self.model_config, self.rollout_config
         params = jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), params)
-        if self.rollout_config.per_layer_weights:
+        if rc.decode_mlp_size:
+            params = tfm.pad_mlp(params, cfg, rc.decode_mlp_size)[1]
+        if rc.per_layer_weights:
             params = tfm.unstack_layers(params)
         return tfm.fuse_projections(params, cfg) if self._fuse else params
 
