@@ -7,8 +7,8 @@ rerun on the same machine loads them."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# For the runs that tests start as processes of their own (launchers, notebooks, the device
-# check): compiles are most of such a run's time, and XLA's backend optimisation level 0
+# For the runs that tests start as processes of their own (faults, multihost, notebooks, the
+# device check): compiles are most of such a run's time, and XLA's backend optimisation level 0
 # takes 20-40% off them. Their checks are of plumbing and resumes, each against a run
 # compiled alike; the tests of the engine's exactness run in the test process, compiled as
 # users' runs are.

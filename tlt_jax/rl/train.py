@@ -120,6 +120,15 @@ def _prefixed(prefix: str, build):
         raise ValueError(f"{prefix}{e}") from e
 
 
+def _rollout_config(r, **engine_fields) -> RolloutConfig:
+    """The engine's RolloutConfig from the config's `rollout` section; `engine_fields` are
+    what the run adds (the model's end tokens, the tuner's deepest strategy)."""
+    return RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
+                         max_length=r.max_prompt_length + r.max_tokens, steps_per_sync=r.steps_per_sync,
+                         kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
+                         decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size), **engine_fields)
+
+
 def _check_mesh(mesh_config) -> None:
     """The mesh fills every process's devices, and each rollout group (a slice of its data
     axis) lies on one process."""
@@ -149,11 +158,7 @@ def check_config(config) -> None:
     r = config.rollout
     _prefixed("rollout.", lambda: sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p,
                                                          max_tokens=r.max_tokens))
-    _prefixed("rollout.", lambda: RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
-                                               max_length=r.max_prompt_length + r.max_tokens,
-                                               steps_per_sync=r.steps_per_sync,
-                                               kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
-                                               decode_mlp_size=r.get("decode_mlp_size", 0)))
+    _prefixed("rollout.", lambda: _rollout_config(r))
     samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
     if k < 1 or samples % k:
         raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
@@ -222,11 +227,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None
     spot_config = SpotConfig(**config.tlt.spot) if tlt_on else None
     dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
-    engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
-        num_slots=r.num_slots, max_prompt_length=r.max_prompt_length, max_length=seq_len,
-        steps_per_sync=r.steps_per_sync, eos_token_id=end_ids, kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
-        decode_mlp_size=r.get("decode_mlp_size", 0),
-        max_draft_depth=max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8), dcfg, dparams)
+    depth = max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8
+    engine = RolloutEngine(model_cfg, params, mesh, _rollout_config(r, eos_token_id=end_ids, max_draft_depth=depth),
+                           dcfg, dparams)
     lc = config.learner
     learner = Learner(model_cfg, LearnerConfig(
         optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
