@@ -67,6 +67,9 @@ _BREAKDOWN = flags.DEFINE_bool("breakdown", False, "Also measure where the secon
                                 "efficiency (measured / ideal speed-up) of every row.")
 _REGIME = flags.DEFINE_bool("regime", False, "Time the target alone instead: decode step against batch size, and a "
                             "verify forward over k tokens against one decode step's forward.")
+_DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", 0, "Decode the target with every MLP padded to this many "
+                                        "zero units (RolloutConfig.decode_mlp_size: the same tokens, wider weight "
+                                        "reads); 0: the model's own width.")
 _REGIME_TOKENS = flags.DEFINE_list("regime_tokens", ["1", "2", "4", "5", "8"], "Tokens per sequence of the verify "
                                    "forwards --regime times.")
 
@@ -169,7 +172,7 @@ def run_regime(model_cfg, params, prompts, batches, mesh):
     for b in batches:
         rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),
                            max_length=max(map(len, prompts)) + sp.max_tokens + 1, steps_per_sync=16,
-                           eos_token_id=None)
+                           eos_token_id=None, decode_mlp_size=_DECODE_MLP_SIZE.value)
         engine = RolloutEngine(model_cfg, params, mesh, rc)
         group = engine.local_groups[0]
         state = profile.filled_state(group, prompts, key, sp, speculative=False)
@@ -208,11 +211,15 @@ def main(argv):
     rows = []
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(),
-                  target_weight_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)), rows=rows)
+                  target_weight_bytes=_weight_bytes(params), decode_mlp_size=_DECODE_MLP_SIZE.value,
+                  decode_weight_bytes=_weight_bytes(jax.eval_shape(
+                      lambda p: tfm.pad_mlp(p, model_cfg, _DECODE_MLP_SIZE.value)[1], params)
+                      if _DECODE_MLP_SIZE.value else params), rows=rows)
     if _REGIME.value:
         result["regime"] = run_regime(model_cfg, params, all_prompts, batches, mesh)
         _write(result)
-        print(f"\ntarget {model_cfg.num_params() / 1e6:.1f}M params, {result['target_weight_bytes'] / 1e6:.0f} MB")
+        print(f"\ntarget {model_cfg.num_params() / 1e6:.1f}M params, {result['target_weight_bytes'] / 1e6:.0f} MB; "
+              f"decode reads {result['decode_weight_bytes'] / 1e6:.0f} MB of weights a step")
         print(f"{'batch':>5} {'step ms':>8} {'fwd ms':>7} "
               + " ".join(f"{'fwd ' + k + '/1':>8}" for k in _REGIME_TOKENS.value)
               + f" {'tree ' + str(max(int(k) for k in _REGIME_TOKENS.value)) + '/1':>9}")
@@ -232,7 +239,8 @@ def main(argv):
         rc = RolloutConfig(num_slots=b, max_prompt_length=max(map(len, prompts)),
                            max_length=max(map(len, prompts)) + preset["max_tokens"] + 1, steps_per_sync=16,
                            eos_token_id=model_cfg.eos_token_id,
-                           max_draft_depth=max(s.depth for s in strategies))
+                           max_draft_depth=max(s.depth for s in strategies),
+                           decode_mlp_size=_DECODE_MLP_SIZE.value)
         engine = RolloutEngine(model_cfg, params, mesh, rc, drafter_cfg, drafter_params)
         for temperature in temperatures:
             sp = sampling.SamplingParams(temperature=temperature, max_tokens=preset["max_tokens"])
@@ -296,6 +304,10 @@ def print_breakdown(rows):
         print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:16} {r['acceptance_length']:7.2f} "
               f"{r['ideal_speedup']:7.2f} {r['speedup']:5.2f} {r['efficiency']:5.2f} {r['decode_speedup']:8.2f} "
               f"{r['decode_efficiency']:5.2f}")
+
+
+def _weight_bytes(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
 def _write(result):

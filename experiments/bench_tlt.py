@@ -86,6 +86,9 @@ _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of 
 _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
                               "preset's deepened SFT model; needs --drafter.")
 _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (experiments.train_drafter).")
+_DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the preset's rollout.decode_mlp_size (both "
+                                        "modes): decode's MLP width, for weights several times this machine's "
+                                        "last-level cache (cpu_wide_decode's 4096: 104 MB).")
 _TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
                                      "baseline), e.g. tlt.tuner.max_active=32 (TLT's threshold); repeatable.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Pairs of runs, each mode in a fresh process, in ABBA order (2: "
@@ -193,12 +196,16 @@ def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_si
     return target_dir, drafter_dir
 
 
+def _decode_mlp_size(preset: dict) -> int:
+    return preset.get("decode_mlp_size", 0) if _DECODE_MLP_SIZE.value is None else _DECODE_MLP_SIZE.value
+
+
 def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed: int, steps: int):
     c = rl_configs.get_config("tiny")
     c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"],
-                     decode_mlp_size=preset.get("decode_mlp_size", 0))
+                     decode_mlp_size=_decode_mlp_size(preset))
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 
@@ -302,7 +309,7 @@ def run_in_process(modes: list[str]) -> dict:
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
-                  build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
+                  decode_mlp_size=_decode_mlp_size(preset), build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
@@ -473,7 +480,7 @@ def run_repeats(launch_child=spawn) -> int:
     t0 = time.perf_counter()
     _target(preset)
     result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
-                  tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
+                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
                   child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
     failed = []
     t_start = time.perf_counter()
