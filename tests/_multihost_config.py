@@ -29,11 +29,13 @@ def get_config(preset: str = "tlt"):
     c.rollout.update(num_slots=16, max_tokens=MAX_TOKENS)
     c.prompts_per_step, c.num_samples, c.reward = 4, 4, "test_length"
     c.learner.update(micro_batch_size=8, num_minibatches=2)
-    c.update(steps=3, eval_every=3, checkpoint_every=1, save_hf=False)
+    # No reference policy (kl_coef is 0) and no served-drafter scoring: programs the
+    # comparison never reads, compiled in each of its processes.
+    c.update(steps=3, eval_every=3, checkpoint_every=1, save_hf=False, track_kl=False)
     c.mesh.update(data=2, fsdp=4, tensor=1)  # two rollout groups, the learner over all 8 devices
     c.tlt.enabled = preset == "tlt"
     c.tlt.tuner.update(buckets=[1], arms=[["eagle-d3"]], max_active=16)
     c.tlt.spot.update(catch_up_steps=2, max_steps_per_rl_step=4)
-    c.tlt.drafter.update(init="", batch_size=4, seq_len=48, checkpoint_every=1)
+    c.tlt.drafter.update(init="", batch_size=4, seq_len=48, checkpoint_every=1, eval_rows=0)
     c.tlt.drafter.optimizer.learning_rate = 0.0
     return c

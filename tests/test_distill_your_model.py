@@ -158,6 +158,7 @@ def test_offline_drafter_on_a_parquet_file(user, monkeypatch):
     c.update(target_dir=paths["teacher"], data=_chat_rows("parquet", paths), top_k=4, steps=STEPS, batch_size=8,
              eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS, run_dir=str(root / "drafter"))
     c.acceptance.update(num_prompts=2, num_samples=1, depth=2, max_tokens=4, num_slots=2, max_prompt_length=64)
+    c.mesh.update(data=1, fsdp=8)  # one acceptance-rollout group: each more compiles its programs again
     packed = _spy(monkeypatch, drafter_trainer, "pack_examples")
     summary = drafter_trainer.train_drafter(c, progress=False)
     _check_chat_rows(packed[0], load_tokenizer(paths["teacher"]), _problems(1)[0])

@@ -57,7 +57,10 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
         return False
 
     monkeypatch.setattr(OnlineDrafter, "publish", publish_and_record)
-    gaps_only = {"tlt.spot.catch_up_steps": 0, "tlt.spot.skip_short_gaps": False, "reward": "slow"}
+    # Scored after the rollout, one call per batch: with reward_overlap each sample is a call
+    # of its own, and the pause would add up to 16 s a step.
+    gaps_only = {"tlt.spot.catch_up_steps": 0, "tlt.spot.skip_short_gaps": False, "reward": "slow",
+                 "reward_overlap": False}
     summary = train_rl(_config(warm_start, run_dir, **{**TLT, **gaps_only}), progress=False)
     records = _records(run_dir)
     steps = [records[s] for s in (1, 2, 3)]

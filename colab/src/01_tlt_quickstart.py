@@ -38,7 +38,7 @@ if SMOKE:
         "steps": 3, "eval_every": 3, "checkpoint_every": 3, "tlt.drafter.checkpoint_every": 3,
         "data.num_train": 64, "data.num_eval": 16, "rollout.num_slots": 32, "rollout.max_tokens": 64,
         "prompts_per_step": 4, "num_samples": 8, "learner.micro_batch_size": 16, "learner.num_minibatches": 1,
-        "track_kl": False,
+        "track_kl": False, "rollout.kv_bucket": 0,  # attention over every slot: one program per chunk
         # one bucket of 1-8 running sequences with one drafting strategy beside plain decode
         "tlt.tuner.buckets": [1], "tlt.tuner.arms": [["eagle-d3", "plain"]], "tlt.tuner.max_active": 8,
     }

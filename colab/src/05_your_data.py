@@ -126,8 +126,9 @@ c.reward = "__main__:tagged_answer"
 c.rollout.update(max_prompt_length=128, max_tokens=24, num_slots=32)
 c.update(steps=RL_STEPS, eval_every=RL_STEPS, checkpoint_every=RL_STEPS, prompts_per_step=4, num_samples=4)
 c.tlt.drafter.seq_len = 160
-if SMOKE:  # one bucket with one drafting strategy beside plain decode: a few programs to compile
+if SMOKE:  # one bucket with one drafting strategy beside plain decode, one attention bucket: a few programs
     c.tlt.tuner.update(buckets=[1], arms=[["eagle-d3", "plain"]], max_active=8)
+    c.rollout.kv_bucket = 0
 c.mesh.data = jax.device_count()
 summary = train_rl(c)
 {k: summary[k] for k in ("sft_eval_accuracy", "final_eval_accuracy", "final_eval_truncated_share",
