@@ -308,8 +308,9 @@ def run_in_process(modes: list[str]) -> dict:
     t0 = time.perf_counter()
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"], tlt_set=_TLT_SET.value,
-                  decode_mlp_size=_decode_mlp_size(preset), build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
+                  preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
+                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value,
+                  build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
@@ -480,7 +481,8 @@ def run_repeats(launch_child=spawn) -> int:
     t0 = time.perf_counter()
     _target(preset)
     result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
-                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value, repeats=_REPEATS.value, order=[r["mode"] for r in order],
+                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value, repeats=_REPEATS.value,
+                  order=[r["mode"] for r in order],
                   child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
     failed = []
     t_start = time.perf_counter()
