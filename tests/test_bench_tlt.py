@@ -6,6 +6,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 _CHECK = r"""
 import json, sys
 from experiments import bench_tlt
@@ -197,3 +199,21 @@ def test_a_negative_slow_reward_is_an_error_naming_the_flag(tmp_path):
                            f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
     assert done.returncode != 0
     assert "--slow_reward_ms=-5.0 must be >= 0" in done.stderr
+
+
+_DECODE_WIDTHS = r"""
+import json, sys
+from absl import flags
+from experiments import bench_tlt
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+preset = bench_tlt.PRESETS["cpu_wide_decode"]
+print(json.dumps({m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2).rollout.decode_mlp_size
+                  for m in ("baseline", "tlt")}))
+"""
+
+
+@pytest.mark.parametrize("given, want", [([], 4096), (["--decode_mlp_size=8192"], 8192), (["--decode_mlp_size=0"], 0)])
+def test_decode_mlp_size_overrides_the_preset_in_both_modes(given, want, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _DECODE_WIDTHS, f"--run_dir={tmp_path}", *given],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": want, "tlt": want}
