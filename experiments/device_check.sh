@@ -261,7 +261,8 @@ fi
 # Budget: 85 s: the dense anchor (for the ratios), then the cases the first run did not
 # reach: bf16 dW accumulation at 32k and 256k tokens (the 7 GiB peak bar), the Pallas kernels
 # (one fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
-# keeps what finished). `--only` dropped, the whole preset takes about 4 minutes.
+# keeps what finished). `--only` dropped, the whole preset takes about 4 minutes; LOSSES_ARGS
+# adds flags (a later --only replaces the block's), e.g. BLOCKS=losses LOSSES_ARGS=--only=pallas.
 if want losses; then
   block_start losses
   if dry; then
@@ -273,8 +274,9 @@ if want losses; then
   else
     LOSSES=(--preset=gpu --only="chunked_xla[dw_accum=param],pallas,anchor_dense")
   fi
+  # shellcheck disable=SC2086  # LOSSES_ARGS is a list of flags
   step bench_kl 85 "$OUT/bench_kl.log" python -m experiments.bench_kl "${LOSSES[@]}" --time_budget_s=55 \
-    --out="$OUT/bench_kl.json"
+    ${LOSSES_ARGS:-} --out="$OUT/bench_kl.json"
   plan || tail -n 12 "$OUT/bench_kl.log"
   block_end "$OUT/bench_kl.json"
 fi
