@@ -190,18 +190,18 @@ plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 if want rollout; then
   block_start rollout
   if dry; then
-    note "rollout: the tiny model (bench_rollout --preset=cpu); the CPU's HLO in rollout_hlo.tgz, not the GPU's;" \
-      "transformers on the CPU in float32 (no CUDA)"
-    ROLLOUT=(--preset=cpu --models=tiny)
+    note "rollout: the tiny model (bench_rollout --preset=cpu) at batch 1 only; the CPU's HLO in" \
+      "rollout_hlo.tgz, not the GPU's; transformers on the CPU in float32 (no CUDA)"
+    ROLLOUT=(--preset=cpu --models=tiny --batches=1 --hf_batches=1)
   else
-    ROLLOUT=(--preset=gpu --models=qwen2.5-1.5b)
+    ROLLOUT=(--preset=gpu --models=qwen2.5-1.5b --batches=16,1 --hf_batches=16)
   fi
   # The engine's optimized HLO (insert and decode-chunk modules) comes back as
   # rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
   step bench_rollout 130 "$OUT/bench_rollout.log" env \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 python -m experiments.bench_rollout "${ROLLOUT[@]}" --batches=16,1 \
-    --layouts=fused,stacked --hf_batches=16 --out="$OUT/bench_rollout.json"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 python -m experiments.bench_rollout "${ROLLOUT[@]}" \
+    --layouts=fused,stacked --out="$OUT/bench_rollout.json"
   if ! plan; then
     (cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' 2>/dev/null | tar czf rollout_hlo.tgz -T -)
     rm -rf "$OUT/rollout_hlo"
@@ -220,8 +220,8 @@ fi
 if want attention; then
   block_start attention
   if dry; then
-    note "attention: no cuDNN on the CPU: dense and blockwise only; the tiny model's shapes at T=256, 512"
-    ATTENTION=(--model=tiny --lengths=256,512)
+    note "attention: no cuDNN on the CPU: dense and blockwise only; the tiny model's shapes at T=256"
+    ATTENTION=(--model=tiny --lengths=256)
   else
     ATTENTION=()
   fi
