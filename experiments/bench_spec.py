@@ -27,6 +27,10 @@ size, and a verify forward over k tokens against one decode step's forward.
       --batches=1,2,4,8,32,64 --min_requests=256 --out=docs/results/bench_spec_cpu_breakdown.json
   python -m experiments.bench_spec --regime --target=runs/bench_tlt_cache/target_l16_f4096 \
       --drafter=runs/bench_tlt_cache/drafter_l16_f4096 --out=docs/results/bench_spec_regime_wide.json
+
+`--decode_mlp_size` decodes the target with every MLP padded by zero units
+(`RolloutConfig.decode_mlp_size`): the target's own tokens from wider weight reads, with the
+drafter as it is (`bench_tlt --preset=cpu_wide_decode`'s regime).
 """
 import dataclasses
 import json
