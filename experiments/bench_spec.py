@@ -216,9 +216,7 @@ def main(argv):
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(),
                   target_weight_bytes=_weight_bytes(params), decode_mlp_size=_DECODE_MLP_SIZE.value,
-                  decode_weight_bytes=_weight_bytes(jax.eval_shape(
-                      lambda p: tfm.pad_mlp(p, model_cfg, _DECODE_MLP_SIZE.value)[1], params)
-                      if _DECODE_MLP_SIZE.value else params), rows=rows)
+                  decode_weight_bytes=_decode_weight_bytes(params, model_cfg), rows=rows)
     if _REGIME.value:
         result["regime"] = run_regime(model_cfg, params, all_prompts, batches, mesh)
         _write(result)
@@ -312,6 +310,14 @@ def print_breakdown(rows):
 
 def _weight_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def _decode_weight_bytes(params, model_cfg) -> int:
+    """The bytes of the weights a decode step reads: with --decode_mlp_size, the padded
+    layout's (shapes only, nothing allocated)."""
+    if not _DECODE_MLP_SIZE.value:
+        return _weight_bytes(params)
+    return _weight_bytes(jax.eval_shape(lambda p: tfm.pad_mlp(p, model_cfg, _DECODE_MLP_SIZE.value)[1], params))
 
 
 def _write(result):
