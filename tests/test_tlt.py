@@ -78,7 +78,13 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     # The drafter that served each rollout, scored teacher-forced on its own sequences; and
     # live acceptance per draft position (eagle-d3 drafts 3 deep).
     assert all(0 < r["drafter/served_accept_rate"] <= 1 for r in steps)
-    assert any(0 <= r.get("accept_depth_3", -1) <= 1 for r in steps)
+    # Which depths a rollout reaches depends on the drafter and the tuner's picks: each step
+    # reports a prefix of positions 1..3, every rate a probability, and some step position 1.
+    for r in steps:
+        depths = sorted(int(k.rsplit("_", 1)[1]) for k in r if k.startswith("accept_depth_"))
+        assert depths == list(range(1, len(depths) + 1)) and len(depths) <= 3, depths
+        assert all(0 <= r[f"accept_depth_{d}"] <= 1 for d in depths)
+    assert any("accept_depth_1" in r for r in steps)
     assert 0 < summary["tlt"]["speculative_token_share"] <= 1
     assert summary["tlt"]["drafter_version"] == 2
     assert set(summary["tlt"]) == {"speculative_token_share", "acceptance_length_mean", "drafter_version",
