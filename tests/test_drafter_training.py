@@ -1,6 +1,7 @@
 """Drafter training: the loss's t -> t+1 -> t+2 alignment against a dense reference, masking,
 fused gradients, learning, and the export's round trip and target check."""
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from tlt_jax import sharding
 from tlt_jax.drafter_training import io
 from tlt_jax.drafter_training import trainer as dt
+from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
@@ -179,6 +181,25 @@ def test_training_time_test_loss_is_the_mean_of_its_passes(target, rows):
     np.testing.assert_allclose(float(loss3), total / 3, rtol=1e-4)
     with pytest.raises(ValueError, match="ttt_steps=0 must be >= 1"):
         dt.DrafterTrainer(CFG, PLAIN, OptimizerConfig(), None, top_k=K, feature_weight=1.0, kl_weight=1.0, ttt_steps=0)
+
+
+def test_served_metrics_report_each_training_time_test_pass(target, rows):
+    """The served drafter's teacher-forced acceptance per draft position: pass i's rate as
+    drafter/served_accept_rate_pass<i>, a pass with no entries left out."""
+    dparams = drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(1), init_std=0.3)
+    _, aux = _loss(PLAIN, ttt_steps=3)(dparams, target, _batch(target, rows, PLAIN))
+    out = {k: float(v) for k, v in aux.items()}
+
+    def served(out):
+        drafter = types.SimpleNamespace(config=types.SimpleNamespace(eval_rows=4), _home=0, _evaluate=lambda g, r: out,
+                                        buffer=types.SimpleNamespace(rows_of_step=lambda step, n: {}))
+        return OnlineDrafter.served_metrics(drafter, 1)
+
+    got = served(out)
+    assert got["drafter/served_accept_rate"] == out["accept_rate"]
+    want = {f"drafter/served_accept_rate_pass{i}": out[f"accept_rate_pass{i}"] for i in (1, 2)}
+    assert {k: got[k] for k in got if "_pass" in k} == want
+    assert "drafter/served_accept_rate_pass2" not in served({**out, "count_pass2": 0.0})
 
 
 def test_masked_entries_contribute_nothing(target, rows):

@@ -132,16 +132,21 @@ class OnlineDrafter:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
         rollouts) predicts that step's own sequences, teacher-forced on `eval_rows` of its
         rows: "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
-        strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", and
-        the seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
+        strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", with
+        ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the chance of acceptance at draft
+        position i + 1, where the drafter reads its own earlier drafts; a pass with no
+        entries is left out), and the seconds it took ("time_served_eval_s"). Empty with
+        eval_rows 0."""
         if not self.config.eval_rows:
             return {}
         t0 = time.perf_counter()
         out = self._evaluate(self._home, self.buffer.rows_of_step(rl_step, self.config.eval_rows))
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
+        by_pass = {f"drafter/served_{k}": v for k, v in out.items()
+                   if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
-                "drafter/served_kl": out["kl"], "time_served_eval_s": time.perf_counter() - t0}
+                "drafter/served_kl": out["kl"], **by_pass, "time_served_eval_s": time.perf_counter() - t0}
 
     def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
         trainer = self._trainer(group)
