@@ -89,6 +89,8 @@ _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (ex
 _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the preset's rollout.decode_mlp_size (both "
                                         "modes): decode's MLP width, for weights several times this machine's "
                                         "last-level cache (cpu_wide_decode's 4096: 104 MB).")
+_SET = flags.DEFINE_multi_string("set", [], "A config override key=value for every mode, e.g. "
+                                 "rollout.kv_bucket=0; repeatable (--tlt_set's apply after it).")
 _TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
                                      "baseline), e.g. tlt.tuner.max_active=32 (TLT's threshold); repeatable.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Pairs of runs, each mode in a fresh process, in ABBA order (2: "
@@ -230,15 +232,21 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     if mode == "history":
         c.tlt.tuner.arms = [[a.replace("ngram", "history") for a in arms if not a.startswith("eagle")]
                             for arms in c.tlt.tuner.arms]
+    _override(c, _SET.value)
     if mode != "baseline":
-        for item in _TLT_SET.value:
-            key, _, value = item.partition("=")
-            *path, leaf = key.split(".")
-            node = c
-            for name in path:
-                node = node[name]
-            node[leaf] = type(node[leaf])(ast.literal_eval(value))
+        _override(c, _TLT_SET.value)
     return c
+
+
+def _override(config, items: list[str]) -> None:
+    """Applies key=value overrides (a Python literal, cast to the field's type) to `config`."""
+    for item in items:
+        key, _, value = item.partition("=")
+        *path, leaf = key.split(".")
+        node = config
+        for name in path:
+            node = node[name]
+        node[leaf] = type(node[leaf])(ast.literal_eval(value))
 
 
 def _by_depth(record: dict) -> list[float]:
@@ -309,7 +317,7 @@ def run_in_process(modes: list[str]) -> dict:
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
-                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value,
+                  decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, SEED.value, steps)
@@ -481,7 +489,8 @@ def run_repeats(launch_child=spawn) -> int:
     t0 = time.perf_counter()
     _target(preset)
     result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
-                  decode_mlp_size=_decode_mlp_size(preset), tlt_set=_TLT_SET.value, repeats=_REPEATS.value,
+                  decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
+                  repeats=_REPEATS.value,
                   order=[r["mode"] for r in order],
                   child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
     failed = []

@@ -162,8 +162,10 @@ if want tlt; then
   block_start tlt
   if dry; then
     note "tlt: bench_tlt --preset=cpu_tail, 1 step per run, on the spec block's tiny target, one drafting" \
-      "strategy (eagle-d3) beside plain decode in one bucket (the GPU run's seven compile for minutes on 2 cores)"
-    TLT=(--preset=cpu_tail --steps=1 --tlt_set=tlt.tuner.buckets=[1] "--tlt_set=tlt.tuner.arms=[['eagle-d3','plain']]")
+      "strategy (eagle-d3) beside plain decode in one bucket (the GPU run's seven compile for minutes on 2 cores)," \
+      "attention over every kv slot (rollout.kv_bucket=0: one program per chunk, not one per kv bucket)"
+    TLT=(--preset=cpu_tail --steps=1 --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
+         "--tlt_set=tlt.tuner.arms=[['eagle-d3','plain']]")
   else
     TLT=(--preset=gpu)
   fi

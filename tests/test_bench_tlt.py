@@ -217,3 +217,20 @@ def test_decode_mlp_size_overrides_the_preset_in_both_modes(given, want, tmp_pat
     done = subprocess.run([sys.executable, "-c", _DECODE_WIDTHS, f"--run_dir={tmp_path}", *given],
                           capture_output=True, text=True, check=True)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": want, "tlt": want}
+
+
+_OVERRIDDEN = """
+import json, sys
+from absl import flags
+from experiments import bench_tlt
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_tail"], "t", "d", 0, 2) for m in ("baseline", "tlt")}
+print(json.dumps({m: [c.rollout.kv_bucket, c.rollout.top_p] for m, c in configs.items()}))
+"""
+
+
+def test_set_overrides_every_mode_and_tlt_set_the_tlt_modes_after_it(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _OVERRIDDEN, f"--run_dir={tmp_path}", "--set=rollout.kv_bucket=0",
+                           "--set=rollout.top_p=0.9", "--tlt_set=rollout.top_p=0.8"],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": [0, 0.9], "tlt": [0, 0.8]}

@@ -170,6 +170,7 @@ def test_tlt_resume_after_sigkill_restores_drafter_tuner_and_buffer(warm_start, 
     ({"tlt.tuner.arms": [["eagle-d3", "bogus"]], "tlt.tuner.buckets": [1]}, r"arms\[0\]"),
     ({"tlt.spot.catch_up_steps": -1}, "tlt.spot.catch_up_steps"),
     ({"tlt.drafter.batch_size": 0}, "tlt.drafter.batch_size"),
+    ({"tlt.drafter.batch_size": 6}, r"tlt.drafter.batch_size=6 must be a multiple of mesh.fsdp=4: .* make it 8"),
     ({"tlt.drafter.init": "/nonexistent/drafter"}, "--config.tlt.drafter.init='/nonexistent/drafter' is not a"),
 ])
 def test_bad_tlt_config_is_refused_before_anything_runs(tmp_path, override, message):

@@ -187,6 +187,11 @@ def check_config(config) -> None:
     SpotConfig(**config.tlt.spot)
     _online_drafter_config(config.tlt.drafter)
     c = config.tlt.drafter
+    fsdp = sharding.make_mesh(config.mesh).shape["fsdp"]  # a rollout group's devices the drafter's batch splits over
+    if c.batch_size % fsdp:
+        raise ValueError(f"tlt.drafter.batch_size={c.batch_size} must be a multiple of mesh.fsdp={fsdp}: the "
+                         "drafter trains on a rollout group's devices, its batch split over their fsdp axis; make "
+                         f"it {-(-c.batch_size // fsdp) * fsdp}.")
     if not c.init and c.num_layers < 1:
         raise ValueError(f"tlt.drafter.num_layers={c.num_layers}: a drafter needs at least one layer.")
     launch.check_path(config, "tlt.drafter.init", kind="directory",
