@@ -37,6 +37,11 @@ def _run(timeout, **extra):
                           timeout=timeout)
 
 
+# One xdist worker runs this module (setup.cfg: --dist loadgroup), so its module fixture
+# (the dry run) is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_device_check")
+
+
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("device_check_dry")

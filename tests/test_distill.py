@@ -43,6 +43,11 @@ def _config(teacher_dir, run_dir, **overrides):
     return c
 
 
+# One xdist worker runs this module (setup.cfg: --dist loadgroup), so its module fixture
+# (the offline run) is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_distill")
+
+
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
     """A random teacher (with the task tokenizer) and an offline run from it."""

@@ -34,6 +34,11 @@ def _problems(n, offset=0):
             for a in range(offset, offset + n)]
 
 
+# One xdist worker runs this module (setup.cfg: --dist loadgroup), so its module fixture
+# (the user's files and distilled student) is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_distill_your_model")
+
+
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
     """A teacher (2 layers), a smaller student of its family (1 layer, same tokenizer) and

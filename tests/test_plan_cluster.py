@@ -12,6 +12,11 @@ TINY = ["--plans=tiny:2x1x2", "--max_length=64", "--prompt_length=8", "--mean_re
         "--samples=2", "--max_micro_batch=1"]
 
 
+# One xdist worker runs this module (setup.cfg: --dist loadgroup), so its module fixture
+# (the plan) is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_plan_cluster")
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "plan.json"
