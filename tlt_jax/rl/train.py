@@ -129,9 +129,9 @@ def _rollout_config(r, **engine_fields) -> RolloutConfig:
                          decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size), **engine_fields)
 
 
-def _check_mesh(mesh_config) -> None:
+def _check_mesh(mesh_config) -> jax.sharding.Mesh:
     """The mesh fills every process's devices, and each rollout group (a slice of its data
-    axis) lies on one process."""
+    axis) lies on one process; returns it."""
     given = " ".join(f"mesh.{k}={v}" for k, v in mesh_config.items())
     processes = jax.process_count()
     where = f" ({processes} processes with {jax.local_device_count()} each)" if processes > 1 else ""
@@ -142,6 +142,7 @@ def _check_mesh(mesh_config) -> None:
     if processes > 1 and mesh.shape["data"] % processes:
         raise ValueError(f"{given}: the {mesh.shape['data']} rollout group(s) of the data axis must each lie on "
                          f"one process's devices{where}; make mesh.data a multiple of {processes}.")
+    return mesh
 
 
 def _wandb_config(config) -> metrics.WandbConfig:
@@ -169,7 +170,7 @@ def check_config(config) -> None:
     sources.check_reward(config.data, config.reward)
     if sources.kind(config.data) == "reasoning_gym":
         environments.parse_source(config.data.source)
-    _check_mesh(config.mesh)
+    mesh = _check_mesh(config.mesh)
     _wandb_config(config).check()
     _check_warm_start(config)
     if config[WARM_START_FIELD]:  # the model and the data, read now so bad input fails before anything is written
@@ -187,7 +188,7 @@ def check_config(config) -> None:
     SpotConfig(**config.tlt.spot)
     _online_drafter_config(config.tlt.drafter)
     c = config.tlt.drafter
-    fsdp = sharding.make_mesh(config.mesh).shape["fsdp"]  # a rollout group's devices the drafter's batch splits over
+    fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batch splits over
     if c.batch_size % fsdp:
         raise ValueError(f"tlt.drafter.batch_size={c.batch_size} must be a multiple of mesh.fsdp={fsdp}: the "
                          "drafter trains on a rollout group's devices, its batch split over their fsdp axis; make "
