@@ -74,6 +74,8 @@ _REGIME = flags.DEFINE_bool("regime", False, "Time the target alone instead: dec
 _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", 0, "Decode the target with every MLP padded to this many "
                                         "zero units (RolloutConfig.decode_mlp_size: the same tokens, wider weight "
                                         "reads); 0: the model's own width.")
+_SPEC_STEPS_PER_SYNC = flags.DEFINE_integer("spec_steps_per_sync", RolloutConfig.spec_steps_per_sync,
+                                           "Speculative steps per device loop (RolloutConfig.spec_steps_per_sync).")
 _REGIME_TOKENS = flags.DEFINE_list("regime_tokens", ["1", "2", "4", "5", "8"], "Tokens per sequence of the verify "
                                    "forwards --regime times.")
 
@@ -216,7 +218,8 @@ def main(argv):
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(),
                   target_weight_bytes=_weight_bytes(params), decode_mlp_size=_DECODE_MLP_SIZE.value,
-                  decode_weight_bytes=_decode_weight_bytes(params, model_cfg), rows=rows)
+                  decode_weight_bytes=_decode_weight_bytes(params, model_cfg),
+                  spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, rows=rows)
     if _REGIME.value:
         result["regime"] = run_regime(model_cfg, params, all_prompts, batches, mesh)
         _write(result)
@@ -242,7 +245,7 @@ def main(argv):
                            max_length=max(map(len, prompts)) + preset["max_tokens"] + 1, steps_per_sync=16,
                            eos_token_id=model_cfg.eos_token_id,
                            max_draft_depth=max(s.depth for s in strategies),
-                           decode_mlp_size=_DECODE_MLP_SIZE.value)
+                           spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, decode_mlp_size=_DECODE_MLP_SIZE.value)
         engine = RolloutEngine(model_cfg, params, mesh, rc, drafter_cfg, drafter_params)
         for temperature in temperatures:
             sp = sampling.SamplingParams(temperature=temperature, max_tokens=preset["max_tokens"])

@@ -15,6 +15,7 @@ from tlt_jax import sampling, sharding
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.rollout import profile
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.history import HistoryStore
@@ -343,6 +344,27 @@ def test_attention_buckets_keep_every_token(params):
                 np.testing.assert_array_equal(a, b, err_msg=strategy.name)
             assert runs[0].finish_reason == runs[4].finish_reason
             np.testing.assert_allclose(np.concatenate(runs[0].logprobs), np.concatenate(runs[4].logprobs), atol=1e-5)
+
+
+def test_a_chunk_stops_where_its_bucket_is_full(params):
+    """The attention bucket holds one step's reach past the longest sequence, not a whole
+    chunk's: the chunk runs speculative steps while the next one fits, then stops, so no
+    step reads or writes a slot past the bucket (the token equality above is what that
+    keeps)."""
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    engine = _engine(params, DCFG, dparams, num_slots=4, max_length=32, eos_token_id=None, kv_bucket=8)
+    group, strategy = engine.groups[0], STRATEGIES[0]
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=24)
+    key = jax.random.PRNGKey(3)
+    state = profile.filled_state(group, PROMPTS, key, sp)
+    lengths, active = jax.device_get((state.cache.lengths, state.active))
+    attended = group.kv_bucket_for(lengths, active, strategy, True)
+    reach = engine.rollout_config.step_reach(strategy, True)
+    assert max(lengths) + reach <= attended < max(lengths) + engine.rollout_config.spec_steps_per_sync * reach
+    state, steps = group.run_chunk(state, key, False, strategy, sp, 0, attended)[:2]
+    lengths, active, steps = jax.device_get((state.cache.lengths, state.active, steps))
+    assert active.all() and 1 <= steps < engine.rollout_config.spec_steps_per_sync
+    assert max(lengths) <= attended < max(lengths) + reach
 
 
 def _mimic_drafter(params, config):

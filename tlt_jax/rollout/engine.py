@@ -88,7 +88,7 @@ class RolloutConfig:
     time_spec_phases: bool = False
     # Attention reads the cache in buckets of slots (`kv_buckets`): a chunk reads the
     # smallest of kv_bucket, 2 kv_bucket, 4 kv_bucket, ... and max_length that holds every
-    # live sequence and what the chunk adds to it (`_Group.kv_bucket_for`), since a decode
+    # live sequence and what a step adds to it (`_Group.kv_bucket_for`), since a decode
     # step's cost grows with the slots it reads (at batch 64 on a 16-layer CPU target, 352
     # slots cost 2.4x what 128 do). One compiled chunk per bucket; 0: always max_length.
     kv_bucket: int = 64
@@ -120,16 +120,17 @@ class RolloutConfig:
             n *= 2
         return (*sizes, self.max_length)
 
-    def chunk_reach(self, strategy, speculative: bool) -> int:
-        """The most cache slots past a live sequence's length at the start of a chunk that
-        its steps write or read: the tokens the steps commit, then the widest forward past
-        them (a draft tree's nodes, the drafter's catch-up over its pending entries, an
-        EAGLE tree's fed levels)."""
+    def step_reach(self, strategy, speculative: bool) -> int:
+        """The most cache slots past a live sequence's length that one decode step (plain:
+        strategy None) writes or reads: the tokens it commits, then the widest forward
+        past them (a draft tree's nodes, the drafter's catch-up over its pending entries,
+        an EAGLE tree's fed levels). A chunk runs a step only while every active sequence
+        has that many attended slots left (`_Group.chunk_step`)."""
         pending = self.max_draft_depth + 1 if speculative else 0
         if strategy is None:
-            return self.steps_per_sync + pending
+            return 1 + pending
         widest = max(strategy.num_tree_nodes, pending, strategy.topk * strategy.depth)
-        return self.spec_steps_per_sync * (strategy.depth + 1) + widest
+        return strategy.depth + 1 + widest
 
 
 @dataclasses.dataclass
@@ -412,9 +413,11 @@ class _Group:
     def kv_bucket_for(self, lengths_B: np.ndarray, active_B: np.ndarray, strategy: spec_lib.Strategy | None,
                       speculative: bool) -> int:
         """The smallest of the engine's `kv_buckets` that holds every active sequence's
-        cache length (host arrays) plus what a chunk of `strategy` reaches past it."""
+        cache length (host arrays) plus what a step of `strategy` reaches past it: the
+        chunk stops where the bucket is full, and the next one reads the bucket after it,
+        so a chunk's length never widens the slots its steps read."""
         rc = self.engine.rollout_config
-        need = int(np.max(lengths_B, where=active_B, initial=0)) + rc.chunk_reach(strategy, speculative)
+        need = int(np.max(lengths_B, where=active_B, initial=0)) + rc.step_reach(strategy, speculative)
         return next((n for n in rc.kv_buckets if n >= need), rc.max_length)
 
     def run_chunk(self, state, key, refill_wanted, strategy: spec_lib.Strategy | None, sp, floor=0,
@@ -446,6 +449,8 @@ class _Group:
             state, tree = self._draft(params, drafter_params, state, key, strategy, sp)
             return self._verify(params, drafter_params, state, tree, key, sp)
 
+        reach = rc.step_reach(strategy, speculative)
+
         def fn(params, drafter_params, state, key, refill_wanted, floor, sp):
             started_active = state.active
             state = attending(state, attended)
@@ -455,7 +460,11 @@ class _Group:
                 freed = jnp.any(started_active & ~state.active)
                 # The first step always runs: the floor is at most the active count at the start.
                 drained = (i > 0) & (jnp.sum(state.active, dtype=jnp.int32) < floor)
-                return (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed) & ~drained
+                go = (i < n_steps) & jnp.any(state.active) & ~(refill_wanted & freed) & ~drained
+                if attended is not None and attended < rc.max_length:
+                    longest = jnp.max(jnp.where(state.active, state.cache.lengths, 0))
+                    go &= longest + reach <= attended  # the next step's reads fit the bucket
+                return go
 
             def body(carry):
                 i, state, active, kept = carry
