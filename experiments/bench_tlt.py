@@ -141,6 +141,14 @@ PRESETS = {
     # the tail runs at the small batches where a verify of a few tokens costs about a step.
     "cpu_wide_decode": dict(layers=16, decode_mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=2,
                             num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8),
+    # cpu_wide_decode's regime on cpu_long's tasks: the long-tail warm start decoded with
+    # every MLP padded to 4096 zero units, 2 prompts x 8 samples, so after the first few
+    # dozen tokens the rollout runs at batch 1-8, where on these CPUs a decode step is
+    # bound by reading the 104 MB of weights (cpu_long's batch-64 phase is not: there a
+    # padded verify costs 2-4 steps, docs/benchmarks.md).
+    "cpu_wide_tail": dict(layers=16, decode_mlp_size=4096, steps=12, warmup_steps=3, prompts_per_step=2,
+                          num_samples=8, max_tokens=288, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8,
+                          warm_start="long_tail", max_prompt_length=64),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
