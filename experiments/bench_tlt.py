@@ -74,7 +74,7 @@ from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
-                                                   "gpu"],
+                                                   "cpu_wide_tail", "gpu"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")

@@ -234,3 +234,11 @@ def test_set_overrides_every_mode_and_tlt_set_the_tlt_modes_after_it(tmp_path):
                            "--set=rollout.top_p=0.9", "--tlt_set=rollout.top_p=0.8"],
                           capture_output=True, text=True, check=True)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": [0, 0.9], "tlt": [0, 0.8]}
+
+
+def test_every_preset_is_a_value_of_the_preset_flag():
+    from absl import flags
+
+    from experiments import bench_tlt
+
+    assert sorted(flags.FLAGS["preset"].parser.enum_values) == sorted(bench_tlt.PRESETS)
