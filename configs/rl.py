@@ -77,9 +77,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket.
     # decode_mlp_size: decode with every MLP padded by zero units to this width, the same
     # tokens from weights that outgrow the CPU's caches (RolloutConfig.decode_mlp_size; 0: off).
+    # steps_per_sync / spec_steps_per_sync: plain / speculative decode steps per device loop.
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
-                                               steps_per_sync=16, temperature=1.0, top_p=1.0, kv_bucket=64,
-                                               decode_mlp_size=0))
+                                               steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
+                                               top_p=1.0, kv_bucket=64, decode_mlp_size=0))
     c.num_samples = 8  # G
     c.prompts_per_step = 16
     c.advantage = "grpo"

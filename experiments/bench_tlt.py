@@ -252,9 +252,13 @@ def _override(config, items: list[str]) -> None:
         key, _, value = item.partition("=")
         *path, leaf = key.split(".")
         node = config
-        for name in path:
-            node = node[name]
-        node[leaf] = type(node[leaf])(ast.literal_eval(value))
+        try:
+            for name in path:
+                node = node[name]
+            node[leaf] = type(node[leaf])(ast.literal_eval(value))
+        except (KeyError, ValueError, SyntaxError, TypeError) as e:
+            raise ValueError(f"--set/--tlt_set {item!r}: {key} is not a field of the run's config (configs/rl.py) "
+                             f"or {value!r} is not a value of its type: {e}") from e
 
 
 def _by_depth(record: dict) -> list[float]:
@@ -300,6 +304,8 @@ def main(argv):
         raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
+    for mode in _MODES.value:  # a bad --set or --tlt_set fails here, before any run starts
+        mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1)
     if _SINGLE_MODE.value or _REPEATS.value == 0:
         print_in_process(run_in_process([_SINGLE_MODE.value] if _SINGLE_MODE.value else _MODES.value))
     else:

@@ -2,6 +2,7 @@
 in ABBA order, the geometric mean over pairs. In a child process: bench_tlt's absl flags
 share names (steps, out) with other launchers the tests import."""
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -249,3 +250,11 @@ def test_every_preset_is_a_value_of_the_preset_flag():
     done = subprocess.run([sys.executable, "-c", _PRESET_NAMES], capture_output=True, text=True, check=True)
     flag_values, presets = json.loads(done.stdout.strip().splitlines()[-1])
     assert flag_values == presets
+
+
+def test_an_override_of_no_field_is_an_error_naming_it_before_any_run(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "experiments.bench_tlt", "--tlt_set=rollout.spec_step_per_sync=16",
+                           "--print_commands", f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "--set/--tlt_set 'rollout.spec_step_per_sync=16'" in done.stderr
+    assert "# run 1" not in done.stdout and not os.path.exists(f"{tmp_path}/r")

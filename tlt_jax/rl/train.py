@@ -125,6 +125,7 @@ def _rollout_config(r, **engine_fields) -> RolloutConfig:
     what the run adds (the model's end tokens, the tuner's deepest strategy)."""
     return RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
                          max_length=r.max_prompt_length + r.max_tokens, steps_per_sync=r.steps_per_sync,
+                         spec_steps_per_sync=r.get("spec_steps_per_sync", RolloutConfig.spec_steps_per_sync),
                          kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
                          decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size), **engine_fields)
 
