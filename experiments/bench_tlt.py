@@ -294,7 +294,8 @@ def summarise(records: list[dict], warmup: int) -> dict:
 
 def main(argv):
     del argv
-    for mode in [*_MODES.value, *([_SINGLE_MODE.value] if _SINGLE_MODE.value else [])]:
+    modes = [*_MODES.value, *([_SINGLE_MODE.value] if _SINGLE_MODE.value else [])]
+    for mode in modes:
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: the modes are {', '.join(MODES)}.")
     if not _SLOW_REWARD_MS.value >= 0:
@@ -304,7 +305,7 @@ def main(argv):
         raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
-    for mode in _MODES.value:  # a bad --set or --tlt_set fails here, before any run starts
+    for mode in modes:  # a bad --set or --tlt_set fails here, before any run starts
         mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1)
     if _SINGLE_MODE.value or _REPEATS.value == 0:
         print_in_process(run_in_process([_SINGLE_MODE.value] if _SINGLE_MODE.value else _MODES.value))
