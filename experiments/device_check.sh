@@ -121,13 +121,13 @@ step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.versi
 if want spec; then
   block_start spec
   if dry; then
-    note "spec: configs/sft.py:tiny (2 layers of 64, 2 steps) and configs/drafter.py:tiny (2 steps) for the" \
-      "gpu presets; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto is" \
+    note "spec: configs/sft.py:tiny (2 layers of 64, 2 steps) and configs/drafter.py:tiny (2 steps, no acceptance" \
+      "rollouts) for the gpu presets; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto is" \
       "the jnp reference on the CPU"
     SFT=(--config=configs/sft.py:tiny --config.model.num_layers=2 --config.model.hidden_size=64
       --config.model.intermediate_size=128 --config.model.head_dim=16 --config.steps=2 --config.eval_every=2
       --config.checkpoint_every=2 --config.data.num_train=256 --config.data.num_eval=8 --config.eval.num_slots=8)
-    DRAFTER=(--config=configs/drafter.py:tiny --config.acceptance.num_prompts=4 --config.acceptance.num_slots=8
+    DRAFTER=(--config=configs/drafter.py:tiny --config.acceptance.num_prompts=0
       --config.steps=2 --config.eval_every=2 --config.checkpoint_every=2 --config.data.num_train=256
       --config.data.num_eval=16 --config.eval_batch_size=8)
     SPEC=(--preset=cpu --batches=1,8 --time_budget_s=1)
