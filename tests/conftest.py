@@ -25,4 +25,3 @@ def fast_compile_env(**extra: str) -> dict:
     at FAST_COMPILE (for runs checked against each other or for plumbing, not against a run
     of the test process)."""
     return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip(), **extra}
-
