@@ -74,7 +74,7 @@ from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
-                                                   "cpu_wide_tail", "gpu"],
+                                                   "cpu_wide_tail", "cpu_wide_pair", "gpu"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -149,6 +149,15 @@ PRESETS = {
     "cpu_wide_tail": dict(layers=16, decode_mlp_size=4096, steps=12, warmup_steps=3, prompts_per_step=2,
                           num_samples=8, max_tokens=288, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64),
+    # cpu_wide_tail with one prompt's pair of samples a step, so the whole rollout runs at
+    # batch 2 then 1: the only batches at which decode on these CPUs is bound by reading the
+    # weights, as a GPU's is up to tens of sequences (docs/benchmarks.md: a verify of 5-7
+    # tokens costs 1.2-2 steps at batch 1-2, 2-4 at batch 8-64). The learner's micro-batch
+    # fits the step's one or two packed rows, not 16 rows of padding.
+    "cpu_wide_pair": dict(layers=16, decode_mlp_size=4096, steps=24, warmup_steps=3, prompts_per_step=1,
+                          num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
+                          warm_start="long_tail", max_prompt_length=64,
+                          learner=dict(micro_batch_size=8, num_minibatches=1)),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
@@ -221,6 +230,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
 
         c.data.tasks = sft_configs.get_config(preset["warm_start"]).data.tasks
         c.rollout.max_prompt_length = preset["max_prompt_length"]
+    c.learner.update(preset.get("learner", {}))
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
     c.track_kl = False  # kl_coef is 0: no reference forward, in either mode
     if _SLOW_REWARD_MS.value:

@@ -237,6 +237,23 @@ def test_set_overrides_every_mode_and_tlt_set_the_tlt_modes_after_it(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": [0, 0.9], "tlt": [0, 0.8]}
 
 
+_LEARNER = """
+import json, sys
+from absl import flags
+from experiments import bench_tlt
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", "d", 0, 2) for m in ("baseline", "tlt")}
+print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches] for m, c in configs.items()}))
+"""
+
+
+@pytest.mark.parametrize("given, want", [([], [8, 1]), (["--set=learner.num_minibatches=2"], [8, 2])])
+def test_a_presets_learner_reaches_both_modes_under_the_overrides(given, want, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _LEARNER, f"--run_dir={tmp_path}", *given],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": want, "tlt": want}
+
+
 _PRESET_NAMES = """
 import json
 from absl import flags
