@@ -91,6 +91,24 @@ def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
         RolloutConfig(decode_mlp_size=-1)
 
 
+def test_warm_up_without_a_policy_compiles_every_plain_chunk(params, reference):
+    """What a run with speculation off (the baseline) warms up: plain decode's chunk for each
+    kv bucket, for the state `generate` without a policy decodes, so no rollout compiles one."""
+    engine = _engine(params, 4, kv_bucket=16)
+    assert engine.rollout_config.kv_buckets == (16, 32, 40)
+    group = engine.local_groups[0]
+    chunks = lambda: {key[0]: step._cache_size() for key, step in group._compiled.items()
+                      if isinstance(key[0], tuple) and key[0][0] == "chunk"}
+    engine.warm_up(SP)
+    warm = chunks()
+    assert sorted(name[-1] for name in warm) == [16, 32, 40] and set(warm.values()) == {1}
+    r = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
+    assert chunks() == warm
+    assert max(len(p) + len(t) for p, t in zip([PROMPTS[i] for i in r.prompt_index], r.tokens)) > 16
+    for a, b in zip(reference.tokens, r.tokens):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_data_parallel_groups_signal_done(params, reference):
     engine = _engine(params, 2, data=2, tensor=2)  # fused q/k/v split by kv head across the tensor axis
     assert engine.num_groups == 2

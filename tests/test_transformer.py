@@ -257,3 +257,8 @@ def test_padded_mlp_keeps_the_function_and_its_dead_units_stay_dead(params):
         tfm.pad_mlp(params, CFG, 47)
     with pytest.raises(ValueError, match="stacked, unfused"):
         tfm.pad_mlp(tfm.unstack_layers(params), CFG, 200)
+    # narrow_mlp undoes it in every layout (the engine's prefill reads the model's own units).
+    same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, a, b)
+    same(tfm.narrow_mlp(wide, CFG.intermediate_size), params)
+    decode_layout = lambda p, cfg: tfm.fuse_projections(tfm.unstack_layers(p), cfg)
+    same(tfm.narrow_mlp(decode_layout(wide, wide_cfg), CFG.intermediate_size), decode_layout(params, CFG))

@@ -160,6 +160,20 @@ def pad_mlp(params: Params, config: ModelConfig, intermediate_size: int) -> tupl
     return config.replace(intermediate_size=intermediate_size), {**params, "layers": layers}
 
 
+def narrow_mlp(params: Params, intermediate_size: int) -> Params:
+    """`pad_mlp` undone: every layer's MLP cut to its first `intermediate_size` units, in any
+    layout (stacked or per-layer, fused or not). Where the cut units are `pad_mlp`'s zeros,
+    the same function from fewer weights."""
+    last, second_last = (Ellipsis, slice(0, intermediate_size)), (Ellipsis, slice(0, intermediate_size), slice(None))
+    cut = {"w_gate": last, "w_up": last, "w_gate_up": last, "w_down": second_last}  # the units' axis of each
+
+    def narrow(layer):
+        return {name: x[cut[name]] if name in cut else x for name, x in layer.items()}
+
+    layers = params["layers"]
+    return {**params, "layers": tuple(map(narrow, layers)) if has_per_layer_weights(params) else narrow(layers)}
+
+
 def unstack_layers(params: Params) -> Params:
     """The same parameters with `layers` as a tuple of per-layer trees (decode's form).
 

@@ -95,8 +95,8 @@ class RolloutConfig:
     # A stand-in for a bigger target in rollout alone: decode runs every MLP padded to
     # this many units whose weights are zero (transformer.pad_mlp), so the tokens are the
     # model's while each step reads weights several times the CPU's caches, as a GPU's
-    # decode is bound by reading its weights. The learner trains the model as it is.
-    # 0: the model's own width.
+    # decode is bound by reading its weights. Prefill, bound by compute on both, reads the
+    # model's own units; the learner trains the model as it is. 0: the model's own width.
     decode_mlp_size: int = 0
 
     def __post_init__(self):
@@ -311,6 +311,9 @@ class _Group:
 
         def fn(params, drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, history_RH,
                sp):
+            if rc.decode_mlp_size:
+                # Prefill is bound by compute, not by reading weights: it skips the zero units.
+                params = tfm.narrow_mlp(params, cfg.intermediate_size)
             r, p = prompts_RP.shape
             small = tfm.init_cache(cfg, r, p, state.cache.k.dtype)
             positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
@@ -761,20 +764,24 @@ class RolloutEngine:
         for group in self.local_groups:
             group.drafter_params = jax.device_put(drafter_params, group.drafter_shardings)
 
-    def warm_up(self, sampling_params: sampling.SamplingParams, speculation: spec_lib.Speculation) -> float:
-        """Compiles, on every group, the chunk of plain decode and of each of the policy's
-        strategies for these sampling parameters (on empty slots: nothing decodes), so that
-        no rollout pays a strategy's first compile and the policy hears every chunk from
-        the first. Returns the seconds spent."""
-        self._check_speculation(speculation)
+    def warm_up(self, sampling_params: sampling.SamplingParams,
+                speculation: spec_lib.Speculation | None = None) -> float:
+        """Compiles, on every group and for every kv bucket, the chunk of plain decode and of
+        each of the policy's strategies (none without a policy: plain decode alone, as
+        `generate` without one runs it) for these sampling parameters, on empty slots
+        (nothing decodes). No rollout then pays a chunk's first compile, and the policy
+        hears every chunk from the first. Returns the seconds spent."""
+        if speculation is not None:
+            self._check_speculation(speculation)
         t0 = time.perf_counter()
         rc, sp = self.rollout_config, sampling_params
         key = jax.random.PRNGKey(0)
         history = spec_lib.history_store(speculation)
+        strategies = () if speculation is None else speculation.strategies
         for group in self.local_groups:
-            state = group.empty_state(sp, speculative=True,
+            state = group.empty_state(sp, speculative=speculation is not None,
                                       history_width=history.max_tokens if history is not None else 0)
-            for strategy in (None, *speculation.strategies):
+            for strategy in (None, *strategies):
                 for attended in rc.kv_buckets:
                     if strategy is not None and rc.time_spec_phases:
                         state, tree = group.spec_draft(state, key, strategy, sp, attended)
