@@ -20,8 +20,8 @@ decode cost of a deeper one, so that a one-layer drafter step is a small fractio
 target step, as on a GPU. Built once into `--cache_dir`.
 
 Phase times are medians over the steps after `--warmup_steps`; the first steps' excess over
-the median is reported as compile time (TLT compiles its strategies before the first step,
-`RolloutEngine.warm_up`; compiled programs persist in `<cache_dir>/xla` across runs). The table gives the phase
+the median is reported as compile time (both modes compile their decode chunks before the
+first step, TLT its strategies' too, `RolloutEngine.warm_up`; compiled programs persist in `<cache_dir>/xla` across runs). The table gives the phase
 split of both modes, so a missed bar shows where the time went. A ratio counts only from a
 run that compiled nothing new (`new_compiled_programs` 0 in every mode): on a cold cache,
 learner and prefill shapes that first appear in later steps compile inside timed steps, and
