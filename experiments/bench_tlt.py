@@ -21,11 +21,12 @@ target step, as on a GPU. Built once into `--cache_dir`.
 
 Phase times are medians over the steps after `--warmup_steps`; the first steps' excess over
 the median is reported as compile time (both modes compile their decode chunks before the
-first step, TLT its strategies' too, `RolloutEngine.warm_up`; compiled programs persist in `<cache_dir>/xla` across runs). The table gives the phase
-split of both modes, so a missed bar shows where the time went. A ratio counts only from a
-run that compiled nothing new (`new_compiled_programs` 0 in every mode): on a cold cache,
-learner and prefill shapes that first appear in later steps compile inside timed steps, and
-a later run finds an earlier run's programs compiled, which flatters it.
+first step, TLT its strategies' too, `RolloutEngine.warm_up`; compiled programs persist in
+`<cache_dir>/xla` across runs). The table gives the phase split of both modes, so a missed
+bar shows where the time went. A ratio counts only from a run that compiled nothing new
+(`new_compiled_programs` 0 in every mode): on a cold cache, learner and prefill shapes that
+first appear in later steps compile inside timed steps, and a later run finds an earlier
+run's programs compiled, which flatters it.
 
 Each mode runs in its own fresh process, in ABBA order (`--repeats` pairs: baseline, tlt,
 tlt, baseline, ...): in one process the second mode runs faster, whichever it is (warm
