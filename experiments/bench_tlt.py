@@ -166,6 +166,9 @@ _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", 
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
 
 
+_ROLLOUT_PARTS = ("chunks", "prefill", "harvest", "host")
+
+
 def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
     """(SFT model dir, drafter export dir): the shipped assets, or those of
     configs/sft.py:<name> and configs/drafter.py:<name> trained once into cache_dir."""
@@ -300,7 +303,10 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 reward_mean=[r["reward_mean"] for r in steps],
                 # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
                 reward_scoring_s=statistics.median(r.get("time_reward_scoring_s", 0.0) for r in steady),
-                rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady))
+                rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady),
+                # Where the rollout's wall went (medians; metrics of `RLLoop.step`).
+                rollout_split={part: statistics.median(r.get(f"time_rollout_{part}_s", 0.0) for r in steady)
+                               for part in _ROLLOUT_PARTS})
 
 
 def main(argv):
@@ -390,6 +396,7 @@ def print_in_process(result: dict) -> None:
           f"{_timed_steps(preset, result['steps'])}")
     _print_table([(f"{mode:9}", m) for mode, m in modes.items()], f"{'mode':9}")
     _print_rewards(result, [(mode, m) for mode, m in modes.items()])
+    _print_rollout_split([(mode, m) for mode, m in modes.items()])
     if "rollout_speedup_in_process" in result:
         print(f"in one process, {' then '.join(modes)}: rollout speed-up {result['rollout_speedup_in_process']:.2f}x, "
               f"step speed-up {result['step_speedup_in_process']:.2f}x (medians of the per-step ratios; the second "
@@ -412,6 +419,14 @@ def _print_table(rows: list[tuple[str, dict]], head: str) -> None:
         acc = [a for a in m.get("acceptance_length", []) if a > 0]
         print(label + "".join(f"{m['median'][k]:12.3f}" for k in _TIMES) + f"{m.get('compile_s', 0.0):9.1f}"
               f"{(statistics.mean(acc) if acc else 0.0):8.2f}{m.get('final_eval_accuracy') or 0.0:9.3f}")
+
+
+def _print_rollout_split(rows: list[tuple[str, dict]]) -> None:
+    """Per (label, mode summary): the median rollout's seconds in decode chunks, prefill,
+    harvest and the host's other time between chunks."""
+    print("rollout split (s): " + "; ".join(
+        f"{label} " + " ".join(f"{part} {m['rollout_split'][part]:.3f}" for part in _ROLLOUT_PARTS)
+        for label, m in rows if isinstance(m, dict) and "rollout_split" in m))
 
 
 def _reward_settings() -> dict:
@@ -626,6 +641,8 @@ def print_repeats(result: dict) -> None:
     _print_table(rows, f"{'run':>3}{'pair':>5}  {'mode':9}")
     _print_rewards(result, [(f"run {r['run']} ({r['mode']})", r["result"]["modes"][r["mode"]])
                             for r in result["runs"] if "result" in r])
+    _print_rollout_split([(f"run {r['run']} ({r['mode']})", r["result"]["modes"][r["mode"]])
+                          for r in result["runs"] if "result" in r])
     for p in result.get("pairs", []):
         if "missing" in p:
             print(f"pair {p['pair']}: no ratio ({p['missing']})")

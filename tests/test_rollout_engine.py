@@ -138,6 +138,10 @@ def test_data_parallel_groups_signal_done(params, reference):
     s = r.timeline.summary()
     assert s["tokens"] == r.lengths.sum() - len(r)  # first tokens come from prefill
     assert 0 <= s["group_idle_fraction"] < 1 and 0 <= s["slot_idle_fraction"] < 1
+    # Every group prefilled and harvested outside its chunks.
+    for g in r.timeline.groups:
+        between = g.between_s()
+        assert between["prefill"] > 0 and between["harvest"] > 0 and between["other"] >= 0
 
 
 def test_projections_stay_unfused_when_kv_heads_do_not_split():
@@ -193,18 +197,21 @@ def test_bad_input(params):
 
 def test_timeline_summary_of_a_scripted_rollout():
     """Two groups: group 0 decodes 2 plain steps then 1 speculative one over 4 s; group 1
-    one plain step, done after 1 s (and idle for 3)."""
+    prefills, one plain step, harvests, done after 1 s (and idle for 3)."""
     slow = GroupTimeline(0, 4, start=0.0, end=4.0, chunks=[
         Chunk(0.0, 2.0, active_per_step=[4, 4], tokens_per_step=[4, 4]),
         SpecChunk(2.0, 4.0, active_per_step=[2], tokens_per_step=[5], committed_per_sequence=[3, 2],
                   draft_s=0.5, verify_s=1.0)])
-    fast = GroupTimeline(1, 4, start=0.0, end=1.0, chunks=[Chunk(0.0, 1.0, [3], [3])])
+    fast = GroupTimeline(1, 4, start=0.0, end=1.0, chunks=[Chunk(0.25, 0.75, [3], [3])], prefill_s=0.2,
+                         harvest_s=0.1)
     assert slow.steps() == [(0.5, 4, 4), (1.5, 4, 4), (3.0, 2, 5)]
     assert slow.tokens == 13 and slow.slot_utilisation() == 10 / 12
     s = RolloutTimeline([slow, fast], origin=0.0).summary()
-    assert s == dict(wall_s=4.0, tokens=16, tokens_per_s=4.0, group_idle_s=3.0, group_idle_fraction=3 / 8,
-                     slot_idle_fraction=1 - 13 / 16, decode_steps=3, speculative_steps=1, speculative_tokens=5,
-                     acceptance_length=2.5, draft_s=0.5, verify_s=1.0)
+    assert fast.between_s() == pytest.approx(dict(prefill=0.2, harvest=0.1, other=0.2))
+    assert s == pytest.approx(dict(
+        wall_s=4.0, tokens=16, tokens_per_s=4.0, group_idle_s=3.0, group_idle_fraction=3 / 8,
+        slot_idle_fraction=1 - 13 / 16, decode_steps=3, speculative_steps=1, speculative_tokens=5,
+        acceptance_length=2.5, draft_s=0.5, verify_s=1.0, chunks_s=4.5, prefill_s=0.2, harvest_s=0.1, host_s=0.2))
 
 
 def test_acceptance_by_depth_of_scripted_chunks():

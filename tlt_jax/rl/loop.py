@@ -298,6 +298,9 @@ class RLLoop:
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
             "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
             "time_idle_s": timeline["group_idle_s"],
+            # The rollout's wall by part, summed over groups: decode chunks, prefill, harvest,
+            # and the host's other time between chunks.
+            **{f"time_rollout_{part}_s": timeline[f"{part}_s"] for part in ("chunks", "prefill", "harvest", "host")},
             "rollout_group_idle_fraction": timeline["group_idle_fraction"],
             "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
             "rollout_tokens_per_s": timeline["tokens_per_s"],

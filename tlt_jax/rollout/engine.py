@@ -602,8 +602,10 @@ class _Group:
                 rows = None
                 if history is not None:
                     rows = history.rows([prompt for _, prompt, _ in take] + [[]] * (r - len(take)))
+                t_insert = time.perf_counter()
                 state = self.insert(state, prompts, prompt_lengths, slots, ids, ids // num_samples, key, sp, rows)
                 active, lengths = jax.device_get((state.active, state.cache.lengths))
+                timeline.prefill_s += time.perf_counter() - t_insert
                 num_active = int(np.sum(active))  # some finish at their first token
             if all(s < 0 for s in slot_request):
                 break
@@ -645,7 +647,9 @@ class _Group:
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
             if done:
+                t_harvest = time.perf_counter()
                 self._harvest(state, done, slot_request, results, on_sample_done)
+                timeline.harvest_s += time.perf_counter() - t_harvest
         timeline.end = time.perf_counter()
 
     def _harvest(self, state, slots, slot_request, results, on_sample_done=None):

@@ -49,6 +49,17 @@ class GroupTimeline:
     start: float = 0.0
     end: float = 0.0
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
+    # Host seconds between chunks spent prefilling new prompts and harvesting finished
+    # samples (each up to its results on the host); the rest of the gaps is the policy,
+    # the dispatch and Python.
+    prefill_s: float = 0.0
+    harvest_s: float = 0.0
+
+    def between_s(self) -> dict[str, float]:
+        """The wall time outside chunks, by part: prefill, harvest, other (the rest)."""
+        outside = self.end - self.start - sum(c.end - c.start for c in self.chunks)
+        return dict(prefill=self.prefill_s, harvest=self.harvest_s,
+                    other=outside - self.prefill_s - self.harvest_s)
 
     def steps(self):
         """(time, active sequences, tokens committed) per decode step."""
@@ -100,11 +111,15 @@ class RolloutTimeline:
         group_idle_s / group_idle_fraction: device time spent by groups that finished
         waiting for the slowest one (seconds summed over groups; share of groups x wall).
         slot_idle_fraction: decode slots stepping with no sequence in them.
+        chunks_s, prefill_s, harvest_s, host_s: where the groups' wall went (seconds summed
+        over groups): inside decode chunks, prefilling, harvesting, and the rest of the gaps
+        between chunks (the policy, dispatch, Python).
         """
         if not self.groups:
             return dict(wall_s=0.0, tokens=0, tokens_per_s=0.0, group_idle_s=0.0, group_idle_fraction=0.0,
                         slot_idle_fraction=0.0, decode_steps=0, speculative_steps=0, speculative_tokens=0,
-                        acceptance_length=0.0, draft_s=0.0, verify_s=0.0)
+                        acceptance_length=0.0, draft_s=0.0, verify_s=0.0, chunks_s=0.0, prefill_s=0.0,
+                        harvest_s=0.0, host_s=0.0)
         start = min(g.start for g in self.groups)
         end = max(g.end for g in self.groups)
         wall = max(end - start, 1e-9)
@@ -115,6 +130,7 @@ class RolloutTimeline:
         tokens = sum(g.tokens for g in self.groups)
         spec = [c for g in self.groups for c in g.chunks if isinstance(c, SpecChunk)]
         committed = [n for c in spec for n in c.committed_per_sequence]
+        between = [g.between_s() for g in self.groups]
         return dict(wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall, group_idle_s=idle_s,
                     group_idle_fraction=idle_s / (wall * len(self.groups)),
                     slot_idle_fraction=1 - busy / max(1, slot_steps),
@@ -122,4 +138,7 @@ class RolloutTimeline:
                     speculative_steps=sum(len(c.active_per_step) for c in spec),
                     speculative_tokens=sum(committed),
                     acceptance_length=sum(committed) / len(committed) if committed else 0.0,
-                    draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec))
+                    draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec),
+                    chunks_s=sum(c.end - c.start for g in self.groups for c in g.chunks),
+                    prefill_s=sum(b["prefill"] for b in between), harvest_s=sum(b["harvest"] for b in between),
+                    host_s=sum(b["other"] for b in between))
