@@ -154,11 +154,13 @@ PRESETS = {
     # batch 2 then 1: the only batches at which decode on these CPUs is bound by reading the
     # weights, as a GPU's is up to tens of sequences (docs/benchmarks.md: a verify of 5-7
     # tokens costs 1.2-2 steps at batch 1-2, 2-4 at batch 8-64). The learner's micro-batch
-    # fits the step's one or two packed rows, not 16 rows of padding.
+    # fits the step's one or two packed rows, not 16 rows of padding; so does the drafter's
+    # batch: the buffer holds the last 2 steps' 4 samples, and a batch of 16 rows would draw
+    # them 4 times over (with replacement), 4x the compute of a catch-up step for the same rows.
     "cpu_wide_pair": dict(layers=16, decode_mlp_size=4096, steps=24, warmup_steps=3, prompts_per_step=1,
                           num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64,
-                          learner=dict(micro_batch_size=8, num_minibatches=1)),
+                          learner=dict(micro_batch_size=8, num_minibatches=1), drafter=dict(batch_size=4)),
     "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
                 num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
 }
@@ -242,7 +244,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c.reward_overlap, c.reward_workers = _REWARD_OVERLAP.value, _REWARD_WORKERS.value
     c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
     c.tlt.enabled = mode != "baseline"
-    c.tlt.drafter.init = drafter_dir
+    c.tlt.drafter.update(preset.get("drafter", {}), init=drafter_dir)
     c.tlt.drafter.checkpoint_every = steps
     c.tlt.spot.update(catch_up_steps=preset["catch_up_steps"], max_steps_per_rl_step=preset["max_steps_per_rl_step"])
     if "max_active" in preset:
