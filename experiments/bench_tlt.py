@@ -47,8 +47,11 @@ their range, `pairs` each pair's figures. `*_speedup_total` (the ratio of the su
 and `*_speedup_of_medians` (the ratio of each mode's median time, which can compare unlike
 steps: `paired_speedups` says why) are geometric means over the pairs as well. `modes` holds
 each mode's first run, `runs` every run ("run", "pair", "mode", "command", "rc", "wall_s",
-and "result", the run's own JSON, or "error", the end of its stderr), `order` the modes in
-the order they ran, `child_environment` what the runs' environment got.
+"cpu_steal", the share of CPU time the hypervisor gave other machines during the run (on
+Linux; None elsewhere), and "result", the run's own JSON, or "error", the end of its
+stderr), `order` the modes in the order they ran, `child_environment` what the runs'
+environment got. Each run's phase medians also split its rollout into decode chunks,
+prefill, harvest and the host's other time between chunks (`rollout_split`).
 """
 import ast
 import json
@@ -492,6 +495,25 @@ def child_environment(environ: dict, platform: str = sys.platform,
                  "bench_tlt)")
 
 
+def cpu_ticks(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(Steal, all) ticks of the machine's CPUs since boot, from Linux's /proc/stat; None
+    elsewhere. Steal is time the hypervisor ran other machines on this one's CPUs: where it
+    moves between runs, so do their timings."""
+    try:
+        with open(path) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields[:8])) if len(fields) >= 8 else None
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen between two `cpu_ticks` readings (None: unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def spawn(command: list[str], env: dict) -> tuple[int, str]:
     """Runs one child to its end, its stdout and stderr shown as they come; (exit status, the
     last lines of its stderr)."""
@@ -543,10 +565,10 @@ def run_repeats(launch_child=spawn) -> int:
         if os.path.exists(part):
             os.remove(part)
         print(f"\n== run {run['run']} of {len(order)} (pair {run['pair']}): {run['mode']}", flush=True)
-        t_run = time.perf_counter()
+        t_run, ticks = time.perf_counter(), cpu_ticks()
         rc, tail = launch_child(run["command"], env)
         record = dict(run=run["run"], pair=run["pair"], mode=run["mode"], command=shlex.join(run["command"]),
-                      rc=rc, wall_s=time.perf_counter() - t_run)
+                      rc=rc, wall_s=time.perf_counter() - t_run, cpu_steal=steal_fraction(ticks, cpu_ticks()))
         child = None
         if rc == 0:
             try:
@@ -645,6 +667,10 @@ def print_repeats(result: dict) -> None:
                             for r in result["runs"] if "result" in r])
     _print_rollout_split([(f"run {r['run']} ({r['mode']})", r["result"]["modes"][r["mode"]])
                           for r in result["runs"] if "result" in r])
+    steal = [(r["run"], r.get("cpu_steal")) for r in result["runs"]]
+    if any(v is not None for _, v in steal):
+        print("CPU time stolen by the hypervisor during each run: " + ", ".join(
+            f"run {run} {'?' if v is None else f'{v:.1%}'}" for run, v in steal))
     for p in result.get("pairs", []):
         if "missing" in p:
             print(f"pair {p['pair']}: no ratio ({p['missing']})")

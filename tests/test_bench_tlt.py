@@ -83,6 +83,14 @@ envs["linux_set"] = bench_tlt.child_environment({"GLIBC_TUNABLES": "glibc.malloc
 envs["linux_no_thp"] = bench_tlt.child_environment({}, "linux", thp + ".absent")
 envs["darwin"] = bench_tlt.child_environment({}, "darwin", thp)
 out["envs"] = envs
+stat = thp + ".stat"
+ticks = []
+for line in ("cpu  100 0 50 800 0 0 0 50 0 0", "cpu  400 0 100 1100 0 0 0 400 0 0"):
+    with open(stat, "w") as f:
+        f.write(line + "\ncpu0 1 2 3\n")
+    ticks.append(bench_tlt.cpu_ticks(stat))
+out["steal"] = [ticks, bench_tlt.steal_fraction(*ticks), bench_tlt.cpu_ticks(stat + ".absent"),
+                bench_tlt.steal_fraction(None, ticks[1])]
 print(json.dumps(out))
 """
 
@@ -115,6 +123,8 @@ def test_abba_order_pairs_by_position_and_geometric_mean(tmp_path):
     assert envs["linux_set"][0]["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
     assert "from the environment" in envs["linux_set"][1]
     assert envs["linux_no_thp"][0] == {} and envs["darwin"][0] == {}
+    # The steal column is the 8th; between the readings 350 of 1000 ticks were stolen.
+    assert out["steal"] == [[[50, 1000], [400, 2000]], 0.35, None, None]
 
 
 _FAILED_RUN = _PREAMBLE + r"""
