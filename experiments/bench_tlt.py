@@ -75,6 +75,7 @@ from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.hf_io import load_hf, save_hf
 from tlt_jax.rl.train import train_rl
+from tlt_jax.rollout.timeline import ROLLOUT_PARTS
 from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
@@ -169,9 +170,6 @@ PRESETS = {
 }
 _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
-
-
-_ROLLOUT_PARTS = ("chunks", "prefill", "harvest", "host")
 
 
 def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
@@ -311,7 +309,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady),
                 # Where the rollout's wall went (medians; metrics of `RLLoop.step`).
                 rollout_split={part: statistics.median(r.get(f"time_rollout_{part}_s", 0.0) for r in steady)
-                               for part in _ROLLOUT_PARTS})
+                               for part in ROLLOUT_PARTS})
 
 
 def main(argv):
@@ -430,8 +428,8 @@ def _print_rollout_split(rows: list[tuple[str, dict]]) -> None:
     """Per (label, mode summary): the median rollout's seconds in decode chunks, prefill,
     harvest and the host's other time between chunks."""
     print("rollout split (s): " + "; ".join(
-        f"{label} " + " ".join(f"{part} {m['rollout_split'][part]:.3f}" for part in _ROLLOUT_PARTS)
-        for label, m in rows if isinstance(m, dict) and "rollout_split" in m))
+        f"{label} " + " ".join(f"{part} {m['rollout_split'][part]:.3f}" for part in ROLLOUT_PARTS)
+        for label, m in rows if "rollout_split" in m))
 
 
 def _reward_settings() -> dict:

@@ -34,6 +34,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
+from tlt_jax.rollout.timeline import ROLLOUT_PARTS
 
 _EVAL_STREAM = 0x7FFFFFFF  # evaluation samples from its own key stream
 
@@ -300,7 +301,7 @@ class RLLoop:
             "time_idle_s": timeline["group_idle_s"],
             # The rollout's wall by part, summed over groups: decode chunks, prefill, harvest,
             # and the host's other time between chunks.
-            **{f"time_rollout_{part}_s": timeline[f"{part}_s"] for part in ("chunks", "prefill", "harvest", "host")},
+            **{f"time_rollout_{part}_s": timeline[f"{part}_s"] for part in ROLLOUT_PARTS},
             "rollout_group_idle_fraction": timeline["group_idle_fraction"],
             "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
             "rollout_tokens_per_s": timeline["tokens_per_s"],

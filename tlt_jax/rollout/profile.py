@@ -277,7 +277,6 @@ def rollout_breakdown(group: GroupTimeline, per_step: dict[str, dict[str, float]
     `between_s` (the host between chunks: prefill, harvest, the policy), `wall_s`.
     `parts` are "<plain|spec> <part>" seconds, "tuner", and "between chunks, not the tuner"."""
     parts: dict[str, float] = {}
-    chunks_s = 0.0
     for chunk in group.chunks:
         name = chunk.strategy if isinstance(chunk, SpecChunk) else ""
         kind = "spec" if name else "plain"
@@ -285,10 +284,9 @@ def rollout_breakdown(group: GroupTimeline, per_step: dict[str, dict[str, float]
         parts[f"{kind} sync"] = parts.get(f"{kind} sync", 0.0) + sync_s[name]
         for part, seconds in per_step[name].items():
             parts[f"{kind} {part}"] = parts.get(f"{kind} {part}", 0.0) + steps * seconds
-        chunks_s += chunk.end - chunk.start
     wall = group.end - group.start
-    between = wall - chunks_s
+    between = sum(group.between_s().values())
     parts["tuner"] = tuner_s
     parts["between chunks, not the tuner"] = between - tuner_s
-    return dict(parts=parts, sum_s=sum(parts.values()), chunks_s=chunks_s, between_s=between, wall_s=wall,
+    return dict(parts=parts, sum_s=sum(parts.values()), chunks_s=group.chunks_s, between_s=between, wall_s=wall,
                 chunks=len(group.chunks))

@@ -12,6 +12,9 @@ import time
 
 import numpy as np
 
+# The parts of a rollout's wall time (`RolloutTimeline.summary`'s `<part>_s`).
+ROLLOUT_PARTS = ("chunks", "prefill", "harvest", "host")
+
 
 @dataclasses.dataclass
 class Chunk:
@@ -55,9 +58,14 @@ class GroupTimeline:
     prefill_s: float = 0.0
     harvest_s: float = 0.0
 
+    @property
+    def chunks_s(self) -> float:
+        """The chunks' wall time, summed."""
+        return sum(c.end - c.start for c in self.chunks)
+
     def between_s(self) -> dict[str, float]:
         """The wall time outside chunks, by part: prefill, harvest, other (the rest)."""
-        outside = self.end - self.start - sum(c.end - c.start for c in self.chunks)
+        outside = self.end - self.start - self.chunks_s
         return dict(prefill=self.prefill_s, harvest=self.harvest_s,
                     other=outside - self.prefill_s - self.harvest_s)
 
@@ -139,6 +147,6 @@ class RolloutTimeline:
                     speculative_tokens=sum(committed),
                     acceptance_length=sum(committed) / len(committed) if committed else 0.0,
                     draft_s=sum(c.draft_s for c in spec), verify_s=sum(c.verify_s for c in spec),
-                    chunks_s=sum(c.end - c.start for g in self.groups for c in g.chunks),
+                    chunks_s=sum(g.chunks_s for g in self.groups),
                     prefill_s=sum(b["prefill"] for b in between), harvest_s=sum(b["harvest"] for b in between),
                     host_s=sum(b["other"] for b in between))
