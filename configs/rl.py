@@ -95,6 +95,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0
     c.learner = ml_collections.ConfigDict(dict(
         micro_batch_size=64, num_minibatches=2, remat=False,
+        # auto: with one minibatch the update's own forward gives the old log-probs (ratio 1)
+        # and the drafter's data; always: a separate old-policy forward first
+        old_policy_pass="auto",
         attention_impl="auto",  # dense | blockwise | cudnn | auto (blockwise or cuDNN for long rows)
         optimizer=dict(learning_rate=5e-5, warmup_steps=2, schedule="constant", decay_steps=1000,
                        weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0)))

@@ -16,6 +16,9 @@ breakdown. The steps, as the code runs them:
                  state resident beside it (its other program, applying the sum, holds the
                  same state and accumulator without activations)
   learner_remat  the same with per-layer rematerialisation (LearnerConfig.remat)
+  learner_tlt    learner_remat on-policy (one update per RL step, `Learner.on_policy`) with
+                 the drafter's data (hidden states, top-K) as outputs beside the gradient:
+                 what a TLT step runs in place of learner_remat and old_logp
   old_logp       Learner.drafter_data_step: the old-policy pass with the drafter's data
                  (hidden states, top-K), micro_batch rows per call
   drafter        DrafterTrainer.step_fn: one drafter update on micro_batch buffer rows
@@ -50,8 +53,8 @@ import sys
 import time
 
 GB = 1e9
-STEPS = ("learner", "learner_remat", "old_logp", "drafter", "decode", "distill")
-ATTENTION_STEPS = ("learner", "learner_remat", "old_logp")  # those that take --attention_impl
+STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp", "drafter", "decode", "distill")
+ATTENTION_STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp")  # those that take --attention_impl
 DISTILL_TOP_K = 100  # the teacher cache's K at real scale (the paper's)
 DEFAULT_PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-3b")
 MAX_MICRO_BATCH = 4096  # the search stops here (reported as "at least")
@@ -130,16 +133,20 @@ def _lowered(case: Case, model_config, mesh, batch: int):
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     params = _abstract_params(model_config)
-    if case.step in ("learner", "learner_remat"):
+    if case.step in ("learner", "learner_remat", "learner_tlt"):
+        from tlt_jax.drafter_training.online import OnlineDrafterConfig
         from tlt_jax.rl.learner import Learner, LearnerConfig
 
-        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step == "learner_remat",
+        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step != "learner",
                                                       attention_impl=case.attention_impl), mesh)
+        on_policy = case.step == "learner_tlt"
         minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
         minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
         minibatch.update({name: spec((batch, s - 1), jnp.float32)
-                          for name in ("rollout_logp", "advantages", "old_logp", "loss_weights", "token_weights")})
-        step, zeros = learner.micro_step(params, minibatch)
+                          for name in ("rollout_logp", "advantages", "loss_weights", "token_weights")
+                          + (() if on_policy else ("old_logp",))})
+        outputs = (OnlineDrafterConfig().top_k, ()) if on_policy else None
+        step, zeros = learner.micro_step(params, minibatch, outputs)
         opt_state = _abstract_state(learner.optimizer, params).opt_state
         resident = sum(_device_bytes(x, sh) for x, sh in zip(
             jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))

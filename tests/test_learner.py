@@ -269,6 +269,58 @@ def test_update_applies_the_full_batch_gradient_whatever_the_split_and_mesh():
             g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{where} {path}"), got, want)
 
 
+@pytest.mark.parametrize("drafter_data", [False, True], ids=["baseline", "tlt"])
+def test_on_policy_update_is_the_update_after_an_old_policy_pass(drafter_data):
+    """With one update per step, the update's own forward stands for the old-policy pass:
+    the gradient handed to the optimizer, the loss, the entropy and the drafter's data are
+    those of the separate pass followed by `update`, on one device and sharded, with
+    micro-batches, remat and feature layers; the ratio is exactly 1 (nothing is clipped).
+    The gradient is read back as AdamW's first moment (b1 = 0), as above."""
+    params = _perturbed(tfm.init_params(CFG, jax.random.PRNGKey(4), init_std=0.2), 6)
+    opt = OptimizerConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=1e30)
+    kw = dict(top_k=5, feature_layers=(0, 1)) if drafter_data else {}
+    for shape in ((1, 1, 1), (2, 2, 2)):
+        learner = Learner(CFG, LearnerConfig(optimizer=opt, micro_batch_size=2, temperature=0.9, remat=True,
+                                             grpo=grpo.GRPOConfig(kl_coef=0.1, tis_cap=1.5)), _mesh(shape))
+        assert learner.on_policy
+        batch, _ = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, minibatch_rows=learner.minibatch_rows)
+        rows = _rows(batch)
+        batch["ref_logp"] = np.asarray(learner.logprobs(_perturbed(params, 7), *rows))
+        if drafter_data:
+            old_logp, want_entropy, want_data = learner.logprobs_and_drafter_data(params, *rows, **kw)
+        else:
+            (old_logp, want_entropy), want_data = learner.logprobs(params, *rows, with_entropy=True), None
+        want_state, want_metrics = learner.update(learner.init_state(params), dict(batch, old_logp=old_logp))
+        state, metrics, entropy, data = learner.update_on_policy(learner.init_state(params), batch, **kw)
+        assert int(state.step) == 1 and metrics[0]["skipped"] == 0
+        # ratio_mean is a weighted sum of ratios of exactly 1: its weights' float32 sum
+        assert abs(float(metrics[0]["ratio_mean"]) - 1) < 1e-6 and float(metrics[0]["clip_fraction"]) == 0.0
+        for name in ("loss", "grad_norm", "kl", "rollout_logp_gap"):
+            np.testing.assert_allclose(metrics[0][name], want_metrics[0][name], rtol=1e-5, err_msg=name)
+        want = jax.device_get(optax.tree_utils.tree_get(want_state.opt_state, "mu"))
+        jax.tree_util.tree_map_with_path(lambda path, g, w, shape=shape: np.testing.assert_allclose(
+            g, w, rtol=0, atol=1e-5 * float(np.abs(w).max()), err_msg=f"{shape} {path}"),
+            jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu")), want)
+        np.testing.assert_allclose(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+        assert (data is None) == (not drafter_data)
+        for name in ("hidden", "ids", "logp", "layers") if drafter_data else ():
+            got, ref = getattr(data, name), getattr(want_data, name)
+            assert isinstance(got, np.ndarray) and got.shape == ref.shape, name
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-5, err_msg=f"{shape} {name}")
+
+
+def test_on_policy_update_needs_one_update_per_step():
+    state_params = tfm.init_params(CFG, jax.random.PRNGKey(0))
+    batch, _ = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, num_minibatches=2)
+    for config in (LearnerConfig(num_minibatches=2), LearnerConfig(old_policy_pass="always")):
+        learner = Learner(CFG, config, _mesh((1, 1, 1)))
+        assert not learner.on_policy
+        with pytest.raises(ValueError, match="An on-policy update needs one update per RL step"):
+            learner.update_on_policy(learner.init_state(state_params), batch)
+    with pytest.raises(ValueError, match="old_policy_pass='sometimes': choose from"):
+        Learner(CFG, LearnerConfig(old_policy_pass="sometimes"), _mesh((1, 1, 1)))
+
+
 def test_padding_rows_add_exactly_zero():
     """Padding rows change nothing, bit for bit: the aggregation counts the real tokens
     and sequences, and an all-padding micro-batch adds exact zeros."""

@@ -193,9 +193,10 @@ def test_logprob_without_entropy_is_kl_with_k1():
 
 
 def test_logprob_topk_matches_float64_reference():
-    """The old-policy pass's extra outputs: top-k ids and log-probs per row from the same
-    blockwise projection, against log_softmax in float64; the log-probs and entropy are
-    linear_logprob's, bit for bit."""
+    """The drafter's data from the learner's forward: top-k ids and log-probs per row from
+    the same blockwise projection, against log_softmax in float64; the log-probs and
+    entropy are linear_logprob's, bit for bit, and so are their gradients (the on-policy
+    update trains through them), while the top-k log-probs carry none."""
     h, w, _, _, _ = _inputs(seed=11, k=1, dtype=jnp.float32, masked=False)
     targets = np.random.default_rng(12).integers(0, V, size=N).astype(np.int32)
     targets[4] = -1  # padding: logp 0
@@ -213,6 +214,21 @@ def test_logprob_topk_matches_float64_reference():
     assert ids.dtype == jnp.int32 and top_logp.shape == (N, k)
     with pytest.raises(ValueError, match="k=0 must lie in"):
         losses.linear_logprob_topk(h, w, targets, 0)
+
+    c_lp, c_ent, c_top = (jnp.asarray(c) for c in np.random.default_rng(13).normal(size=(3, N)).astype(np.float32))
+    grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1)))(h, w)
+    dh, dw = grad(lambda h, w: (lambda lp, ent, _, top: jnp.sum(lp * c_lp + ent * c_ent + top.sum(1) * c_top))(
+        *losses.linear_logprob_topk(h, w, targets, k, temperature=temperature, block_sizes={"tokens": 16})))
+    plain_dh, plain_dw = grad(lambda h, w: (lambda lp, ent: jnp.sum(lp * c_lp + ent * c_ent))(*losses.linear_logprob(
+        h, w, targets, temperature=temperature, with_entropy=True, impl="chunked_xla", block_sizes={"tokens": 16})))
+    np.testing.assert_array_equal(np.asarray(dh), np.asarray(plain_dh))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(plain_dw))
+    th, tw = _t64(h).requires_grad_(), _t64(w).requires_grad_()
+    logq = torch.log_softmax(th @ tw / temperature, dim=1)
+    picked = torch.gather(logq, 1, torch.tensor(np.clip(targets, 0, V - 1), dtype=torch.long)[:, None])[:, 0]
+    ref_lp = torch.where(torch.tensor(targets >= 0), picked, torch.zeros(N, dtype=torch.float64))
+    (ref_lp * _t64(c_lp) - (logq.exp() * logq).sum(1) * _t64(c_ent)).sum().backward()
+    assert _rel_err(dh, th.grad) < 2e-5 and _rel_err(dw, tw.grad) < 2e-5
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked_xla"])
@@ -323,6 +339,9 @@ def test_no_implementation_but_dense_materialises_the_logits():
         dense, chunked = temp(make("dense"), args), temp(make("chunked_xla"), args)
         assert dense >= logits, (name, dense)  # the measure sees logits where they are
         assert chunked < logits / 4, (name, chunked / logits)
-    # The old-policy pass (no gradient): log-probs, entropy and top-k from the same blocks.
+    # The old-policy pass: log-probs, entropy and top-k from the same blocks; and the
+    # on-policy update, which trains through that pass's log-probs.
     topk = temp(lambda h, w, t: losses.linear_logprob_topk(h, w, t, k), (h, w, targets))
     assert topk < logits / 4, topk / logits
+    topk_grad = temp(grad(lambda h, w, t: losses.linear_logprob_topk(h, w, t, k)[0].sum()), (h, w, targets))
+    assert topk_grad < logits / 4, topk_grad / logits

@@ -60,6 +60,8 @@ def test_every_step_compiles_at_the_tiny_shape(tmp_path, capsys):
     learner = by_step["learner"]
     assert learner["resident_gb"] > 0 and learner["alias_gb"] == pytest.approx(learner["resident_gb"] / 2, rel=0.01)
     assert all(r["resident_gb"] == 0 for r in rows if not r["step"].startswith("learner"))
+    # The on-policy TLT update hands the drafter's data (hidden states, top-K) out beside the sum.
+    assert by_step["learner_tlt"]["out_gb"] > by_step["learner_remat"]["out_gb"]
     assert "does not fit in 1e-06 GB at any micro-batch: the smallest (2) needs" in capsys.readouterr().out
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["complete"] and len(saved["results"]) == len(pm.STEPS)

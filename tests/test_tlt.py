@@ -22,7 +22,10 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.train import train_rl
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 
-TLT = {**OVERRIDES, "tlt.enabled": True, "steps": 3, "eval_every": 3, "checkpoint_every": 1,
+# One update per step: the drafter's data comes from the on-policy update's forward (the
+# multi-process test runs TLT with two, so through the old-policy pass).
+TLT = {**OVERRIDES, "tlt.enabled": True, "learner.num_minibatches": 1, "steps": 3, "eval_every": 3,
+       "checkpoint_every": 1,
        "tlt.drafter.init": "", "tlt.drafter.batch_size": 4, "tlt.drafter.seq_len": 48,
        "tlt.drafter.checkpoint_every": 1, "tlt.drafter.optimizer.learning_rate": 3e-3,
        "tlt.spot.catch_up_steps": 2, "tlt.spot.max_steps_per_rl_step": 6,

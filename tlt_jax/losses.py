@@ -79,6 +79,7 @@ class _Config:
     blocks: BlockSizes | None
     tail: bool = False
     with_entropy: bool = False
+    top_k: int = 0  # the per-token log-prob pass also keeps each row's top-k (chunked_xla)
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
@@ -295,9 +296,11 @@ def linear_topk_kl(
 # ------------------------------------------------------------------------------------
 
 
-def _logprob_outputs(stats: fk.RowStats, valid_N, with_entropy):
+def _logprob_outputs(stats: fk.RowStats, valid_N, cfg: _Config):
     logp_N = jnp.where(valid_N, stats.zid[:, 0] - stats.lse, 0.0)
-    return (logp_N, stats.lse - stats.ez) if with_entropy else logp_N
+    if cfg.top_k:
+        return logp_N, stats.lse - stats.ez, stats.top_ids.astype(jnp.int32), stats.top_z - stats.lse[:, None]
+    return (logp_N, stats.lse - stats.ez) if cfg.with_entropy else logp_N
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -307,13 +310,16 @@ def _logprob(h_ND, w_DV, ids_N1, valid_N, cfg: _Config):
 
 def _logprob_fwd(h_ND, w_DV, ids_N1, valid_N, cfg):
     stats = fk.row_stats(
-        cfg.impl, h_ND, w_DV, ids_N1, temperature=cfg.temperature, with_ez=cfg.with_entropy, blocks=cfg.blocks
+        cfg.impl, h_ND, w_DV, ids_N1, temperature=cfg.temperature, with_ez=cfg.with_entropy, blocks=cfg.blocks,
+        top_k=cfg.top_k,
     )
-    return _logprob_outputs(stats, valid_N, cfg.with_entropy), (h_ND, w_DV, ids_N1, valid_N, stats)
+    residuals = (h_ND, w_DV, ids_N1, valid_N, stats._replace(top_z=None, top_ids=None))
+    return _logprob_outputs(stats, valid_N, cfg), residuals
 
 
 def _logprob_bwd(cfg, res, g):
     h_ND, w_DV, ids_N1, valid_N, stats = res
+    # The top-k outputs' cotangents (g[2:]) are dropped: linear_logprob_topk stops their gradient.
     g_lp = jnp.where(valid_N, g[0] if cfg.with_entropy else g, 0.0)
     # d logp / dz = 1[target] - q;  d H / dz = q (E_q[z] - z).
     if cfg.with_entropy:
@@ -378,22 +384,21 @@ def linear_logprob_topk(
     """`linear_logprob(..., with_entropy=True)` plus the top-k of softmax(h w / T) per row,
     from one blockwise projection: (logp_N, entropy_N, ids_NK int32, logp_NK float32).
 
-    No gradient (the old-policy pass of RL). Each token block's logits give the target's
-    log-prob, the entropy and the top-k at once, so the extra outputs cost a top-k per
-    block, not a second projection; logp_N and entropy_N are those of linear_logprob.
-    It runs on the chunked_xla engine, whose token blocks hold full-vocabulary rows (the
-    Pallas kernels stream vocabulary tiles).
+    Each token block's logits give the target's log-prob, the entropy and the top-k at
+    once, so the extra outputs cost a top-k per block, not a second projection; logp_N and
+    entropy_N are those of linear_logprob, differentiable wrt h and w the same way (the
+    on-policy GRPO update takes its loss and the drafter's data from one forward); the
+    top-k carry no gradient. It runs on the chunked_xla engine, whose token blocks hold
+    full-vocabulary rows (the Pallas kernels stream vocabulary tiles).
     """
     _check_projection(h_ND, w_DV, temperature)
     _check_ids("targets_N", targets_N, h_ND, trailing=())
     if not 1 <= k <= w_DV.shape[1]:
         raise ValueError(f"k={k} must lie in [1, {w_DV.shape[1]}] (the vocabulary size).")
-    h_ND, w_DV = jax.lax.stop_gradient(h_ND), jax.lax.stop_gradient(w_DV)
+    cfg = _Config("chunked_xla", float(temperature), _as_blocks(block_sizes), with_entropy=True, top_k=int(k))
     ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
-    stats = fk.row_stats("chunked_xla", h_ND, w_DV, ids_N[:, None], temperature=float(temperature),
-                         with_ez=True, blocks=_as_blocks(block_sizes), top_k=k)
-    logp_N, entropy_N = _logprob_outputs(stats, valid_N, True)
-    return logp_N, entropy_N, stats.top_ids.astype(jnp.int32), stats.top_z - stats.lse[:, None]
+    logp_N, entropy_N, ids_NK, logp_NK = _logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
+    return logp_N, entropy_N, ids_NK, jax.lax.stop_gradient(logp_NK)
 
 
 def topk_from_logits(logits_BTV, k: int, temperature: float = 1.0):

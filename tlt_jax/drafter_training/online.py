@@ -1,7 +1,7 @@
 """The drafter during RL: trained on the spot from the learner's by-products, published
 to the rollout engine between rollouts, checkpointed on its own cadence.
 
-    old-policy pass (learner) --DrafterData--> DrafterBuffer (host, last n RL steps)
+    learner's forward     --DrafterData--> DrafterBuffer (host, last n RL steps)
     SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
     end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
 
@@ -38,11 +38,11 @@ from tlt_jax.train_state import OptimizerConfig, TrainState, state_shardings
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DrafterData:
-    """What the target's old-policy pass hands the online drafter, per position t of the
-    batch rows (T' = T-1: the positions that predict a next token). In packed rows each
-    sample's outputs are those of the sample alone, at each of its tokens but a last one
-    in a row's last column (no position of T'); drafter training never reads a sample's
-    last token's outputs."""
+    """What the target's forward at the start of an RL step (the on-policy update's, or the
+    old-policy pass) hands the online drafter, per position t of the batch rows (T' = T-1:
+    the positions that predict a next token). In packed rows each sample's outputs are
+    those of the sample alone, at each of its tokens but a last one in a row's last column
+    (no position of T'); drafter training never reads a sample's last token's outputs."""
 
     hidden: jax.Array  # [n, T', D] final-normed hidden state at t (the EAGLE feature)
     ids: jax.Array  # [n, T', K] int32 top-K ids of the distribution of token t+1
@@ -120,7 +120,7 @@ class OnlineDrafter:
 
     def add(self, rl_step: int, tokens_nT: np.ndarray, prompt_lengths_n, response_lengths_n,
             data: DrafterData) -> None:
-        """Stores an RL step's samples: the learner batch's rows and the old-policy pass's
+        """Stores an RL step's samples: the learner batch's rows and the learner forward's
         DrafterData ([n, T-1] positions; the last position predicts nothing and is padded)."""
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)

@@ -1,7 +1,11 @@
 """The GRPO learner: per-token log-probs through the fused projection, AdamW updates.
 
 One RL step's batch is split into `num_minibatches` optimizer updates, each accumulating
-gradients over micro-batches (`Learner.micro_rows`). The micro-batches run one by one from
+gradients over micro-batches (`Learner.micro_rows`). With one update per step the update is
+on-policy: the policy at the start of the step is the one it differentiates, so its own
+forward gives the old log-probs (the ratio is exactly 1, as TRL's GRPOTrainer takes it with
+one iteration), the entropy and the drafter's data, and no separate old-policy pass runs
+(`Learner.update_on_policy`). The micro-batches run one by one from
 the host through one compiled program per micro-batch shape, as do the chunks of the
 log-prob passes, and those shapes are few (one per power of two under `micro_batch_size`,
 and that size), so a batch of a new size soon compiles nothing large: each model program
@@ -28,6 +32,7 @@ minibatch's loss is the same in either layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -56,28 +61,40 @@ class LearnerConfig:
     num_minibatches: int = 1
     micro_batch_size: int = 8
     temperature: float = 1.0  # the rollout sampling temperature: log-probs of that distribution
+    # "auto": with one minibatch, the update's own forward is the old-policy pass
+    # (`Learner.on_policy`); "always": a separate forward first, as verl does.
+    old_policy_pass: str = "auto"
     remat: bool = True
     logprob_impl: str = "auto"
     attention_impl: str = "auto"  # `attention.attention`'s impl: "dense" forms [n, heads, T, T] scores
     grpo: grpo.GRPOConfig = grpo.GRPOConfig()
 
 
-def old_policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, segment_ids_nT, *,
-                       temperature=1.0, top_k: int, feature_layers=(), attention_impl="auto"):
-    """One target forward for the GRPO old-policy pass and the drafter's data:
-    (logp [n, T-1], entropy [n, T-1], DrafterData), of rows packed as `token_logprobs`'.
-    The log-probs, the entropy and the top-K come out of the same blockwise projection
-    (`losses.linear_logprob_topk`), so no [n, T, V] logits exist and the log-probs equal
-    `token_logprobs`'."""
+OLD_POLICY_PASSES = ("auto", "always")
+
+
+def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, segment_ids_nT, *,
+                   temperature=1.0, top_k: int = 0, feature_layers=(), remat=False, logprob_impl="auto",
+                   attention_impl="auto"):
+    """One target forward's per-token outputs, of rows packed as `token_logprobs`':
+    (logp [n, T-1], entropy [n, T-1], DrafterData or None). With top_k > 0 the log-probs,
+    the entropy and the drafter's top-K come out of the same blockwise projection
+    (`losses.linear_logprob_topk`), so no [n, T, V] logits exist; without, no drafter data
+    and `logprob_impl`'s projection. logp and entropy are differentiable (the on-policy
+    update's loss), the drafter data is not."""
     out = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=positions_nT[:, :-1],
-                      segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers),
+                      segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers), remat=remat,
                       attention_impl=attention_impl)
     h, layers = out if feature_layers else (out, None)
     n, t, d = h.shape
-    logp, entropy, ids, top_logp = losses.linear_logprob_topk(
-        h.reshape(n * t, d), tfm.lm_head_weight(params, model_config), tokens_nT[:, 1:].reshape(-1), top_k,
-        temperature=temperature)
-    data = DrafterData(h, ids.reshape(n, t, top_k), top_logp.reshape(n, t, top_k),
+    w, targets = tfm.lm_head_weight(params, model_config), tokens_nT[:, 1:].reshape(-1)
+    if not top_k:
+        logp, entropy = losses.linear_logprob(h.reshape(n * t, d), w, targets, temperature=temperature,
+                                              with_entropy=True, impl=logprob_impl)
+        return logp.reshape(n, t), entropy.reshape(n, t), None
+    logp, entropy, ids, top_logp = losses.linear_logprob_topk(h.reshape(n * t, d), w, targets, top_k,
+                                                              temperature=temperature)
+    data = DrafterData(jax.lax.stop_gradient(h), ids.reshape(n, t, top_k), top_logp.reshape(n, t, top_k),
                        None if layers is None else jnp.moveaxis(layers, 0, 2))
     return logp.reshape(n, t), entropy.reshape(n, t), data
 
@@ -103,6 +120,9 @@ class Learner:
     """Holds the compiled steps for one model, optimizer and mesh."""
 
     def __init__(self, model_config: ModelConfig, config: LearnerConfig, mesh):
+        if config.old_policy_pass not in OLD_POLICY_PASSES:
+            raise ValueError(f"LearnerConfig.old_policy_pass={config.old_policy_pass!r}: choose from "
+                             f"{OLD_POLICY_PASSES}.")
         self.model_config, self.config, self.mesh = model_config, config, mesh
         self.optimizer = make_optimizer(config.optimizer)
         self._steps: dict = {}
@@ -138,6 +158,13 @@ class Learner:
             return unit if rows % unit == 0 else rows
         sizes = [math.lcm(granule, 1 << k) for k in range(rows.bit_length())]
         return max([m for m in sizes if rows % m == 0], default=rows)
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether an RL step's update takes its old log-probs from its own forward
+        (`update_on_policy`): one minibatch, so the policy it differentiates is the one at the
+        start of the step, and old_policy_pass "auto"."""
+        return self.config.num_minibatches == 1 and self.config.old_policy_pass == "auto"
 
     def _granule(self) -> int:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -176,7 +203,7 @@ class Learner:
         tokens_nT may be jax.ShapeDtypeStructs (`.lower` then compiles it abstractly)."""
         key = ("drafter_data", top_k, tuple(feature_layers), tokens_nT.shape)
         if key not in self._steps:
-            fn = lambda p, t, pos, seg: old_policy_outputs(
+            fn = lambda p, t, pos, seg: policy_outputs(
                 p, self.model_config, t, pos, seg, temperature=self.config.temperature, top_k=top_k,
                 feature_layers=feature_layers, attention_impl=self.config.attention_impl)
             rows = jax.ShapeDtypeStruct(tokens_nT.shape, jnp.int32)
@@ -197,8 +224,8 @@ class Learner:
         """`step(params, *rows)` over consecutive chunks of `chunk` rows, all dispatched
         before the first is read back; the outputs gathered to the host and concatenated."""
         n = rows_nT[0].shape[0]
-        outs = [step(params, *self._rows(*(x[i:i + chunk] for x in rows_nT))) for i in range(0, n, chunk)]
-        return jax.tree.map(lambda *parts: np.concatenate([sharding.to_host(p) for p in parts]), *outs)
+        return self._gather([step(params, *self._rows(*(x[i:i + chunk] for x in rows_nT)))
+                             for i in range(0, n, chunk)])
 
     def _rows(self, *rows_nT):
         """Host rows (the same on every process) as arrays over (data, fsdp)."""
@@ -206,29 +233,56 @@ class Learner:
 
     # -- the update ------------------------------------------------------------------------------
 
-    def _loss(self, params, mb):
+    def _loss(self, params, mb, outputs=None):
+        """(loss, aux) of a micro-batch. outputs None: mb carries old_logp and aux is the
+        metrics. outputs (top_k, feature_layers): on-policy, the forward's own log-probs are
+        the old ones (without gradient: the ratio is exactly 1, its gradient the log-probs'),
+        and aux is (metrics, (entropy, DrafterData or None)) (`policy_outputs`)."""
         cfg = self.config
-        logp = token_logprobs(params, self.model_config, mb["tokens"], temperature=cfg.temperature,
-                              impl=cfg.logprob_impl, remat=cfg.remat, positions_nT=mb["positions"],
-                              segment_ids_nT=mb["segment_ids"], attention_impl=cfg.attention_impl)
-        return grpo.policy_loss(logp, mb["old_logp"], mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
-                                mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
+        if outputs is None:
+            logp = token_logprobs(params, self.model_config, mb["tokens"], temperature=cfg.temperature,
+                                  impl=cfg.logprob_impl, remat=cfg.remat, positions_nT=mb["positions"],
+                                  segment_ids_nT=mb["segment_ids"], attention_impl=cfg.attention_impl)
+            old_logp = mb["old_logp"]
+        else:
+            top_k, feature_layers = outputs
+            logp, entropy, data = policy_outputs(
+                params, self.model_config, mb["tokens"], mb["positions"], mb["segment_ids"],
+                temperature=cfg.temperature, top_k=top_k, feature_layers=feature_layers, remat=cfg.remat,
+                logprob_impl=cfg.logprob_impl, attention_impl=cfg.attention_impl)
+            old_logp = jax.lax.stop_gradient(logp)
+        loss, metrics = grpo.policy_loss(logp, old_logp, mb["rollout_logp"], mb["advantages"], mb["loss_weights"],
+                                         mb["token_weights"], cfg.grpo, ref_logp_nT=mb.get("ref_logp"))
+        return loss, (metrics if outputs is None else (metrics, (entropy, data)))
 
-    def loss_and_grads(self, params, minibatch: dict):
+    def loss_and_grads(self, params, minibatch: dict, outputs=None):
         """(loss, metrics, float32 grads) of one minibatch of host rows, summed in order over
         its micro-batches (`micro_rows`), each one call of the same compiled program. The
         aggregation's weights come from the whole minibatch (its real tokens and
         sequences), so the sum is the minibatch's loss and an all-padding micro-batch adds
-        exactly zero."""
+        exactly zero. With outputs (on-policy, `_loss`): (that, (entropy, DrafterData or
+        None) of the minibatch's rows on the host)."""
+        acc, rows = self._accumulate(params, minibatch, outputs)
+        return acc if outputs is None else (acc, self._gather(rows))
+
+    def _accumulate(self, params, minibatch: dict, outputs):
+        """`loss_and_grads`' sum, and each micro-batch's row outputs (on the devices) in order."""
         n = minibatch["tokens"].shape[0]
         micro = self.micro_rows(n)  # divides n by construction
         minibatch = dict(minibatch, **self._weights(minibatch["loss_mask"], minibatch["segment_ids"]))
         micro_batches = [{name: v[i:i + micro] for name, v in minibatch.items()} for i in range(0, n, micro)]
-        step, zeros = self.micro_step(params, micro_batches[0])
-        acc = zeros()
+        step, zeros = self.micro_step(params, micro_batches[0], outputs)
+        acc, rows = zeros(), []
         for mb in micro_batches:
-            acc = step(params, acc, jax.device_put(mb, self._batch_shardings(mb)))
-        return acc
+            out = step(params, acc, jax.device_put(mb, self._batch_shardings(mb)))
+            acc = out if outputs is None else out[0]
+            rows.append(None if outputs is None else out[1])
+        return acc, rows
+
+    @staticmethod
+    def _gather(parts):
+        """Per-row outputs of consecutive chunks of rows, concatenated on the host."""
+        return jax.tree.map(lambda *xs: np.concatenate([sharding.to_host(x) for x in xs]), *parts)
 
     def _weights(self, mask_nT, segment_ids_nT) -> dict:
         """The minibatch's loss weights (the configured aggregation) and token weights (the
@@ -246,32 +300,38 @@ class Learner:
                 out_shardings=sharding.batch_sharding(self.mesh, 2))
         return jax.tree.map(sharding.to_host, self._steps[key](*self._rows(mask_nT, segment_ids_nT)))
 
-    def micro_step(self, params, mb: dict):
+    def micro_step(self, params, mb: dict, outputs=None):
         """(step, zeros) for micro-batches shaped like mb (the minibatch fields with its
         loss_weights and token_weights): step(params, acc, mb) adds mb's (loss, metrics,
-        float32 grads) to acc (donated); zeros() is an empty acc. params and mb may be
-        jax.ShapeDtypeStructs (`step.lower` then compiles it abstractly)."""
-        key = ("micro", tuple(sorted((name, v.shape) for name, v in mb.items())))
+        float32 grads) to acc (donated) and returns it, with outputs (on-policy, `_loss`)
+        beside mb's (entropy, DrafterData or None); zeros() is an empty acc. params and mb
+        may be jax.ShapeDtypeStructs (`step.lower` then compiles it abstractly)."""
+        key = ("micro", outputs, tuple(sorted((name, v.shape) for name, v in mb.items())))
         if key not in self._steps:
             abstract = {name: jax.ShapeDtypeStruct(v.shape, v.dtype) for name, v in mb.items()}
-            metric_names = jax.eval_shape(lambda p, m: self._loss(p, m)[1], params, abstract)
-            grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+            aux_shapes = jax.eval_shape(lambda p, m: self._loss(p, m, outputs)[1], params, abstract)
+            metric_names = aux_shapes if outputs is None else aux_shapes[0]
+            grad_fn = jax.value_and_grad(functools.partial(self._loss, outputs=outputs), has_aux=True)
 
             def step(params, acc, mb):
-                (loss, metrics), grads = grad_fn(params, mb)
+                (loss, aux), grads = grad_fn(params, mb)
+                metrics, rows = (aux, None) if outputs is None else aux
                 acc_loss, acc_metrics, acc_grads = acc
-                return (acc_loss + loss, jax.tree.map(jnp.add, acc_metrics, metrics),
-                        jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads))
+                acc = (acc_loss + loss, jax.tree.map(jnp.add, acc_metrics, metrics),
+                       jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads))
+                return acc if outputs is None else (acc, rows)
 
             def zeros():
                 return (jnp.zeros((), jnp.float32), jax.tree.map(lambda _: jnp.zeros((), jnp.float32), metric_names),
                         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
             acc_sh = self._acc_shardings(params)
+            out_sh = acc_sh if outputs is None else (acc_sh, jax.tree.map(
+                lambda x: sharding.batch_sharding(self.mesh, x.ndim), aux_shapes[1]))
             self._steps[key] = (
                 sharding.jit_sharded(step, in_shardings=(self.param_shardings(params), acc_sh,
                                                          self._batch_shardings(mb)),
-                                     out_shardings=acc_sh, donate_argnums=(1,)),
+                                     out_shardings=out_sh, donate_argnums=(1,)),
                 sharding.jit_sharded(zeros, in_shardings=(), out_shardings=acc_sh))
         return self._steps[key]
 
@@ -296,6 +356,22 @@ class Learner:
             state, metrics = self._apply_step(state.params, acc)(state, acc)
             results.append(metrics)
         return state, [jax.device_get(m) for m in results]
+
+    def update_on_policy(self, state: TrainState, batch: dict, *, top_k: int = 0, feature_layers=()):
+        """One RL step's single update, on-policy (`on_policy`): the batch carries no old_logp,
+        the update's forward gives it. Returns (state, [metrics], entropy [R, S-1],
+        DrafterData or None), the last two on the host: with top_k > 0 the drafter's data
+        of the batch's rows at the policy before the update, as `logprobs_and_drafter_data`
+        gives it."""
+        if not self.on_policy:
+            raise ValueError(
+                f"An on-policy update needs one update per RL step and old_policy_pass 'auto' (here "
+                f"num_minibatches={self.config.num_minibatches}, old_policy_pass="
+                f"{self.config.old_policy_pass!r}); otherwise compute old_logp (`logprobs`) and call `update`.")
+        acc, rows = self._accumulate(state.params, batch, (int(top_k), tuple(feature_layers)))
+        state, metrics = self._apply_step(state.params, acc)(state, acc)
+        entropy, data = self._gather(rows)
+        return state, [jax.device_get(metrics)], entropy, data
 
     def _apply_step(self, params, acc):
         """The jitted optimizer update from a minibatch's (loss, metrics, grads): (state,

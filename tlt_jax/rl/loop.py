@@ -117,7 +117,7 @@ def unpack_samples(packing: Packing, x_R, width: int, fill=0) -> np.ndarray:
 
 
 def unpack_drafter_data(packing: Packing, data: DrafterData) -> DrafterData:
-    """The old-policy pass's DrafterData of packed rows [R, S-1, ...] as one sample per
+    """The learner's DrafterData of packed rows [R, S-1, ...] as one sample per
     row [n, S-1, ...] (numpy): the layout `OnlineDrafter.add` reads, with the tokens
     `unpack_samples(packing, batch["tokens"], S, pad_id)`. Equal to the pass over one
     sample per row at every position of each sample but its last (see DrafterData)."""
@@ -248,22 +248,29 @@ class RLLoop:
                                          minibatch_rows=self.learner.minibatch_rows)
         t_batch = time.perf_counter()
         rows = (batch["tokens"], batch["positions"], batch["segment_ids"])
-        if tlt is not None and tlt.drafter is not None:
-            # One target forward gives GRPO its old log-probs and the drafter its data, which
-            # the drafter's buffer reads one sample per row.
-            dc = tlt.drafter
-            old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(
-                state.params, *rows, top_k=dc.config.top_k, feature_layers=dc.drafter_config.feature_layers)
+        drafter = tlt.drafter if tlt is not None else None
+        data_kw = {} if drafter is None else dict(top_k=drafter.config.top_k,
+                                                  feature_layers=drafter.drafter_config.feature_layers)
+        if self.ref_params is not None:
+            batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
+        t_old_start = t_old_end = time.perf_counter()
+        if self.learner.on_policy:
+            # The update's own forward gives the old log-probs, the entropy and the drafter's data.
+            state, updates, entropy, drafter_data = self.learner.update_on_policy(state, batch, **data_kw)
+        else:
+            # One target forward gives GRPO its old log-probs and the drafter its data.
+            if drafter is not None:
+                old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(state.params, *rows,
+                                                                                         **data_kw)
+            else:
+                (old_logp, entropy), drafter_data = self.learner.logprobs(state.params, *rows, with_entropy=True), None
+            batch["old_logp"] = sharding.to_host(old_logp)
+            t_old_end = time.perf_counter()
+            state, updates = self.learner.update(state, batch)
+        if drafter is not None:  # the drafter's buffer reads one sample per row
             tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
                     np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]), rollouts.lengths,
                     unpack_drafter_data(packing, drafter_data))
-        else:
-            old_logp, entropy = self.learner.logprobs(state.params, *rows, with_entropy=True)
-        batch["old_logp"] = sharding.to_host(old_logp)
-        t_old_logp = time.perf_counter()
-        if self.ref_params is not None:
-            batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
-        state, updates = self.learner.update(state, batch)
         faults.maybe_kill("learner", step)
         skipped = int(sum(u["skipped"] for u in updates))
         t_learner = time.perf_counter()
@@ -295,7 +302,7 @@ class RLLoop:
             # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
             # most of them hidden in the rollout with reward_overlap.
             "time_reward_wait_s": t_scored - t_wait, "time_reward_scoring_s": scored.scoring_s,
-            "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_logp - t_batch,
+            "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_end - t_old_start,
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
             "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
             "time_idle_s": timeline["group_idle_s"],

@@ -13,7 +13,7 @@ and the events of a step (`RLLoop.step` calls them in this order):
     on_group_done(g)         a rollout group finished while others decode: its devices train
     after_rollout()          the group gaps close (each waits for at most one drafter step)
     gap(name)                host phases (reward scoring, batch building, checkpoint writes)
-    add(...)                 the old-policy pass's DrafterData into the buffer
+    add(...)                 the learner forward's DrafterData into the buffer
     end()                    owed catch-up steps, the new drafter to the engine, metrics
 
 With several processes the drafter trains on process 0 alone (its rollout groups' gaps

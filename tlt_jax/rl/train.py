@@ -241,6 +241,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     learner = Learner(model_cfg, LearnerConfig(
         optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
         micro_batch_size=lc.micro_batch_size, temperature=r.temperature, remat=lc.remat,
+        old_policy_pass=lc.old_policy_pass,
         attention_impl=lc.attention_impl, grpo=grpo.GRPOConfig(**config.grpo)), mesh)
     state = learner.init_state(params)
     keep_reference = config.grpo.kl_coef > 0 or config.track_kl
