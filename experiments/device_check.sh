@@ -4,8 +4,8 @@
 # Blocks run in the order of what is least measured: spec, tlt (reuses spec's target and
 # drafter), rollout, attention, verify, losses. BLOCKS picks them, e.g.
 # BLOCKS="rollout attention" bash experiments/device_check.sh. The default BLOCKS ("spec tlt")
-# fit 8 minutes on the H200 by their own timeouts: spec 255 s + tlt 180 s + 35 s of setup
-# and summary = 470 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
+# fit 8 minutes on the H200 by their own timeouts: spec 265 s + tlt 180 s + 35 s of setup
+# and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: rollout 130 s, attention
 # 115 s, verify 40 s, losses 85 s.
 #
@@ -108,7 +108,7 @@ fi
 step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
-# Budget: 255 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
+# Budget: 265 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
 # traces (float32 masters, bfloat16 compute), then its one-layer drafter, then plain vs a
 # 6-deep EAGLE chain at temperature 1 (the bars: speed-up >= 2.5x at batch <= 8, acceptance
 # >= 4), bfloat16, batch 1, then 8, 4, 16, 32, 64 as long as the budget lets a new batch size
@@ -121,13 +121,14 @@ step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.versi
 if want spec; then
   block_start spec
   if dry; then
-    note "spec: configs/sft.py:tiny (2 layers of 64, 2 steps) and configs/drafter.py:tiny (2 steps, no acceptance" \
-      "rollouts) for the gpu presets; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto is" \
-      "the jnp reference on the CPU"
-    SFT=(--config=configs/sft.py:tiny --config.model.num_layers=2 --config.model.hidden_size=64
-      --config.model.intermediate_size=128 --config.model.head_dim=16 --config.steps=2 --config.eval_every=2
+    note "spec: the gpu presets (float32 masters, bfloat16 compute) at 2 layers of 64 and 2 steps, the drafter" \
+      "without acceptance rollouts; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto" \
+      "is the jnp reference on the CPU"
+    SFT=(--config=configs/sft.py:gpu --config.model.num_layers=2 --config.model.hidden_size=64
+      --config.model.intermediate_size=128 --config.model.head_dim=16 --config.model.num_heads=4
+      --config.model.num_kv_heads=2 --config.steps=2 --config.eval_every=2
       --config.checkpoint_every=2 --config.data.num_train=256 --config.data.num_eval=8 --config.eval.num_slots=8)
-    DRAFTER=(--config=configs/drafter.py:tiny --config.acceptance.num_prompts=0
+    DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=0
       --config.steps=2 --config.eval_every=2 --config.checkpoint_every=2 --config.data.num_train=256
       --config.data.num_eval=16 --config.eval_batch_size=8)
     SPEC=(--preset=cpu --batches=1,8 --time_budget_s=1)
@@ -140,7 +141,7 @@ if want spec; then
   step train_drafter 70 "$OUT/train_drafter.log" python -m experiments.train_drafter "${DRAFTER[@]}" \
     --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
   # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
-  step bench_spec 75 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
+  step bench_spec 85 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
     --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} \
     --out="$OUT/bench_spec.json"
   if ! plan; then

@@ -44,9 +44,11 @@ def test_packing_keeps_examples_apart(tokenizer):
     assert len(flat) == len(examples)
 
 
-def test_trainer_fits_a_batch(tokenizer):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trainer_fits_a_batch(tokenizer, dtype):
+    """bfloat16: float32 master weights, bfloat16 compute (configs/sft.py:gpu)."""
     cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16)
+                      num_kv_heads=1, head_dim=16, dtype=dtype)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
     trainer = SFTTrainer(cfg, OptimizerConfig(learning_rate=3e-3), mesh)
     state = trainer.init_state(tfm.init_params(cfg, jax.random.PRNGKey(0)))
