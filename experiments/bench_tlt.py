@@ -165,8 +165,13 @@ PRESETS = {
                           num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64,
                           learner=dict(micro_batch_size=8, num_minibatches=1), drafter=dict(batch_size=4)),
-    "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=32, num_samples=8, max_tokens=96,
-                num_slots=256, catch_up_steps=4, max_steps_per_rl_step=16),
+    # The H200's: the spec block's 180M target deepened to 48 layers. 2 prompts x 8 samples, so
+    # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its
+    # baseline rollout was 37% of the step (0.20 of 0.54 s, docs/benchmarks.md, 2026-12-04).
+    # One update per step (on-policy: no old-policy pass).
+    "gpu": dict(layers=48, steps=10, warmup_steps=3, prompts_per_step=2, num_samples=8, max_tokens=96,
+                num_slots=16, catch_up_steps=4, max_steps_per_rl_step=16,
+                learner=dict(micro_batch_size=16, num_minibatches=1)),
 }
 _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")

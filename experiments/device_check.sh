@@ -4,7 +4,7 @@
 # Blocks run in the order of what is least measured: spec, tlt (reuses spec's target and
 # drafter), rollout, attention, verify, losses. BLOCKS picks them, e.g.
 # BLOCKS="rollout attention" bash experiments/device_check.sh. The default BLOCKS ("spec tlt")
-# fit 8 minutes on the H200 by their own timeouts: spec 265 s + tlt 180 s + 35 s of setup
+# fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: rollout 130 s, attention
 # 115 s, verify 40 s, losses 85 s.
@@ -108,15 +108,18 @@ fi
 step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
-# Budget: 265 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
+# Budget: 240 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
 # traces (float32 masters, bfloat16 compute), then its one-layer drafter, then plain vs a
 # 6-deep EAGLE chain at temperature 1 (the bars: speed-up >= 2.5x at batch <= 8, acceptance
-# >= 4), bfloat16, batch 1, then 8, 4, 16, 32, 64 as long as the budget lets a new batch size
-# start. Each batch size compiles its own steps (tens of seconds for 16 unrolled layers), so
-# expect batch 1 and 8; the other strategies and temperature 0 are for a run of their own:
+# >= 4), bfloat16, batch 1, then 8 if the budget lets it start. Seen on the H200
+# (2026-12-04): SFT's 500 steps take 43 s (35 steps/s after a 12 s first step) and the whole
+# process ~90 s; the drafter's 600 steps 28 s after a 16 s first step. Each batch size
+# compiles its own steps (tens of seconds for 16 unrolled layers); the other strategies,
+# batch sizes and temperature 0 are for a run of their own:
 #   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
 # The efficiency bars (measured / ideal speed-up: >= 0.85 at batch 1-8, >= 0.75 at 32-64) need
-# the breakdown, which compiles 4 more programs per batch size and times each for a second:
+# the breakdown, which compiles 4 more programs per batch size and times each for a second (at
+# batches 1,8 it had printed nothing after 85 s on the H200: give it a run of its own):
 #   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d6 --temperatures=1 --breakdown --batches=1,32"
 if want spec; then
   block_start spec
@@ -133,12 +136,14 @@ if want spec; then
       --config.data.num_eval=16 --config.eval_batch_size=8)
     SPEC=(--preset=cpu --batches=1,8 --time_budget_s=1)
   else
-    SFT=(--config=configs/sft.py:gpu --config.data.num_eval=64)
-    DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=16)
-    SPEC=(--preset=gpu --batches=1,8,4,16,32,64 --time_budget_s=30)
+    SFT=(--config=configs/sft.py:gpu --config.data.num_eval=32)
+    # No acceptance rollouts after training (the 16 prompts' did not finish in 70 s on the
+    # H200, 2026-12-04): bench_spec and bench_tlt measure acceptance.
+    DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=0)
+    SPEC=(--preset=gpu --batches=1,8 --time_budget_s=30)
   fi
-  step sft 110 "$OUT/sft.log" python -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
-  step train_drafter 70 "$OUT/train_drafter.log" python -m experiments.train_drafter "${DRAFTER[@]}" \
+  step sft 100 "$OUT/sft.log" python -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
+  step train_drafter 55 "$OUT/train_drafter.log" python -m experiments.train_drafter "${DRAFTER[@]}" \
     --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
   # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
   step bench_spec 85 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
@@ -154,9 +159,11 @@ fi
 # ===== END spec ===================================================================================
 
 # ===== BEGIN tlt: TLT against the baseline end to end (bench_tlt.py) ==========================
-# Budget: 180 s. The spec block's 180M target and drafter (run it first): the same RL run with
+# Budget: 205 s. The spec block's 180M target and drafter (run it first): the same RL run with
 # TLT off and on, each mode in a fresh process (one pair; TLT_ARGS=--repeats=2 for ABBA, on
-# request); bars (issue 24): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90%
+# request). On the H200 (2026-12-04) the preset's former 32 prompts x 8 samples gave a
+# baseline run of 82 s (32 s compiling) whose rollout was 37% of its step, and the TLT run
+# did not finish in 180 s: the preset is now 2 prompts x 8 samples; bars (issue 24): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90%
 # of its step (FastGRPO's traces: 91-98%; TLT: 1.7-2.1x vs verl), acceptance >= 4 at
 # temperature 1, eval accuracy within seed noise.
 if want tlt; then
@@ -174,7 +181,7 @@ if want tlt; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
   else
     # shellcheck disable=SC2086  # TLT_ARGS is a list of flags
-    step bench_tlt 180 "$OUT/bench_tlt.log" python -m experiments.bench_tlt "${TLT[@]}" ${TLT_ARGS:---repeats=1} \
+    step bench_tlt 205 "$OUT/bench_tlt.log" python -m experiments.bench_tlt "${TLT[@]}" ${TLT_ARGS:---repeats=1} \
       --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_tlt_runs" \
       --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_tlt.json"
     plan || tail -n 8 "$OUT/bench_tlt.log"
