@@ -74,6 +74,9 @@ class Workload:
     mean_response: int = 4096  # scale of the exponential the response lengths are drawn from
     max_length: int = 16384  # KV positions per sequence, prompt included (RolloutConfig.max_length)
     drafter_top_k: int = 8  # OnlineDrafterConfig.top_k
+    # Optimizer updates per RL step (configs/rl.py learner.num_minibatches); with one, the
+    # update's own forward gives the old log-probs and the drafter's data: no old-policy pass.
+    minibatches: int = 2
     seed: int = 0
 
 
@@ -173,7 +176,7 @@ def plan_times(cfg, plan, memory: dict, workload: Workload, hw: Hardware, drafte
     tokens = float(lengths.sum() + workload.prompt_length * lengths.size)
     context = float(np.mean((workload.prompt_length + lengths) / 2))  # mean causal context, per sample
     fwd_s = tokens * forward_flops_per_token(cfg, context) / (n_devices * hw.peak_flops * hw.mfu)
-    # The old-policy pass's drafter data (final hidden state, top-K ids and log-probs per
+    # The learner forward's drafter data (final hidden state, top-K ids and log-probs per
     # position) reaches every process's host (rl/loop.py unpack_drafter_data -> to_host).
     drafter_data = tokens * (cfg.hidden_size * np.dtype(cfg.jnp_dtype).itemsize + workload.drafter_top_k * 8)
     return dict(
@@ -181,7 +184,7 @@ def plan_times(cfg, plan, memory: dict, workload: Workload, hw: Hardware, drafte
         mean_response=float(lengths.mean()), max_response=int(lengths.max()), tokens=tokens,
         rollout_s=max(plain), rollout_tlt_s=max(tlt), tail_share=groups[int(np.argmax(plain))]["tail_s"] / max(plain),
         group0_idle_s=max(plain) - plain[0], mean_idle_s=float(np.mean(max(plain) - np.asarray(plain))),
-        old_logp_s=fwd_s,
+        old_logp_s=fwd_s if workload.minibatches > 1 else 0.0,
         learner_s=4 * fwd_s,  # forward, backward (2x), and the forward again under remat
         weight_sync_s=2 * weights / hw.copy_bytes_s,  # engine.update_params: each device reads and writes its copy
         drafter_publish_s=drafter_bytes / hw.node_bytes_s,
@@ -238,7 +241,8 @@ def run(args, cache: dict | None = None) -> list[dict]:
                   copy_bytes_s=args.copy_gb_s * 1e9, mfu=args.mfu, node_bytes_s=args.node_gb_s * 1e9,
                   devices_per_node=args.devices_per_node)
     workload = Workload(prompts=args.prompts, samples=args.samples, prompt_length=args.prompt_length,
-                        mean_response=args.mean_response, max_length=args.max_length)
+                        mean_response=args.mean_response, max_length=args.max_length,
+                        minibatches=args.minibatches)
     if workload.prompt_length >= workload.max_length:
         raise ValueError(f"--prompt_length={workload.prompt_length} leaves no room in --max_length="
                          f"{workload.max_length}.")
@@ -358,6 +362,8 @@ def _arg_parser():
     ap.add_argument("--mean_response", type=int, default=wl.mean_response, help="scale of the response lengths")
     ap.add_argument("--max_length", type=int, default=wl.max_length,
                     help="KV positions per sequence, prompt included; also the learner's row length")
+    ap.add_argument("--minibatches", type=int, default=wl.minibatches,
+                    help="optimizer updates per RL step; 1: no old-policy pass (the update's forward gives it)")
     ap.add_argument("--max_micro_batch", type=int, default=pm.MAX_MICRO_BATCH,
                     help="the memory search's upper end (rows, slots)")
     ap.add_argument("--out", default=None, help="JSON output path")

@@ -53,6 +53,10 @@ def test_derived_times_follow_their_assumptions(planned):
                          dataclasses.replace(hw, hbm_bytes_s=2 * hw.hbm_bytes_s), drafter_bytes=1000)
     assert fast["rollout_s"] == pytest.approx(base["rollout_s"] / 2)  # decode reads bytes
     assert fast["learner_s"] == base["learner_s"] == pytest.approx(4 * base["old_logp_s"])  # FLOPs, remat
+    # One update per step: its own forward gives the old log-probs, no pass of their own.
+    on_policy = pc.plan_times(cfg, (2, 1, 2), row["memory"], dataclasses.replace(workload, minibatches=1), hw,
+                              drafter_bytes=1000)
+    assert on_policy["old_logp_s"] == 0 and on_policy["learner_s"] == base["learner_s"]
     # Eight sequences of at most 32 running: the whole rollout is the paper's tail.
     assert base["tail_share"] == 1 and base["rollout_tlt_s"] == pytest.approx(base["rollout_s"] / 2.61)
 

@@ -266,17 +266,26 @@ class Learner:
         return acc if outputs is None else (acc, self._gather(rows))
 
     def _accumulate(self, params, minibatch: dict, outputs):
-        """`loss_and_grads`' sum, and each micro-batch's row outputs (on the devices) in order."""
+        """`loss_and_grads`' sum, and each micro-batch's row outputs, on the host, in order."""
         n = minibatch["tokens"].shape[0]
         micro = self.micro_rows(n)  # divides n by construction
         minibatch = dict(minibatch, **self._weights(minibatch["loss_mask"], minibatch["segment_ids"]))
         micro_batches = [{name: v[i:i + micro] for name, v in minibatch.items()} for i in range(0, n, micro)]
         step, zeros = self.micro_step(params, micro_batches[0], outputs)
-        acc, rows = zeros(), []
+        acc, rows, behind = zeros(), [], None
         for mb in micro_batches:
             out = step(params, acc, jax.device_put(mb, self._batch_shardings(mb)))
-            acc = out if outputs is None else out[0]
-            rows.append(None if outputs is None else out[1])
+            if outputs is None:
+                acc = out
+                continue
+            # The previous micro-batch's outputs go to the host while this one runs: the
+            # batch's drafter data never piles up on the devices beside the update.
+            acc, this = out
+            if behind is not None:
+                rows.append(jax.tree.map(sharding.to_host, behind))
+            behind = this
+        if behind is not None:
+            rows.append(jax.tree.map(sharding.to_host, behind))
         return acc, rows
 
     @staticmethod
