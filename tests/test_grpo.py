@@ -112,6 +112,10 @@ def test_clipping_stops_gradient_outside_the_trust_region():
     assert g_neg[0, 2] == 0 and g_neg[0, 1] != 0
     _, m = grpo.policy_loss(logp, old, old, jnp.ones((1, 3)), mask, mask / 3, cfg)
     assert float(m["clip_fraction"]) == pytest.approx(2 / 3)
+    # A clip range of width 0 on a side halves the gradient at ratio 1 (every on-policy update).
+    for name in ("clip_eps", "clip_eps_high"):
+        with pytest.raises(ValueError, match=f"GRPOConfig.{name}=0.0 must be > 0"):
+            grpo.GRPOConfig(**{name: 0.0})
 
 
 def test_kl_and_truncated_importance_sampling():

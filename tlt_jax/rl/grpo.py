@@ -142,6 +142,14 @@ class GRPOConfig:
     tis_cap: float = 2.0
     aggregation: str = "token_mean"
 
+    def __post_init__(self):
+        # A ratio on the clip's edge gets half its gradient through jnp.minimum's tie, and the
+        # first update of a step (ratio exactly 1) sits on an edge of width 0.
+        for name in ("clip_eps", "clip_eps_high"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)} must be > 0 (the ratio is clipped to "
+                                 "[1 - clip_eps, 1 + clip_eps_high]; e.g. 0.2 and 0.28).")
+
 
 def k3_kl(logp_nT, ref_logp_nT):
     """Schulman's k3 estimator of KL(pi || pi_ref): unbiased, always >= 0."""
