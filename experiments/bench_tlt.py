@@ -165,7 +165,8 @@ PRESETS = {
                           num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64,
                           learner=dict(micro_batch_size=8, num_minibatches=1), drafter=dict(batch_size=4)),
-    # The H200's: the spec block's 180M target deepened to 48 layers. 2 prompts x 8 samples, so
+    # The H200's, on the spec block's 16-layer 180M target (`--target`: used as it is; without
+    # it, the shipped model deepened to 48 layers). 2 prompts x 8 samples, so
     # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its
     # baseline rollout was 37% of the step (0.20 of 0.54 s, docs/benchmarks.md, 2026-12-04).
     # One update per step (on-policy: no old-policy pass).
@@ -344,6 +345,14 @@ def _target(preset: dict) -> tuple[str, str]:
     return build_target(preset["layers"], CACHE.value, preset.get("warm_start", "assets"), preset.get("mlp_size", 0))
 
 
+def _target_layers(preset: dict) -> int:
+    """The layers of the target the runs decode: --target's own (used as it is), else the preset's."""
+    if _TARGET.value:
+        with open(os.path.join(_TARGET.value, "config.json")) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    return preset["layers"]
+
+
 def run_in_process(modes: list[str]) -> dict:
     """Runs `modes` back to back in this process; writes --out after each. With both
     baseline and tlt, the speed-ups of this one process (`*_in_process`: they depend on the
@@ -356,7 +365,7 @@ def run_in_process(modes: list[str]) -> dict:
     t0 = time.perf_counter()
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                  preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
+                  preset=_PRESET.value, seed=SEED.value, steps=steps, layers=_target_layers(preset),
                   decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
     for mode in modes:
@@ -399,7 +408,7 @@ def _timed_steps(preset: dict, steps: int) -> str:
 def print_in_process(result: dict) -> None:
     preset = PRESETS[result["preset"]]
     modes = result["modes"]
-    print(f"\nbackend {result['backend']}, preset {result['preset']} ({preset['layers']}-layer target), seed "
+    print(f"\nbackend {result['backend']}, preset {result['preset']} ({result.get('layers', preset['layers'])}-layer target), seed "
           f"{result['seed']}, {result['steps']} steps per mode, one process; "
           f"{_timed_steps(preset, result['steps'])}")
     _print_table([(f"{mode:9}", m) for mode, m in modes.items()], f"{'mode':9}")
@@ -556,7 +565,7 @@ def run_repeats(launch_child=spawn) -> int:
     launch.enable_compilation_cache(xla_cache_dir())
     t0 = time.perf_counter()
     _target(preset)
-    result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=preset["layers"],
+    result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=_target_layers(preset),
                   decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
                   repeats=_REPEATS.value,
                   order=[r["mode"] for r in order],
@@ -659,7 +668,7 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt") -> dict:
 
 def print_repeats(result: dict) -> None:
     preset = PRESETS[result["preset"]]
-    print(f"\nbackend {result.get('backend')}, preset {result['preset']} ({preset['layers']}-layer target), seed "
+    print(f"\nbackend {result.get('backend')}, preset {result['preset']} ({result.get('layers', preset['layers'])}-layer target), seed "
           f"{result['seed']}, {result['steps']} steps per run, each run a fresh process ({result['wall_s'] / 60:.1f} "
           f"min in all); {_timed_steps(preset, result['steps'])}")
     rows = [(f"{r['run']:3}{r['pair']:5}  {r['mode']:9}",

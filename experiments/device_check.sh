@@ -163,19 +163,20 @@ fi
 # TLT off and on, each mode in a fresh process (one pair; TLT_ARGS=--repeats=2 for ABBA, on
 # request). On the H200 (2026-12-04) the preset's former 32 prompts x 8 samples gave a
 # baseline run of 82 s (32 s compiling) whose rollout was 37% of its step, and the TLT run
-# did not finish in 180 s: the preset is now 2 prompts x 8 samples; bars (issue 24): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90%
-# of its step (FastGRPO's traces: 91-98%; TLT: 1.7-2.1x vs verl), acceptance >= 4 at
-# temperature 1, eval accuracy within seed noise.
+# did not finish in 180 s: the preset is now 2 prompts x 8 samples, one update per step.
+# Bars (issue 24): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90% of its
+# step (FastGRPO's traces: 91-98%; TLT: 1.7-2.1x vs verl), acceptance >= 4 at temperature 1,
+# eval accuracy within seed noise.
 if want tlt; then
   block_start tlt
+  # Few programs to compile (each a 16-layer unrolled decode on the GPU): attention over
+  # every kv slot (the answers are short) and three arms in one bucket, not the default
+  # tuner's seven strategies over three buckets, each compiled per kv bucket.
+  TLT=(--preset=gpu --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
+       "--tlt_set=tlt.tuner.arms=[['eagle-d6','eagle-d4','plain']]")
   if dry; then
-    note "tlt: bench_tlt --preset=cpu_tail, 1 step per run, on the spec block's tiny target, one drafting" \
-      "strategy (eagle-d3) beside plain decode in one bucket (the GPU run's seven compile for minutes on 2 cores)," \
-      "attention over every kv slot (rollout.kv_bucket=0: one program per chunk, not one per kv bucket)"
-    TLT=(--preset=cpu_tail --steps=1 --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
-         "--tlt_set=tlt.tuner.arms=[['eagle-d3','plain']]")
-  else
-    TLT=(--preset=gpu)
+    note "tlt: bench_tlt --preset=gpu as on the GPU, 1 step per run, on the spec block's tiny target"
+    TLT+=(--steps=1)
   fi
   if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
