@@ -35,7 +35,10 @@ STEPS = 3
 BASELINE = {**OVERRIDES, "steps": STEPS, "eval_every": STEPS, "checkpoint_every": 1, "save_hf": True}
 # TLT with plain decode as the tuner's one arm: the drafter trains, is published and
 # checkpointed, the tuner keeps its statistics, and no speculative program compiles.
-WITH_TLT = {**TLT, "steps": STEPS, "tlt.tuner.arms": [["plain"]]}
+# One update per RL step (test_tlt's TLT, on-policy) and no learning-rate warm-up: a warm-up
+# from 0 spends the first step's one update at rate 0, and the step-1 checkpoint a kill
+# leaves would hold the warm start, which a resume that restored nothing also gives.
+WITH_TLT = {**TLT, "steps": STEPS, "tlt.tuner.arms": [["plain"]], "learner.optimizer.warmup_steps": 0}
 
 
 @dataclasses.dataclass(frozen=True)
