@@ -408,7 +408,8 @@ def _timed_steps(preset: dict, steps: int) -> str:
 def print_in_process(result: dict) -> None:
     preset = PRESETS[result["preset"]]
     modes = result["modes"]
-    print(f"\nbackend {result['backend']}, preset {result['preset']} ({result.get('layers', preset['layers'])}-layer target), seed "
+    layers = result.get("layers", preset["layers"])
+    print(f"\nbackend {result['backend']}, preset {result['preset']} ({layers}-layer target), seed "
           f"{result['seed']}, {result['steps']} steps per mode, one process; "
           f"{_timed_steps(preset, result['steps'])}")
     _print_table([(f"{mode:9}", m) for mode, m in modes.items()], f"{'mode':9}")
@@ -668,7 +669,8 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt") -> dict:
 
 def print_repeats(result: dict) -> None:
     preset = PRESETS[result["preset"]]
-    print(f"\nbackend {result.get('backend')}, preset {result['preset']} ({result.get('layers', preset['layers'])}-layer target), seed "
+    layers = result.get("layers", preset["layers"])
+    print(f"\nbackend {result.get('backend')}, preset {result['preset']} ({layers}-layer target), seed "
           f"{result['seed']}, {result['steps']} steps per run, each run a fresh process ({result['wall_s'] / 60:.1f} "
           f"min in all); {_timed_steps(preset, result['steps'])}")
     rows = [(f"{r['run']:3}{r['pair']:5}  {r['mode']:9}",
