@@ -131,6 +131,9 @@ _FAILED_RUN = _PREAMBLE + r"""
 from absl import flags
 tmp = sys.argv[1]
 out_path = os.path.join(tmp, "out.json")
+os.makedirs(f"{tmp}/target")
+with open(f"{tmp}/target/config.json", "w") as f:  # a --target is decoded as it is: its own 3 layers
+    json.dump({"num_hidden_layers": 3}, f)
 flags.FLAGS(["bench_tlt", f"--out={out_path}", f"--run_dir={tmp}/runs", f"--target={tmp}/target",
              f"--drafter={tmp}/drafter", "--preset=cpu_tail", "--seed=5", "--steps=6"])
 seen = []
@@ -177,6 +180,7 @@ def test_a_failed_run_is_reported_and_the_others_kept(tmp_path):
     assert result["pairs_complete"] == 1
     assert abs(result["step_speedup"] - 1.25) < 1e-9 and abs(result["rollout_speedup"] - 1.5) < 1e-9
     assert result["order"] == ["baseline", "tlt", "tlt", "baseline"] and result["backend"] == "cpu"
+    assert result["layers"] == 3  # the --target's, not the preset's 16
     for s in seen:
         args = s["command"][s["command"].index("experiments.bench_tlt") + 1:]
         assert args[-2:] == [f"--single_mode={s['mode']}", args[-1]]
