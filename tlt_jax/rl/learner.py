@@ -262,11 +262,6 @@ class Learner:
         sequences), so the sum is the minibatch's loss and an all-padding micro-batch adds
         exactly zero. With outputs (on-policy, `_loss`): (that, (entropy, DrafterData or
         None) of the minibatch's rows on the host)."""
-        acc, rows = self._accumulate(params, minibatch, outputs)
-        return acc if outputs is None else (acc, self._gather(rows))
-
-    def _accumulate(self, params, minibatch: dict, outputs):
-        """`loss_and_grads`' sum, and each micro-batch's row outputs, on the host, in order."""
         n = minibatch["tokens"].shape[0]
         micro = self.micro_rows(n)  # divides n by construction
         minibatch = dict(minibatch, **self._weights(minibatch["loss_mask"], minibatch["segment_ids"]))
@@ -284,9 +279,10 @@ class Learner:
             if behind is not None:
                 rows.append(jax.tree.map(sharding.to_host, behind))
             behind = this
-        if behind is not None:
-            rows.append(jax.tree.map(sharding.to_host, behind))
-        return acc, rows
+        if outputs is None:
+            return acc
+        rows.append(jax.tree.map(sharding.to_host, behind))
+        return acc, self._gather(rows)
 
     @staticmethod
     def _gather(parts):
@@ -377,9 +373,8 @@ class Learner:
                 f"An on-policy update needs one update per RL step and old_policy_pass 'auto' (here "
                 f"num_minibatches={self.config.num_minibatches}, old_policy_pass="
                 f"{self.config.old_policy_pass!r}); otherwise compute old_logp (`logprobs`) and call `update`.")
-        acc, rows = self._accumulate(state.params, batch, (int(top_k), tuple(feature_layers)))
+        acc, (entropy, data) = self.loss_and_grads(state.params, batch, (int(top_k), tuple(feature_layers)))
         state, metrics = self._apply_step(state.params, acc)(state, acc)
-        entropy, data = self._gather(rows)
         return state, [jax.device_get(metrics)], entropy, data
 
     def _apply_step(self, params, acc):
