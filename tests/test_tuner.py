@@ -40,7 +40,7 @@ def test_untried_arms_first_in_listed_order():
 
 @pytest.mark.parametrize("epsilon", [0.1, 0.3])
 def test_best_arm_frequency_is_one_minus_epsilon_times_share_of_others(epsilon):
-    tuner = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=epsilon, seed=1)
+    tuner = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=epsilon, exploration="uniform", seed=1)
     _run(tuner, 100)
     choices = _run(tuner, 3000, seed=2)
     freq = {s: choices.count(s) / len(choices) for s in (A, B, None)}
@@ -50,12 +50,32 @@ def test_best_arm_frequency_is_one_minus_epsilon_times_share_of_others(epsilon):
     np.testing.assert_allclose(freq[None], epsilon / 3, atol=0.02)
 
 
+def test_exploration_by_reward_draws_arms_in_proportion_to_their_median_reward():
+    rates = {A: 20.0, B: 800.0, None: 180.0}  # tokens/s: a slow tree, a fast chain, plain decode
+    tuner = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=1.0, seed=1)  # every pull explores
+    assert tuner.exploration == "by_reward"
+    _run(tuner, 100, rates=rates)
+    choices = _run(tuner, 4000, rates=rates, seed=2)
+    total = sum(rates.values())
+    for s, rate in rates.items():
+        np.testing.assert_allclose(choices.count(s) / len(choices), rate / total, atol=0.015)
+
+    # What it is for: exploration's lost seconds per token, against always pulling the best arm.
+    def lost_seconds_per_token(exploration):
+        t = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=0.1, exploration=exploration, seed=3)
+        pulls = _run(t, 10000, rates=rates)[3:]
+        return sum(1 / rates[s] - 1 / rates[B] for s in pulls) / len(pulls)
+
+    # Expected: 0.1 x 0.00175 s against 0.1 x 0.0177 s, a tenth.
+    assert lost_seconds_per_token("by_reward") < lost_seconds_per_token("uniform") / 5
+
+
 def test_epsilon_zero_never_explores_and_one_is_uniform():
     greedy = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=0.0)
     _run(greedy, 3)
     assert set(_run(greedy, 500)) == {B}
 
-    uniform = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=1.0, seed=3)
+    uniform = BucketedEpsilonGreedy([1], [[A, B, None]], epsilon=1.0, exploration="uniform", seed=3)
     _run(uniform, 3)
     choices = _run(uniform, 3000)
     for s in (A, B, None):
@@ -240,6 +260,7 @@ def test_ties_go_to_the_first_listed_arm():
     (dict(buckets=[1], arms=[[A]], epsilon=1.5), r"^epsilon .* \[0, 1\]"),
     (dict(buckets=[1], arms=[[A]], epsilon=-0.1), r"^epsilon .* \[0, 1\]"),
     (dict(buckets=[1], arms=[[A]], window=0), r"^window .* >= 1"),
+    (dict(buckets=[1], arms=[[A]], exploration="softmax"), r"^exploration must be one of \['by_reward', 'uniform'\]"),
 ])
 def test_bad_construction_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -255,6 +276,7 @@ def test_bad_construction_names_the_field(kwargs, match):
     (dict(buckets=[4, 1]), r"^tlt\.tuner\.buckets must be strictly increasing"),
     (dict(epsilon=2.0), r"^tlt\.tuner\.epsilon"),
     (dict(window=0), r"^tlt\.tuner\.window"),
+    (dict(exploration="greedy"), r"^tlt\.tuner\.exploration must be one of"),
     (dict(max_active=0), r"^tlt\.tuner\.max_active"),
     (dict(buckets=[1, 40], arms=[["plain"], ["eagle-d4"]]), r"lower them or raise max_active\.$"),
     (dict(epsilon_decay=0.5), r"Unknown tlt\.tuner keys \['epsilon_decay'\]"),
