@@ -15,7 +15,7 @@ import pytest
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics, sharding
 from tlt_jax.data import rewards
-from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
+from tlt_jax.drafter_training.online import DrafterData, OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
@@ -174,6 +174,7 @@ def test_tlt_resume_after_sigkill_restores_drafter_tuner_and_buffer(warm_start, 
     ({"tlt.spot.catch_up_steps": -1}, "tlt.spot.catch_up_steps"),
     ({"tlt.drafter.batch_size": 0}, "tlt.drafter.batch_size"),
     ({"tlt.drafter.batch_size": 6}, r"tlt.drafter.batch_size=6 must be a multiple of mesh.fsdp=4: .* make it 8"),
+    ({"tlt.drafter.eval_rows": 6}, r"tlt.drafter.eval_rows=6 must be a multiple of mesh.fsdp=4: .* make it 8"),
     ({"tlt.drafter.init": "/nonexistent/drafter"}, "--config.tlt.drafter.init='/nonexistent/drafter' is not a"),
 ])
 def test_bad_tlt_config_is_refused_before_anything_runs(tmp_path, override, message):
@@ -208,3 +209,36 @@ def test_a_drafter_from_nothing_never_publishes_non_finite_weights():
     jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(moved))
     online.state, online.steps = dataclasses.replace(online.state, params=moved), 3  # finite again: published
     assert online.publish() and online.version == 2
+
+
+def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():
+    """served_metrics scores a step's rows, padded to a power of two (not to eval_rows):
+    the same figures as over eval_rows rows, of which the padding ones count nothing."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    dcfg = drafter_lib.DrafterConfig(num_layers=1)
+    dparams = drafter_lib.init_drafter(cfg, dcfg, jax.random.PRNGKey(1), init_std=0.3)
+    engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
+                           sharding.make_mesh({"data": 1}, jax.devices()[:1]),
+                           RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, dparams)
+    online = OnlineDrafter(engine, cfg, dcfg, dparams, OnlineDrafterConfig(batch_size=2, seq_len=12, top_k=4,
+                                                                           eval_rows=16), temperature=1.0)
+    assert [online.eval_batch_rows(n) for n in (1, 2, 3, 4, 5, 16, 40)] == [1, 2, 4, 4, 8, 16, 16]
+    rng = np.random.default_rng(0)
+    n, t = 3, 12  # three samples of 10-12 tokens: one row each
+    data = DrafterData(hidden=rng.standard_normal((n, t - 1, 16)).astype(np.float32),
+                       ids=rng.integers(0, 32, (n, t - 1, 4)).astype(np.int32),
+                       logp=np.log(np.full((n, t - 1, 4), 0.2, np.float32)), layers=None)
+    online.add(5, rng.integers(1, 32, (n, t)), [2, 3, 2], [8, 9, 10], data)
+    assert online.buffer.num_rows_of_step(5) == 3
+    scored = []
+    evaluate = online._evaluate
+    online._evaluate = lambda group, rows: scored.append(len(rows["tokens"])) or evaluate(group, rows)
+    got = online.served_metrics(5)
+    assert scored == [4]
+    want = evaluate(online._home, online.buffer.rows_of_step(5, 16))
+    assert want["count"] > 0
+    np.testing.assert_allclose([got["drafter/served_accept_rate"], got["drafter/served_top1_agree"],
+                                got["drafter/served_kl"]], [want["accept_rate"], want["top1_agree"], want["kl"]],
+                               rtol=1e-5)
+    assert online.served_metrics(6) == {} and scored == [4]  # a step with no rows is not scored

@@ -217,6 +217,10 @@ class DrafterBuffer:
                 out[k][at] = chunk.rows[k][idx[at] - starts[c]]
         return out
 
+    def num_rows_of_step(self, rl_step: int) -> int:
+        """Rows held of RL step `rl_step`."""
+        return sum(len(c) for c in self._chunks if c.step == rl_step)
+
     def rows_of_step(self, rl_step: int, n: int) -> dict:
         """[n, ...] arrays of every row field: n rows of RL step `rl_step` spread evenly over
         those held (all of them, then rows with nothing to train on, when fewer are held;

@@ -66,8 +66,8 @@ class OnlineDrafterConfig:
     ttt_steps: int = 1  # training-time test passes (DrafterTrainer; 1: none)
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
-    # Rows of each RL step on which the drafter that drafted its rollouts is scored,
-    # teacher-forced (`served_metrics`; 0: never).
+    # Rows of each RL step, at most, on which the drafter that drafted its rollouts is
+    # scored, teacher-forced (`served_metrics`; 0: never).
     eval_rows: int = 16
 
     def __post_init__(self):
@@ -130,23 +130,34 @@ class OnlineDrafter:
 
     def served_metrics(self, rl_step: int) -> dict[str, float]:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
-        rollouts) predicts that step's own sequences, teacher-forced on `eval_rows` of its
-        rows: "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
+        rollouts) predicts that step's own sequences, teacher-forced on up to `eval_rows` of
+        its rows (`eval_batch_rows`): "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
         strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", with
         ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the chance of acceptance at draft
         position i + 1, where the drafter reads its own earlier drafts; a pass with no
         entries is left out), and the seconds it took ("time_served_eval_s"). Empty with
         eval_rows 0."""
-        if not self.config.eval_rows:
+        held = self.buffer.num_rows_of_step(rl_step)
+        if not self.config.eval_rows or not held:
             return {}
         t0 = time.perf_counter()
-        out = self._evaluate(self._home, self.buffer.rows_of_step(rl_step, self.config.eval_rows))
+        out = self._evaluate(self._home, self.buffer.rows_of_step(rl_step, self.eval_batch_rows(held)))
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
         by_pass = {f"drafter/served_{k}": v for k, v in out.items()
                    if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
                 "drafter/served_kl": out["kl"], **by_pass, "time_served_eval_s": time.perf_counter() - t0}
+
+    def eval_batch_rows(self, held: int) -> int:
+        """Rows `served_metrics` scores when the step's buffer holds `held`: all of them, up
+        to eval_rows, padded to the home group's fsdp times a power of two (few shapes to
+        compile; a row of padding costs as much as a row of data)."""
+        fsdp = self.engine.groups[self._home].mesh.shape["fsdp"]
+        rows = fsdp
+        while rows < held:
+            rows *= 2
+        return min(rows, self.config.eval_rows)
 
     def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
         trainer = self._trainer(group)
@@ -176,10 +187,11 @@ class OnlineDrafter:
         self.skipped += int(out["skipped"])
         return out
 
-    def warm_up(self) -> float:
+    def warm_up(self, max_rows_per_step: int) -> float:
         """Compiles the drafter step on its home group (a throwaway copy of the state takes
-        the step) and the served drafter's evaluation, so that neither compiles inside an RL
-        step; returns the seconds."""
+        the step) and the served drafter's evaluation at each batch it can score for a step
+        of at most `max_rows_per_step` rows (a sample fills at most one), so that neither
+        compiles inside an RL step; returns the seconds."""
         t0 = time.perf_counter()
         trainer = self._trainer(self._home)
         copy = jax.tree.map(jnp.copy, self.state)
@@ -187,7 +199,8 @@ class OnlineDrafter:
         jax.block_until_ready(trainer.step(copy, target, self.buffer.empty_batch(self.config.batch_size),
                                            self._noise_key))
         if self.config.eval_rows:
-            self._evaluate(self._home, self.buffer.empty_batch(self.config.eval_rows))
+            for rows in sorted({self.eval_batch_rows(held) for held in range(1, max_rows_per_step + 1)}):
+                self._evaluate(self._home, self.buffer.empty_batch(rows))
         return time.perf_counter() - t0
 
     def _state_shardings(self, trainer: DrafterTrainer) -> TrainState:

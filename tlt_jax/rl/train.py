@@ -189,11 +189,13 @@ def check_config(config) -> None:
     SpotConfig(**config.tlt.spot)
     _online_drafter_config(config.tlt.drafter)
     c = config.tlt.drafter
-    fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batch splits over
-    if c.batch_size % fsdp:
-        raise ValueError(f"tlt.drafter.batch_size={c.batch_size} must be a multiple of mesh.fsdp={fsdp}: the "
-                         "drafter trains on a rollout group's devices, its batch split over their fsdp axis; make "
-                         f"it {-(-c.batch_size // fsdp) * fsdp}.")
+    fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batches split over
+    for field, what in (("batch_size", "trains"), ("eval_rows", "is scored")):
+        rows = c[field]
+        if rows % fsdp:
+            raise ValueError(f"tlt.drafter.{field}={rows} must be a multiple of mesh.fsdp={fsdp}: the drafter {what} "
+                             "on a rollout group's devices, its batch split over their fsdp axis; make it "
+                             f"{-(-rows // fsdp) * fsdp}.")
     if not c.init and c.num_layers < 1:
         raise ValueError(f"tlt.drafter.num_layers={c.num_layers}: a drafter needs at least one layer.")
     launch.check_path(config, "tlt.drafter.init", kind="directory",
@@ -256,7 +258,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
         decode_s = engine.warm_up(sp, tuner)
-        drafter_s = online.warm_up() if tlt.spot is not None else 0.0  # where the drafter trains
+        # Where the drafter trains; its buffer holds one row at most per sample of a step.
+        drafter_s = online.warm_up(config.prompts_per_step * config.num_samples) if tlt.spot is not None else 0.0
         metrics.report(f"Compiled plain decode and {len(tuner.strategies)} drafting strategies in {decode_s:.1f} s, "
                        f"the drafter step in {drafter_s:.1f} s")
     else:
