@@ -222,7 +222,7 @@ class OnlineDrafter:
         return True
 
     def _finite(self) -> bool:
-        if all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(self.state.params)):
+        if bool(_all_finite(self.state.params)):
             return True
         logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
                         self.steps, self.version)
@@ -232,8 +232,13 @@ class OnlineDrafter:
         """Hands the engine the current drafter (after `restore`: the restored one). Collective
         with several processes: every engine gets process 0's drafter, every process its
         counters."""
-        # A host copy: the engine must not alias the train state, which each step donates.
-        params = multihost.broadcast_arrays(jax.device_get(self.state.params))
+        # A copy: the engine must not alias the train state, which each step donates. On the
+        # devices with one process (no host round trip of the weights each RL step); through
+        # the host with several, where process 0's drafter goes to every process.
+        if multihost.is_multiprocess():
+            params = multihost.broadcast_arrays(jax.device_get(self.state.params))
+        else:
+            params = jax.tree.map(jnp.copy, self.state.params)
         self.version, self.steps, self.skipped, self._published_steps = multihost.broadcast_object(
             (self.version, self.steps, self.skipped, self._published_steps))
         self.engine.update_drafter(params)
@@ -270,3 +275,9 @@ class OnlineDrafter:
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
         self._published_steps = meta["published_steps"]
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every element of every array in `tree` is finite: one program, one sync."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
