@@ -138,7 +138,8 @@ HF_PRESETS = ("hf", "qwen2.5-math-1.5b-gsm8k", "qwen2.5-7b-math")
 def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.ConfigDict:
     """Your checkpoint and data: the tiny config's run around a model from model_dir,
     prompts in its chat template, TLT at the reference's defaults (speculation while at
-    most 32 sequences run, buckets 1/2/5/21, epsilon 0.1, window 300) and a drafter that
+    most 32 sequences run, buckets 1/2/5/21, epsilon 0.1, window 300; exploring pulls drawn
+    by reward) and a drafter that
     starts from nothing."""
     c.sft = None  # no warm start is trained: the model is the user's
     c.model_dir = ""  # required: --config.model_dir=DIR
