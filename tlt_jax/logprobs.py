@@ -18,8 +18,7 @@ def token_logprobs(params, model_config: ModelConfig, tokens_nT, *, temperature=
     h = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=cut(positions_nT),
                     segment_ids_BT=cut(segment_ids_nT), remat=remat, attention_impl=attention_impl)
     n, t, d = h.shape
-    # float32 masters with a bfloat16 compute dtype: project in the forward's dtype
-    out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config).astype(h.dtype),
+    out = losses.linear_logprob(h.reshape(n * t, d), tfm.lm_head_weight(params, model_config, h.dtype),
                                 tokens_nT[:, 1:].reshape(-1), temperature=temperature,
                                 with_entropy=with_entropy, impl=impl)
     if with_entropy:

@@ -179,7 +179,7 @@ class DistillTrainer:
                             segment_ids_BT=cut(batch["segment_ids"]), remat=self.remat)
         b, t, d = h_BTD.shape
         k = batch["ids"].shape[-1]
-        w_DV = tfm.lm_head_weight(params, self.model_config).astype(h_BTD.dtype)
+        w_DV = tfm.lm_head_weight(params, self.model_config, h_BTD.dtype)
         return (h_BTD.reshape(b * t, d), w_DV, cut(batch["ids"]).reshape(b * t, k),
                 cut(batch["logp"]).reshape(b * t, k), batch["mask"].reshape(b * t))
 

@@ -177,7 +177,7 @@ def drafter_loss(drafter_params, target_params, target_config: ModelConfig,
                                       f_BTD, positions_BT=positions_BT, segment_ids_BT=segments_BT, remat=remat)]
     entries_BT = entry_mask(batch)
     ids_BTK, logp_BTK = nxt(batch["ids"]), nxt(batch["logp"])
-    w_DV = tfm.lm_head_weight(target_params, target_config).astype(passes[0].dtype)
+    w_DV = tfm.lm_head_weight(target_params, target_config, passes[0].dtype)
     total, aux = 0.0, {}
     for i, g_BTD in enumerate(passes):
         b, t, d = g_BTD.shape

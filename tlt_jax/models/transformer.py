@@ -238,15 +238,17 @@ def shard_params(config: ModelConfig, params: Params, mesh) -> Params:
     return jax.device_put(params, param_shardings(config, params, mesh))
 
 
-def lm_head_weight(params: Params, config: ModelConfig) -> jax.Array:
-    """The output projection w_DV (embed.T when embeddings are tied)."""
-    return params["embed"].T if config.tie_embeddings else params["lm_head"]
+def lm_head_weight(params: Params, config: ModelConfig, dtype=None) -> jax.Array:
+    """The output projection w_DV (embed.T when embeddings are tied), cast to `dtype` if
+    given: the dtype of the hidden states it projects (float32 masters under a bfloat16
+    forward project in bfloat16, as the forward computes)."""
+    w_DV = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    return w_DV if dtype is None else w_DV.astype(dtype)
 
 
 def logits_from_hidden(params: Params, config: ModelConfig, h_xD: jax.Array) -> jax.Array:
     """Float32 logits for the given hidden states only ([..., D] -> [..., V])."""
-    w_DV = lm_head_weight(params, config)
-    return jnp.einsum("...d,dv->...v", h_xD.astype(config.jnp_dtype), w_DV.astype(config.jnp_dtype),
+    return jnp.einsum("...d,dv->...v", h_xD.astype(config.jnp_dtype), lm_head_weight(params, config, config.jnp_dtype),
                       preferred_element_type=jnp.float32)
 
 

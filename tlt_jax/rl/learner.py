@@ -87,7 +87,7 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
                       attention_impl=attention_impl)
     h, layers = out if feature_layers else (out, None)
     n, t, d = h.shape
-    w, targets = tfm.lm_head_weight(params, model_config).astype(h.dtype), tokens_nT[:, 1:].reshape(-1)
+    w, targets = tfm.lm_head_weight(params, model_config, h.dtype), tokens_nT[:, 1:].reshape(-1)
     if not top_k:
         logp, entropy = losses.linear_logprob(h.reshape(n * t, d), w, targets, temperature=temperature,
                                               with_entropy=True, impl=logprob_impl)
