@@ -25,8 +25,12 @@ a 300-pull sliding window (robust to the odd slow chunk), untried arms first. Ch
     the best arm; drawn uniformly, that loss grows without bound as r_a falls (on
     `bench_tlt`'s cpu_wide_pair preset, at batch 1, a 16-token tree's median was 25
     tokens/s beside the 6-deep chain's 172); drawn in proportion to r_a, each arm's
-    expected loss is at most c (1 - r_a / r_best) / sum of rates, however slow it is. No arm
-    is dropped: a slow arm is still pulled, less often, so drift in its rate is seen;
+    expected loss is at most c (1 - r_a / r_best) / sum of rates, however slow it is. The
+    expected loss of an exploring pull, c (n / R - 1 / r_best) by reward against
+    c (H / n - 1 / r_best) uniformly (n arms, R the sum of their rates, H of their
+    inverses), is never larger, since n^2 <= R H (the harmonic mean is at most the
+    arithmetic one), and equal only when every arm is as fast. No arm is dropped: a slow
+    arm is still pulled, less often, so drift in its rate is seen;
   - the state, RNG included, is saved with the run's checkpoint, so a resumed run
     makes the same choices as an uninterrupted one.
 """
