@@ -76,6 +76,23 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(reference.tokens, different.tokens))
 
 
+def test_the_samples_of_a_prompt_share_one_prefill(params):
+    """Each distinct prompt is prefilled once for all the samples it starts, and they
+    sample what they sample with one slot (one prefill each)."""
+    engine = _engine(params, 4)
+    group = engine.groups[0]
+    prefilled, insert = [], group.insert
+    group.insert = lambda state, prompts_UP, *a, **k: prefilled.append(len(prompts_UP)) or insert(
+        state, prompts_UP, *a, **k)
+    out = engine.generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    # The first insert starts prompt 0's three samples and one of prompt 1's: two rows.
+    assert prefilled[0] == 2 and sum(prefilled) < len(out)
+    alone = _engine(params, 1).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    for a, b, la, lb in zip(alone.tokens, out.tokens, alone.logprobs, out.logprobs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(la, lb, atol=1e-5)
+
+
 def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
     """decode_mlp_size: the rollout's weights are wider (zero units) and its samples the model's."""
     engine = _engine(params, 4, decode_mlp_size=160)

@@ -431,11 +431,15 @@ class KVCache:
             raise ValueError(f"attended slots {slots} must be in 1..{self.max_length} (the cache's slots).")
         return dataclasses.replace(self, attended=slots)
 
-    def with_rows(self, rows_R: jax.Array, rows_cache: "KVCache", lengths_R: jax.Array) -> "KVCache":
+    def with_rows(self, rows_R: jax.Array, rows_cache: "KVCache", lengths_R: jax.Array,
+                  sources_R: jax.Array | None = None) -> "KVCache":
         """Rows rows_R (out of range: dropped) take rows_cache's P slots as their first P
-        and lengths_R as their lengths: prompts prefilled on their own, put in place."""
+        and lengths_R as their lengths: prompts prefilled on their own, put in place. Row
+        i takes rows_cache's row sources_R[i] (default i: one row each), so one prefill of a
+        prompt fills every slot that samples it."""
         p = rows_cache.max_length
-        put = lambda a, v: a.at[:, rows_R, :p].set(v, mode="drop")
+        take = (lambda a: a) if sources_R is None else (lambda a: a[:, sources_R])
+        put = lambda a, v: a.at[:, rows_R, :p].set(take(v), mode="drop")
         return dataclasses.replace(self, k=put(self.k, rows_cache.k), v=put(self.v, rows_cache.v),
                                    lengths=self.lengths.at[rows_R].set(lengths_R, mode="drop"))
 

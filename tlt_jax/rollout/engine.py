@@ -302,29 +302,36 @@ class _Group:
 
     # -- device steps ----------------------------------------------------------------------
 
-    def insert(self, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None):
-        """Prefills R requests into the given slots (slot index B: a padding row, dropped);
+    def insert(self, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None,
+               sources_R=None):
+        """Prefills R requests into the given slots (slot index B: a padding row, dropped):
+        request i samples prompt sources_R[i] of prompts_UP (default i: U = R). Each distinct
+        prompt is prefilled once, however many of its samples it starts (G in GRPO).
         history_RH: their history rows, when the state holds them."""
         engine = self.engine
         cfg, rc = engine.model_config, engine.rollout_config
         layer_ids = self._target_layer_ids(state)
+        if sources_R is None:
+            sources_R = np.arange(len(lengths_R), dtype=np.int32)
 
-        def fn(params, drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R, key, history_RH,
-               sp):
+        def fn(params, drafter_params, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, history_RH,
+               sources_R, sp):
             if rc.decode_mlp_size:
                 # Prefill is bound by compute, not by reading weights: it skips the zero units.
                 params = tfm.narrow_mlp(params, cfg.intermediate_size)
-            r, p = prompts_RP.shape
-            small = tfm.init_cache(cfg, r, p, state.cache.k.dtype)
-            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (r, p))
-            h_RPD, small, *layers = tfm.decode(params, cfg, small, prompts_RP, positions, layer_ids=layer_ids)
-            last = (lengths_R - 1)[:, None, None]
-            logits_RV = tfm.logits_from_hidden(params, cfg, jnp.take_along_axis(h_RPD, last, axis=1)[:, 0])
+            u, p = prompts_UP.shape
+            small = tfm.init_cache(cfg, u, p, state.cache.k.dtype)
+            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
+            h_UPD, small, *layers = tfm.decode(params, cfg, small, prompts_UP, positions, layer_ids=layer_ids)
+            r = lengths_R.shape[0]
+            prompts_RP = prompts_UP[sources_R]
+            last_h_RD = h_UPD[sources_R, lengths_R - 1]
+            logits_RV = tfm.logits_from_hidden(params, cfg, last_h_RD)
             keys = _request_keys(key, requests_R, jnp.zeros_like(requests_R))
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
             code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
             put = lambda a, v: a.at[slots_R].set(v, mode="drop")
-            cache = state.cache.with_rows(slots_R, small, lengths_R)
+            cache = state.cache.with_rows(slots_R, small, lengths_R, sources_R)
             spec = state.spec
             if spec is not None:
                 # The context: the prompt, then the sampled token right after it.
@@ -333,7 +340,8 @@ class _Group:
                 context = spec.context.at[slots_R, :p + 1].set(context_RP, mode="drop")
                 drafter_state = spec.drafter
                 if drafter_state is not None:
-                    features = engine.drafter.features(drafter_params, h_RPD, layers[0] if layers else None)
+                    features = engine.drafter.features(drafter_params, h_UPD[sources_R],
+                                                       layers[0][:, sources_R] if layers else None)
                     drafter_state = engine.drafter.prefill_rows(drafter_params, params, drafter_state, slots_R,
                                                                 context_RP[:, 1:], features, lengths_R)
                 history = None if spec.history is None else put(spec.history, history_RH)
@@ -349,11 +357,11 @@ class _Group:
         if layout[1] != (history_RH is not None):
             raise ValueError("insert takes history rows exactly when the state holds them.")
         shardings = self._shardings(*layout)
-        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 7
-        step = self._jit(("insert", layout), fn, in_shardings, shardings, static_argnums=(10,),
+        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 8
+        step = self._jit(("insert", layout), fn, in_shardings, shardings, static_argnums=(11,),
                          donate_argnums=(2,))
-        return step(self.params, self.drafter_params, state, prompts_RP, lengths_R, slots_R, requests_R, groups_R,
-                    key, history_RH, sp)
+        return step(self.params, self.drafter_params, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R,
+                    key, history_RH, sources_R, sp)
 
     def _advance(self, params, drafter_params, state, tokens_BE, logp_BE, count_B, features_BED, sp):
         """Commits up to E tokens per slot (count_B of them; 0 for inactive slots) to the
@@ -591,19 +599,25 @@ class _Group:
             if pending and free:
                 take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
                 r = _bucket(len(take), b)
-                prompts = np.zeros((r, p), np.int32)
+                distinct = {}  # prompt -> its row: the G samples of a prompt share one prefill
+                sources = np.zeros((r,), np.int32)
+                for i, (_, prompt, _) in enumerate(take):
+                    sources[i] = distinct.setdefault(tuple(prompt), len(distinct))
+                prompts = np.zeros((_bucket(len(distinct), r), p), np.int32)
+                for prompt, row in distinct.items():
+                    prompts[row, :len(prompt)] = prompt
                 prompt_lengths = np.ones((r,), np.int32)
                 slots = np.full((r,), b, np.int32)
                 ids = np.zeros((r,), np.int32)
                 for i, (rid, prompt, seed_id) in enumerate(take):
-                    prompts[i, :len(prompt)], prompt_lengths[i], slots[i], ids[i] = (prompt, len(prompt), free[i],
-                                                                                     seed_id)
+                    prompt_lengths[i], slots[i], ids[i] = len(prompt), free[i], seed_id
                     slot_request[free[i]] = rid
                 rows = None
                 if history is not None:
                     rows = history.rows([prompt for _, prompt, _ in take] + [[]] * (r - len(take)))
                 t_insert = time.perf_counter()
-                state = self.insert(state, prompts, prompt_lengths, slots, ids, ids // num_samples, key, sp, rows)
+                state = self.insert(state, prompts, prompt_lengths, slots, ids, ids // num_samples, key, sp, rows,
+                                    sources)
                 active, lengths = jax.device_get((state.active, state.cache.lengths))
                 timeline.prefill_s += time.perf_counter() - t_insert
                 num_active = int(np.sum(active))  # some finish at their first token
