@@ -5,6 +5,13 @@ r"""Decode throughput of the rollout engine against the HBM roofline and transfo
   python -m experiments.bench_rollout --model_dir=runs/bench_tlt_cache/target_l16_long_tail --batches=64 \
       --cache_slots=352 --attend=all,bucket --layouts=fused --nohf    # what attention buckets buy
 
+--prefill_samples times the prefill of one prompt for G samples (GRPO's group), the
+engine's way (the prompt prefilled once, its cache copied to the G slots) against one
+prefill per sample, calls of the two alternating in one process:
+
+  python -m experiments.bench_rollout --model_dir=runs/bench_tlt_cache/target_l16_long_tail \
+      --prefill_samples=2,8 --prefill_length=64 --out=bench_prefill.json
+
 With --cache_slots the cache holds more slots than the sequences reach (a rollout's cache
 holds max_length, its sequences mostly far fewer); --attend=all times decode with attention
 reading every slot, bucket (the engine's default) reading the engine's bucket of them
@@ -54,6 +61,9 @@ _LAYOUTS = flags.DEFINE_list("layouts", ["fused", "per_layer", "stacked"],
 _MODEL_DIR = flags.DEFINE_string("model_dir", "", "A Hugging Face checkpoint to time in place of --models.")
 _CACHE_SLOTS = flags.DEFINE_integer("cache_slots", 0, "KV-cache slots per sequence (0: the prompt and new tokens "
                                     "exactly).")
+_PREFILL_SAMPLES = flags.DEFINE_list("prefill_samples", [], "Time the prefill of one prompt for each of these "
+                                     "sample counts, shared against one prefill per sample, instead of decode.")
+_PREFILL_LENGTH = flags.DEFINE_integer("prefill_length", 64, "Prompt tokens of --prefill_samples.")
 ATTEND = ("bucket", "all")
 _ATTEND = flags.DEFINE_list("attend", ["bucket"], "Slots decode's attention reads: bucket (the engine's bucket "
                             "over the live sequences), all (every cache slot); several: a row each.")
@@ -122,6 +132,42 @@ def bench_ours(cfg, params, batch, prompt_len, new_tokens, repeats, layout, cach
     return statistics.median(times), compile_s, attended, rc.max_length
 
 
+def bench_prefill(cfg, params, samples: int, prompt_len: int, min_seconds: float = 1.0) -> dict:
+    """Seconds of one insert of `samples` requests of one prompt into an empty slot state:
+    the prompt prefilled once and shared (the engine's way), and prefilled once per sample
+    (the same prompt as `samples` rows). Calls alternate; each side's median."""
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    rc = RolloutConfig(num_slots=samples, max_prompt_length=prompt_len, max_length=prompt_len + 8)
+    group = RolloutEngine(cfg, params, mesh, rc).groups[0]
+    sp = sampling.SamplingParams(temperature=1.0, max_tokens=8)
+    prompt = np.random.RandomState(0).randint(1, cfg.vocab_size, (1, prompt_len)).astype(np.int32)
+    rows = np.arange(samples, dtype=np.int32)
+    lengths, key = np.full((samples,), prompt_len, np.int32), jax.random.PRNGKey(0)
+    sides = {"shared": (prompt, np.zeros((samples,), np.int32)), "per_sample": (np.repeat(prompt, samples, 0), None)}
+
+    def call(side, out=None):
+        prompts, sources = sides[side]
+        t0 = time.perf_counter()
+        state = group.insert(group.empty_state(sp), prompts, lengths, rows, rows, rows, key, sp, sources_R=sources)
+        jax.block_until_ready(state)
+        if out is not None:
+            out[side] = jax.device_get((state.cache.k, state.cache.v, state.last_token, state.out_logp))
+        return time.perf_counter() - t0
+
+    filled = {}
+    for side in sides:
+        call(side, filled)  # compiles
+    # Both sides fill the same slots: the same cache entries, first tokens and their log-probs.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), *filled.values())
+    times = {side: [] for side in sides}
+    while min(sum(t) for t in times.values()) < min_seconds or min(map(len, times.values())) < 5:
+        for side in sides:
+            times[side].append(call(side))
+    shared, per_sample = (statistics.median(times[side]) for side in sides)
+    return dict(samples=samples, prompt=prompt_len, shared_ms=shared * 1e3, per_sample_ms=per_sample * 1e3,
+                speedup=per_sample / shared, calls=len(times["shared"]))
+
+
 def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats, static):
     """transformers' generate in a subprocess (torch and JAX would share the GPU)."""
     code = f"""
@@ -174,6 +220,13 @@ def main(argv):
         else:
             cfg = from_config_dict(models.model_config(name))
             params = tfm.init_params(cfg, jax.random.PRNGKey(0))
+        if _PREFILL_SAMPLES.value:
+            for g in map(int, _PREFILL_SAMPLES.value):
+                row = dict(model=name, **bench_prefill(cfg, params, g, _PREFILL_LENGTH.value))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _write(result)
+            continue
         if _HF.value and hf_dir is None:
             hf_dir = os.path.join(tempfile.mkdtemp(prefix="bench_rollout_"), name)
             save_hf(hf_dir, cfg, jax.device_get(params))
@@ -201,6 +254,13 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(result)
+    if _PREFILL_SAMPLES.value:
+        print(f"\nbackend {result['backend']} ({result['device']}): one prompt's prefill for G samples, ms (median)")
+        print(f"{'model':14} {'G':>3} {'prompt':>6} {'shared':>8} {'per sample':>10} {'x':>5}")
+        for r in rows:
+            print(f"{r['model'][:14]:14} {r['samples']:3d} {r['prompt']:6d} {r['shared_ms']:8.2f} "
+                  f"{r['per_sample_ms']:10.2f} {r['speedup']:5.2f}")
+        return
     header = (f"{'model':14} {'batch':>5} {'layout':>9} {'read':>9} {'step ms':>8} {'tok/s':>9} {'roof ms':>8} "
               f"{'roof %':>6} {'hf tok/s':>9} {'x hf':>5} {'x hfst':>6}")
     print(f"\nbackend {result['backend']} ({result['device']}), copy bandwidth {bandwidth:.0f} GB/s\n{header}")
