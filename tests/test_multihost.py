@@ -130,6 +130,24 @@ def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_star
             assert os.path.exists(os.path.join(run_dir, name)), name
 
 
+def test_two_processes_update_on_policy_as_one(warm_start, tmp_path):  # noqa: F811
+    """One update per step: no old-policy pass, the update's own forward gives the
+    old log-probs and the drafter's data (gathered from both processes to process 0's
+    buffer); two processes learn as one."""
+    config = (CONFIG, f"--config.model_dir={warm_start}", "--config.learner.num_minibatches=1",
+              "--config.steps=2")
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    for results in _finish(_launch(1, *config, f"--config.run_dir={one}"),
+                           _launch(2, *config, f"--config.run_dir={two}")):
+        _check_ok(results)
+    reference, records = _records(one), _records(two)
+    for step in (1, 2):
+        assert reference[step]["time_old_logp_s"] == records[step]["time_old_logp_s"] == 0  # on-policy
+        _assert_same_learning(reference[step], records[step],
+                              skip=[k for k in records[step] if k.startswith("eval_")])
+        assert records[step]["buffer_rows"] == reference[step]["buffer_rows"] > 0
+
+
 def _one_line_error(result, *expected):
     rc, _, err = result
     assert rc == 1, err[-3000:]
