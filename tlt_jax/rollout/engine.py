@@ -323,10 +323,7 @@ class _Group:
             small = tfm.init_cache(cfg, u, p, state.cache.k.dtype)
             positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
             h_UPD, small, *layers = tfm.decode(params, cfg, small, prompts_UP, positions, layer_ids=layer_ids)
-            r = lengths_R.shape[0]
-            prompts_RP = prompts_UP[sources_R]
-            last_h_RD = h_UPD[sources_R, lengths_R - 1]
-            logits_RV = tfm.logits_from_hidden(params, cfg, last_h_RD)
+            logits_RV = tfm.logits_from_hidden(params, cfg, h_UPD[sources_R, lengths_R - 1])
             keys = _request_keys(key, requests_R, jnp.zeros_like(requests_R))
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
             code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
@@ -335,13 +332,13 @@ class _Group:
             spec = state.spec
             if spec is not None:
                 # The context: the prompt, then the sampled token right after it.
-                rows = jnp.arange(r)
-                context_RP = jnp.pad(prompts_RP, ((0, 0), (0, 1))).at[rows, lengths_R].set(token_R)
+                rows = jnp.arange(lengths_R.shape[0])
+                context_RP = jnp.pad(prompts_UP[sources_R], ((0, 0), (0, 1))).at[rows, lengths_R].set(token_R)
                 context = spec.context.at[slots_R, :p + 1].set(context_RP, mode="drop")
                 drafter_state = spec.drafter
                 if drafter_state is not None:
-                    features = engine.drafter.features(drafter_params, h_UPD[sources_R],
-                                                       layers[0][:, sources_R] if layers else None)
+                    # Per position: computed once per distinct prompt, then given to its requests.
+                    features = engine.drafter.features(drafter_params, h_UPD, layers[0] if layers else None)[sources_R]
                     drafter_state = engine.drafter.prefill_rows(drafter_params, params, drafter_state, slots_R,
                                                                 context_RP[:, 1:], features, lengths_R)
                 history = None if spec.history is None else put(spec.history, history_RH)
@@ -601,17 +598,16 @@ class _Group:
                 r = _bucket(len(take), b)
                 distinct = {}  # prompt -> its row: the G samples of a prompt share one prefill
                 sources = np.zeros((r,), np.int32)
-                for i, (_, prompt, _) in enumerate(take):
-                    sources[i] = distinct.setdefault(tuple(prompt), len(distinct))
-                prompts = np.zeros((_bucket(len(distinct), r), p), np.int32)
-                for prompt, row in distinct.items():
-                    prompts[row, :len(prompt)] = prompt
                 prompt_lengths = np.ones((r,), np.int32)
                 slots = np.full((r,), b, np.int32)
                 ids = np.zeros((r,), np.int32)
                 for i, (rid, prompt, seed_id) in enumerate(take):
+                    sources[i] = distinct.setdefault(tuple(prompt), len(distinct))
                     prompt_lengths[i], slots[i], ids[i] = len(prompt), free[i], seed_id
                     slot_request[free[i]] = rid
+                prompts = np.zeros((_bucket(len(distinct), r), p), np.int32)
+                for prompt, row in distinct.items():
+                    prompts[row, :len(prompt)] = prompt
                 rows = None
                 if history is not None:
                     rows = history.rows([prompt for _, prompt, _ in take] + [[]] * (r - len(take)))
