@@ -141,8 +141,9 @@ def test_default_config_builds_tlt_buckets_with_plain_everywhere():
     for names, arms in zip(cfg["arms"], tuner.arms):
         assert [tuner_lib.arm_name(a) for a in arms] == names
         assert [tuner_lib.parse_arm(n) for n in names] == list(arms)
-    assert len(tuner.strategies) == len(set(tuner.strategies)) == 7  # ngram-d4-b2 shared by two buckets
-    assert tuner.strategies[:2] == (Strategy("eagle", 6), Strategy("eagle", 5, 3, 16))
+    # eagle-d8, eagle-d6 and ngram-d4-b2 are shared by two buckets
+    assert len(tuner.strategies) == len(set(tuner.strategies)) == 8
+    assert tuner.strategies[:3] == (Strategy("eagle", 8), Strategy("eagle", 6), Strategy("eagle", 5, 3, 16))
 
 
 def test_window_median_follows_a_change_of_rewards():

@@ -296,8 +296,8 @@ def default_arms_config() -> dict:
     small, and plain decode everywhere so speculation must earn its place."""
     return {
         "buckets": [1, 2, 5, 21],
-        "arms": [["eagle-d6", "eagle-d5-k3-t16", "ngram-d4-b2", PLAIN],
-                 ["eagle-d6", "eagle-d4-k2-t8", "ngram-d4-b2", PLAIN],
+        "arms": [["eagle-d8", "eagle-d6", "eagle-d5-k3-t16", "ngram-d4-b2", PLAIN],
+                 ["eagle-d8", "eagle-d6", "eagle-d4-k2-t8", "ngram-d4-b2", PLAIN],
                  ["eagle-d4", "ngram-d3-b1", PLAIN],
                  ["eagle-d3", PLAIN]],
         "epsilon": 0.1,
