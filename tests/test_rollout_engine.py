@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from tlt_jax import metrics, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine, shape_bucket
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -241,3 +241,9 @@ def test_acceptance_by_depth_of_scripted_chunks():
     # passed; d=3: 2 reached, 1 passed.
     assert RolloutTimeline([group], origin=0.0).acceptance_by_depth() == [4 / 6, 2 / 3, 1 / 2]
     assert RolloutTimeline([GroupTimeline(0, 4, chunks=[Chunk(0.0, 1.0, [4], [4])])]).acceptance_by_depth() == []
+
+
+def test_shape_bucket_is_the_smallest_unit_power_of_two_that_holds_n():
+    assert [shape_bucket(n, 64) for n in (0, 1, 2, 3, 5, 9, 64, 65)] == [1, 1, 2, 4, 8, 16, 64, 64]
+    assert [shape_bucket(n, 64, unit=2) for n in (0, 1, 2, 3, 5, 9)] == [2, 2, 2, 4, 8, 16]
+    assert [shape_bucket(n, 12, unit=3) for n in (1, 3, 4, 7, 13)] == [3, 3, 6, 12, 12]

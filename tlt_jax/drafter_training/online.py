@@ -31,7 +31,7 @@ from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.engine import RolloutEngine, shape_bucket
 from tlt_jax.train_state import OptimizerConfig, TrainState, state_shardings
 
 
@@ -153,11 +153,7 @@ class OnlineDrafter:
         """Rows `served_metrics` scores when the step's buffer holds `held`: all of them, up
         to eval_rows, padded to the home group's fsdp times a power of two (few shapes to
         compile; a row of padding costs as much as a row of data)."""
-        fsdp = self.engine.groups[self._home].mesh.shape["fsdp"]
-        rows = fsdp
-        while rows < held:
-            rows *= 2
-        return min(rows, self.config.eval_rows)
+        return shape_bucket(held, self.config.eval_rows, unit=self.engine.groups[self._home].mesh.shape["fsdp"])
 
     def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
         trainer = self._trainer(group)

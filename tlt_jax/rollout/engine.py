@@ -595,7 +595,7 @@ class _Group:
             free = [s for s in range(b) if slot_request[s] < 0]
             if pending and free:
                 take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-                r = _bucket(len(take), b)
+                r = shape_bucket(len(take), b)
                 distinct = {}  # prompt -> its row: the G samples of a prompt share one prefill
                 sources = np.zeros((r,), np.int32)
                 prompt_lengths = np.ones((r,), np.int32)
@@ -605,7 +605,7 @@ class _Group:
                     sources[i] = distinct.setdefault(tuple(prompt), len(distinct))
                     prompt_lengths[i], slots[i], ids[i] = len(prompt), free[i], seed_id
                     slot_request[free[i]] = rid
-                prompts = np.zeros((_bucket(len(distinct), r), p), np.int32)
+                prompts = np.zeros((shape_bucket(len(distinct), r), p), np.int32)
                 for prompt, row in distinct.items():
                     prompts[row, :len(prompt)] = prompt
                 rows = None
@@ -663,7 +663,7 @@ class _Group:
         timeline.end = time.perf_counter()
 
     def _harvest(self, state, slots, slot_request, results, on_sample_done=None):
-        index = np.asarray(slots + [slots[0]] * (_bucket(len(slots), len(slot_request)) - len(slots)))
+        index = np.asarray(slots + [slots[0]] * (shape_bucket(len(slots), len(slot_request)) - len(slots)))
         toks, logps, counts, finish = jax.device_get(
             _gather_rows((state.out_tokens, state.out_logp, state.num_generated, state.finish), index))
         for i, s in enumerate(slots):
@@ -697,9 +697,10 @@ def _abstract(tree) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Next power of two (at most cap): few distinct shapes, few compilations."""
-    return min(cap, 1 << max(0, n - 1).bit_length())
+def shape_bucket(n: int, cap: int, unit: int = 1) -> int:
+    """The smallest unit x a power of two that holds n, at most cap: few distinct
+    shapes, few compilations (unit: e.g. the fsdp devices a batch is split over)."""
+    return min(cap, unit << max(0, -(-n // unit) - 1).bit_length())
 
 
 class RolloutEngine:
