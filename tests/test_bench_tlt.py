@@ -2,6 +2,7 @@
 in ABBA order, the geometric mean over pairs. In a child process: bench_tlt's absl flags
 share names (steps, out) with other launchers the tests import."""
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -38,6 +39,10 @@ def test_speedups_pair_the_same_steps_and_refuse_unlike_ones():
     assert abs(s["step_speedup_total"] - 58.5 / 45.5) < 1e-9
     assert abs(s["rollout_speedup"] - 2.0) < 1e-9  # ratios 2, 1.6, 2, 1.6, 2
     assert abs(s["rollout_speedup_total"] - 28.0 / 15.5) < 1e-9
+    # The baseline's rollout is 28 of its 58.5 s: a 2x rollout allows 1 / (30.5 + 14) * 58.5.
+    assert abs(s["baseline_rollout_share"] - 28.0 / 58.5) < 1e-9
+    assert abs(s["step_allowed"] - 58.5 / 44.5) < 1e-9
+    assert abs(s["step_of_allowed"] - (17.0 / 13.0) / (58.5 / 44.5)) < 1e-9
     assert "same --steps" in out["unlike_steps"]
 
 
@@ -114,6 +119,9 @@ def test_abba_order_pairs_by_position_and_geometric_mean(tmp_path):
     assert (agg["rollout_speedup_min"], agg["rollout_speedup_max"]) == (1.5, 3.0)
     assert (agg["step_speedup_min"], agg["step_speedup_max"]) == (1.25, 2.0)
     assert abs(agg["step_speedup_total"] - 4.0 ** (1 / 3)) < 1e-9  # every step's ratio is the pair's
+    of_allowed = [p["step_of_allowed"] for p in agg["pairs"]]
+    assert abs(agg["step_of_allowed"] - math.prod(of_allowed) ** (1 / 3)) < 1e-9
+    assert (agg["step_of_allowed_min"], agg["step_of_allowed_max"]) == (min(of_allowed), max(of_allowed))
     assert set(agg["modes"]) == {"baseline", "tlt"}
     assert agg["step_time_s"]["baseline"] == 20.0  # the median of the runs' medians 10, 20, 30
     envs = out["envs"]
@@ -274,6 +282,7 @@ def test_a_presets_learner_and_drafter_reach_the_modes_under_the_overrides(given
 
 _PRESET_NAMES = """
 import json
+import math
 from absl import flags
 from experiments import bench_tlt
 print(json.dumps([sorted(flags.FLAGS["preset"].parser.enum_values), sorted(bench_tlt.PRESETS)]))
