@@ -176,7 +176,7 @@ def test_trainer_steps_on_a_sampled_batch(model, online_buffer):
     trainer = dt.DrafterTrainer(CFG, FUSED, OptimizerConfig(learning_rate=1e-3), sharding.make_mesh({"data": -1}),
                                 top_k=K, feature_weight=1.0, kl_weight=1.0)
     state = trainer.init_state(drafter_lib.init_drafter(CFG, FUSED, jax.random.PRNGKey(1)))
-    batch = online_buffer.sample(8)  # 3 rows held: drawn with replacement
+    batch = online_buffer.sample(8)  # 3 rows held: each once, then 5 that train nothing
     state, out = trainer.step(state, trainer.place_target(model["params"]), batch, jax.random.PRNGKey(2))
     out = jax.device_get(out)
     assert np.isfinite(out["loss"]) and float(out["skipped"]) == 0 and int(out["count"]) > 0
@@ -335,3 +335,17 @@ def test_sampling_is_deterministic_and_resumes_exactly(tmp_path):
     for _ in range(3):
         jax.tree.map(np.testing.assert_array_equal, resumed.sample(6), a.sample(6))
     assert resumed.stats() == a.stats()
+
+
+def test_fewer_rows_than_a_batch_are_each_drawn_once_then_padded():
+    buffer = DrafterBuffer(8, 3, 2, max_bytes=10 ** 6, seed=1)
+    _add(buffer, 0, [1, 1, 2], [7, 7, 6], 8)  # three rows
+    first = lambda rows: rows["tokens"][:, 0].tolist()
+    for rows in (8, 4, 3):
+        draw = buffer.sample(8, rows)
+        assert len(draw["tokens"]) == rows and sorted(first(draw)[:3]) == [100, 200, 301]
+        assert not draw["mask"][3:].any() and not draw["segment_ids"][3:].any()
+        assert draw["mask"][:3].any(axis=1).all()
+    assert sorted(first(buffer.sample(2))) in ([100, 200], [100, 301], [200, 301])  # without replacement
+    with pytest.raises(ValueError, match="rows must hold them"):
+        buffer.sample(8, 2)

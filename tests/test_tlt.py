@@ -15,6 +15,7 @@ import pytest
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics, sharding
 from tlt_jax.data import rewards
+from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.online import DrafterData, OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
@@ -209,6 +210,39 @@ def test_a_drafter_from_nothing_never_publishes_non_finite_weights():
     jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(moved))
     online.state, online.steps = dataclasses.replace(online.state, params=moved), 3  # finite again: published
     assert online.publish() and online.version == 2
+
+
+def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
+    """With 3 rows held and batch_size 8, a drafter step trains on 4 rows (the 3, each
+    once, and 1 that trains nothing), compiled at warm-up with every other size it can
+    take: no step compiles inside an RL step."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    dcfg = drafter_lib.DrafterConfig(num_layers=1)
+    dparams = drafter_lib.init_drafter(cfg, dcfg, jax.random.PRNGKey(1), init_std=0.3)
+    engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
+                           sharding.make_mesh({"data": 1}, jax.devices()[:1]),
+                           RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, dparams)
+    online = OnlineDrafter(engine, cfg, dcfg, dparams, OnlineDrafterConfig(batch_size=8, seq_len=12, top_k=4,
+                                                                           eval_rows=0), temperature=1.0)
+    assert [online.train_batch_rows(n) for n in (1, 2, 3, 5, 8, 40)] == [1, 2, 4, 8, 8, 8]
+    online.warm_up(max_rows_per_step=3)
+    trainer = online._trainer(online._home)
+    compiled = trainer.step_fn(None, None, None)._cache_size()
+    assert compiled == 4  # 1, 2, 4 and 8 rows
+    rng = np.random.default_rng(0)
+    n, t = 3, 12
+    data = DrafterData(hidden=rng.standard_normal((n, t - 1, 16)).astype(np.float32),
+                       ids=rng.integers(0, 32, (n, t - 1, 4)).astype(np.int32),
+                       logp=np.log(np.full((n, t - 1, 4), 0.2, np.float32)), layers=None)
+    online.add(0, rng.integers(1, 32, (n, t)), [2, 3, 2], [8, 9, 10], data)
+    seen = []
+    step = trainer.step
+    trainer.step = lambda state, target, batch, key: seen.append(batch) or step(state, target, batch, key)
+    out = online.train_step(spot.ALL)
+    assert [len(b["tokens"]) for b in seen] == [4] and seen[0]["mask"][:3].any(axis=1).all()
+    assert not seen[0]["mask"][3].any() and out["count"] > 0
+    assert trainer.step_fn(None, None, None)._cache_size() == compiled
 
 
 def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():

@@ -180,8 +180,8 @@ class DrafterBuffer:
         return sum(v.nbytes for c in self._chunks for v in c.rows.values())
 
     def ready(self, batch_size: int) -> bool:
-        """Whether `sample(batch_size)` can draw: any row is held (fewer rows than
-        batch_size are drawn with replacement)."""
+        """Whether `sample(batch_size)` can draw: any row is held (with fewer rows than
+        batch_size, all of them are drawn)."""
         return self.num_rows > 0
 
     def empty_batch(self, batch_size: int) -> dict:
@@ -193,16 +193,21 @@ class DrafterBuffer:
         """name -> (shape, dtype) of each row field: `sample(b)[name]` is (b, *shape) of dtype."""
         return dict(self._fields)
 
-    def sample(self, batch_size: int) -> dict:
-        """[batch_size, ...] arrays of every row field: rows drawn uniformly, without
-        replacement when at least batch_size rows are held, else with. The draw is a
-        function of (seed, number of earlier draws, rows held). Raises when empty."""
+    def sample(self, batch_size: int, rows: int | None = None) -> dict:
+        """[rows, ...] arrays of every row field (rows: default batch_size): min(batch_size,
+        rows held) rows drawn uniformly without replacement, then rows with nothing to
+        train on (a row drawn twice would only weigh twice). The draw is a function of
+        (seed, number of earlier draws, rows held). Raises when empty."""
         n = self.num_rows
         if not n:
             raise ValueError("The drafter buffer is empty; check ready() before sampling.")
+        take = min(batch_size, n)
+        rows = batch_size if rows is None else rows
+        if rows < take:
+            raise ValueError(f"sample(batch_size={batch_size}, rows={rows}) draws {take} rows; rows must hold them.")
         rng = np.random.default_rng([self.seed, self._draws])
         self._draws += 1
-        return self._gather(self._chunks, rng.choice(n, batch_size, replace=n < batch_size))
+        return self._gather(self._chunks, rng.choice(n, take, replace=False), self.empty_batch(rows))
 
     def _gather(self, chunks: list[_Chunk], idx: np.ndarray, out: dict | None = None) -> dict:
         """Rows idx of `chunks`' rows laid end to end, into the first len(idx) rows of `out`

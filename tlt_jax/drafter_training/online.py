@@ -153,7 +153,12 @@ class OnlineDrafter:
         """Rows `served_metrics` scores when the step's buffer holds `held`: all of them, up
         to eval_rows, padded to the home group's fsdp times a power of two (few shapes to
         compile; a row of padding costs as much as a row of data)."""
-        return shape_bucket(held, self.config.eval_rows, unit=self.engine.groups[self._home].mesh.shape["fsdp"])
+        return shape_bucket(held, self.config.eval_rows, unit=self._fsdp)
+
+    @property
+    def _fsdp(self) -> int:
+        """Devices of the home group that a drafter batch is split over."""
+        return self.engine.groups[self._home].mesh.shape["fsdp"]
 
     def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
         trainer = self._trainer(group)
@@ -175,7 +180,7 @@ class OnlineDrafter:
             self.state = jax.device_put(self.state, self._state_shardings(trainer))
             self._home = group
         target = shared_target_params(self.engine.groups[group].params)
-        rows = self.buffer.sample(self.config.batch_size)
+        rows = self.buffer.sample(self.config.batch_size, self.train_batch_rows(self.buffer.num_rows))
         self.state, out = trainer.step(self.state, target, rows, jax.random.fold_in(self._noise_key, self.steps))
         faults.maybe_kill("drafter_step", self.steps)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
@@ -183,17 +188,24 @@ class OnlineDrafter:
         self.skipped += int(out["skipped"])
         return out
 
+    def train_batch_rows(self, held: int) -> int:
+        """Rows of a drafter step's batch when the buffer holds `held`: batch_size, or, while
+        fewer are held, all of them padded as `eval_batch_rows` pads (a step on 2 rows then
+        costs what 2 rows cost, not batch_size)."""
+        return shape_bucket(min(held, self.config.batch_size), self.config.batch_size, unit=self._fsdp)
+
     def warm_up(self, max_rows_per_step: int) -> float:
-        """Compiles the drafter step on its home group (a throwaway copy of the state takes
-        the step) and the served drafter's evaluation at each batch it can score for a step
-        of at most `max_rows_per_step` rows (a sample fills at most one), so that neither
-        compiles inside an RL step; returns the seconds."""
+        """Compiles the drafter step on its home group at each batch it can take (a
+        throwaway copy of the state takes the steps) and the served drafter's evaluation at
+        each batch it can score for a step of at most `max_rows_per_step` rows (a sample
+        fills at most one), so that neither compiles inside an RL step; returns the seconds."""
         t0 = time.perf_counter()
         trainer = self._trainer(self._home)
         copy = jax.tree.map(jnp.copy, self.state)
         target = shared_target_params(self.engine.groups[self._home].params)
-        jax.block_until_ready(trainer.step(copy, target, self.buffer.empty_batch(self.config.batch_size),
-                                           self._noise_key))
+        for rows in sorted({self.train_batch_rows(held) for held in range(1, self.config.batch_size + 1)}):
+            copy, _ = trainer.step(copy, target, self.buffer.empty_batch(rows), self._noise_key)
+        jax.block_until_ready(copy)
         if self.config.eval_rows:
             for rows in sorted({self.eval_batch_rows(held) for held in range(1, max_rows_per_step + 1)}):
                 self._evaluate(self._home, self.buffer.empty_batch(rows))
