@@ -110,13 +110,18 @@ def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
 
 def test_warm_up_without_a_policy_compiles_every_plain_chunk(params, reference):
     """What a run with speculation off (the baseline) warms up: plain decode's chunk for each
-    kv bucket, for the state `generate` without a policy decodes, so no rollout compiles one."""
+    kv bucket, for the state `generate` without a policy decodes, so no rollout compiles one;
+    each chunk runs steps (on live slots), since XLA:CPU finishes a program on its first run."""
     engine = _engine(params, 4, kv_bucket=16)
     assert engine.rollout_config.kv_buckets == (16, 32, 40)
     group = engine.local_groups[0]
     chunks = lambda: {key[0]: step._cache_size() for key, step in group._compiled.items()
                       if isinstance(key[0], tuple) and key[0][0] == "chunk"}
+    run_chunk, steps = group.run_chunk, []
+    group.run_chunk = lambda *a: (lambda out: steps.append(int(out[1])) or out)(run_chunk(*a))
     engine.warm_up(SP)
+    group.run_chunk = run_chunk
+    assert len(steps) == 3 and min(steps) > 0, steps
     warm = chunks()
     assert sorted(name[-1] for name in warm) == [16, 32, 40] and set(warm.values()) == {1}
     r = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))

@@ -272,8 +272,10 @@ class _Group:
         return state.spec is not None, state.spec is not None and state.spec.history is not None
 
     def empty_state(self, sp: sampling.SamplingParams, speculative: bool = False,
-                    history_width: int = 0) -> SlotState:
-        """history_width > 0 (speculative only): each slot holds a history row that wide."""
+                    history_width: int = 0, live: bool = False) -> SlotState:
+        """history_width > 0 (speculative only): each slot holds a history row that wide.
+        live: every slot decodes, from a cache of one zero entry (no request's: what
+        `warm_up` runs chunks on, so that their loop bodies run)."""
         engine = self.engine
         rc, cfg = engine.rollout_config, engine.model_config
         b, m = rc.num_slots, sp.max_tokens
@@ -287,11 +289,12 @@ class _Group:
                     drafter = engine.drafter.init_state(b, rc.max_length, rc.max_draft_depth + 1)
                 history = jnp.full((b, history_width), -1, jnp.int32) if history_width else None
                 spec = SpecSlots(jnp.zeros((b, _context_length(rc)), jnp.int32), zeros - 1, drafter, history)
-            return SlotState(tfm.init_cache(cfg, b, rc.max_length), zeros, zeros - 1, zeros, zeros,
-                             jnp.zeros((b,), bool), zeros, jnp.zeros((b, m), jnp.int32), jnp.zeros((b, m), jnp.float32),
-                             spec)
+            cache, length = tfm.init_cache(cfg, b, rc.max_length), zeros + live
+            return SlotState(cache.with_lengths(length), zeros, zeros - 1, length, zeros,
+                             jnp.full((b,), live), zeros, jnp.zeros((b, m), jnp.int32),
+                             jnp.zeros((b, m), jnp.float32), spec)
 
-        key = ("empty", m, speculative, history_width)
+        key = ("empty", m, speculative, history_width, live)
         if key not in self._compiled:
             self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0))
         return self._compiled[key]()
@@ -781,11 +784,11 @@ class RolloutEngine:
 
     def warm_up(self, sampling_params: sampling.SamplingParams,
                 speculation: spec_lib.Speculation | None = None) -> float:
-        """Compiles, on every group and for every kv bucket, the chunk of plain decode and of
-        each of the policy's strategies (none without a policy: plain decode alone, as
-        `generate` without one runs it) for these sampling parameters, on empty slots
-        (nothing decodes). No rollout then pays a chunk's first compile, and the policy
-        hears every chunk from the first. Returns the seconds spent."""
+        """Compiles and runs once, on every group and for every kv bucket, the chunk of plain
+        decode and of each of the policy's strategies (none without a policy: plain decode
+        alone, as `generate` without one runs it) for these sampling parameters, on live
+        slots of no request. No rollout then pays a chunk's first compile or first run, and
+        the policy hears every chunk from the first. Returns the seconds spent."""
         if speculation is not None:
             self._check_speculation(speculation)
         t0 = time.perf_counter()
@@ -794,17 +797,21 @@ class RolloutEngine:
         history = spec_lib.history_store(speculation)
         strategies = () if speculation is None else speculation.strategies
         for group in self.local_groups:
-            state = group.empty_state(sp, speculative=speculation is not None,
-                                      history_width=history.max_tokens if history is not None else 0)
             for strategy in (None, *strategies):
                 for attended in rc.kv_buckets:
+                    # A chunk's loop body must run, not only compile: XLA:CPU finishes a
+                    # program on its first run (at 16 layers on a 2-core EPYC, ~90 ms more
+                    # than later runs), which would land in a rollout and the tuner's rewards.
+                    state = group.empty_state(sp, speculative=speculation is not None,
+                                              history_width=history.max_tokens if history is not None else 0,
+                                              live=True)
                     if strategy is not None and rc.time_spec_phases:
                         state, tree = group.spec_draft(state, key, strategy, sp, attended)
                         state, _ = group.spec_verify(state, tree, key, sp, attended)
                     else:
                         state = group.run_chunk(state, key, False, strategy, sp, 0, attended)[0]
+                    jax.block_until_ready(state)  # one state at a time in memory
                     group._has_run.add((rc.time_spec_phases and strategy is not None, strategy, sp, attended))
-            jax.block_until_ready(state)
         return time.perf_counter() - t0
 
     def _check(self, prompts, num_samples):
