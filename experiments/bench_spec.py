@@ -105,7 +105,13 @@ def breakdown_row(engine, prompts, sp, key, strategy, plain, spec, plain_chunk):
     """The row's parts per chunk and per rollout, and its ideal speed-up and efficiency
     (plain_chunk: the plain baseline's chunk breakdown, measured once per batch and T)."""
     group = engine.local_groups[0]
-    spec_chunk = profile.chunk_breakdown(group, profile.filled_state(group, prompts, key, sp), key, strategy, sp)
+    state = profile.filled_state(group, prompts, key, sp)
+    spec_chunk = profile.chunk_breakdown(group, state, key, strategy, sp)
+    # The same forwards timed as programs of their own (as --regime does): a prefix program
+    # can fuse differently from the chunk it is cut from (at batch 2 on the EPYC the plain
+    # forward's ran slower than the whole plain chunk), so the ideal is also given from these.
+    forward_s = forward_seconds(group, state, 1)
+    verify_s = forward_seconds(group, state, strategy.num_tree_nodes, as_tree=True)
     rollouts = {
         "plain": profile.rollout_breakdown(plain["timeline"], {"": plain_chunk.per_step},
                                            {"": plain_chunk.parts["sync"]}),
@@ -114,12 +120,17 @@ def breakdown_row(engine, prompts, sp, key, strategy, plain, spec, plain_chunk):
     }
     ideal = profile.ideal_speedup(spec["acceptance_length"], plain_chunk.per_step["forward"],
                                   spec_chunk.per_step["draft"], spec_chunk.per_step["verify"])
+    ideal_standalone = profile.ideal_speedup(spec["acceptance_length"], forward_s, spec_chunk.per_step["draft"],
+                                             verify_s)
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
     decode_speedup = spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     chunk = lambda c: dict(steps=c.steps, parts=c.parts, sum_s=c.sum_s, wall_s=c.wall_s, calls=c.reps,
                            after_another_s=c.after_another_s, wall_median_s=c.wall_median_s)
     return dict(plain_chunk=chunk(plain_chunk), spec_chunk=chunk(spec_chunk), rollout=rollouts, ideal_speedup=ideal,
-                efficiency=speedup / ideal, decode_efficiency=decode_speedup / ideal)
+                efficiency=speedup / ideal, decode_efficiency=decode_speedup / ideal,
+                standalone=dict(forward_s=forward_s, verify_s=verify_s, ideal_speedup=ideal_standalone,
+                                efficiency=speedup / ideal_standalone,
+                                decode_efficiency=decode_speedup / ideal_standalone))
 
 
 def plain_chunk_breakdown(engine, prompts, sp, key):
@@ -304,11 +315,14 @@ def print_breakdown(rows):
                   + ", ".join(f"{k} {v:.3f}" for k, v in ro["parts"].items())
                   + f" = {ro['sum_s']:.3f} / {ro['wall_s']:.3f} ({ro['chunks']} chunks)")
     print(f"\n{'batch':>5} {'T':>3} {'strategy':16} {'acc len':>7} {'ideal x':>7} {'x':>5} {'eff':>5} "
-          f"{'decode x':>8} {'eff':>5}")
+          f"{'decode x':>8} {'eff':>5}   standalone forwards: {'fwd ms':>6} {'verify ms':>9} {'ideal x':>7} "
+          f"{'eff':>5} {'decode eff':>10}")
     for r in rows:
+        a = r["standalone"]
         print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:16} {r['acceptance_length']:7.2f} "
               f"{r['ideal_speedup']:7.2f} {r['speedup']:5.2f} {r['efficiency']:5.2f} {r['decode_speedup']:8.2f} "
-              f"{r['decode_efficiency']:5.2f}")
+              f"{r['decode_efficiency']:5.2f}   {'':21}{a['forward_s'] * 1e3:6.2f} {a['verify_s'] * 1e3:9.2f} "
+              f"{a['ideal_speedup']:7.2f} {a['efficiency']:5.2f} {a['decode_efficiency']:10.2f}")
 
 
 def _weight_bytes(params) -> int:
