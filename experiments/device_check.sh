@@ -109,18 +109,19 @@ step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.versi
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 240 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
-# traces (float32 masters, bfloat16 compute), then its one-layer drafter, then plain vs a
-# 6-deep EAGLE chain at temperature 1 (the bars: speed-up >= 2.5x at batch <= 8, acceptance
-# >= 4), bfloat16, batch 1, then 8 if the budget lets it start. Seen on the H200
+# traces (float32 masters, bfloat16 compute), then its one-layer drafter, then plain vs an
+# 8-deep EAGLE chain at temperature 1 (the bars: speed-up >= 2.5x at batch <= 8, acceptance
+# >= 4; on the CPU's wide regime eagle-d8 beat eagle-d6 at batch 1-4), bfloat16, batch 1,
+# then 8 if the budget lets it start. Seen on the H200
 # (2026-12-04): SFT's 500 steps take 43 s (35 steps/s after a 12 s first step) and the whole
 # process ~90 s; the drafter's 600 steps 28 s after a 16 s first step. Each batch size
 # compiles its own steps (tens of seconds for 16 unrolled layers); the other strategies,
 # batch sizes and temperature 0 are for a run of their own:
-#   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
+#   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d6,eagle-d4,eagle-d5-k3-t12,ngram-d4-b2 --temperatures=0,1"
 # The efficiency bars (measured / ideal speed-up: >= 0.85 at batch 1-8, >= 0.75 at 32-64) need
 # the breakdown, which compiles 4 more programs per batch size and times each for a second (at
 # batches 1,8 it had printed nothing after 85 s on the H200: give it a run of its own):
-#   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d6 --temperatures=1 --breakdown --batches=1,32"
+#   BLOCKS=spec SPEC_ARGS="--strategies=eagle-d8 --temperatures=1 --breakdown --batches=1,32"
 if want spec; then
   block_start spec
   if dry; then
@@ -147,7 +148,7 @@ if want spec; then
     --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
   # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
   step bench_spec 85 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
-    --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d6 --temperatures=1} \
+    --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d8 --temperatures=1} \
     --out="$OUT/bench_spec.json"
   if ! plan; then
     tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
@@ -173,7 +174,7 @@ if want tlt; then
   # every kv slot (the answers are short) and three arms in one bucket, not the default
   # tuner's seven strategies over three buckets, each compiled per kv bucket.
   TLT=(--preset=gpu --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
-       "--tlt_set=tlt.tuner.arms=[['eagle-d6','eagle-d4','plain']]")
+       "--tlt_set=tlt.tuner.arms=[['eagle-d8','eagle-d6','plain']]")
   if dry; then
     note "tlt: bench_tlt --preset=gpu as on the GPU, 1 step per run, on the spec block's tiny target"
     TLT+=(--steps=1)
