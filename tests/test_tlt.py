@@ -212,10 +212,8 @@ def test_a_drafter_from_nothing_never_publishes_non_finite_weights():
     assert online.publish() and online.version == 2
 
 
-def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
-    """With 3 rows held and batch_size 8, a drafter step trains on 4 rows (the 3, each
-    once, and 1 that trains nothing), compiled at warm-up with every other size it can
-    take: no step compiles inside an RL step."""
+def _tiny_online(config: OnlineDrafterConfig) -> OnlineDrafter:
+    """An OnlineDrafter of a 1-layer drafter for a 1-layer, 16-wide target, on one device."""
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=8)
     dcfg = drafter_lib.DrafterConfig(num_layers=1)
@@ -223,19 +221,30 @@ def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
     engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
                            sharding.make_mesh({"data": 1}, jax.devices()[:1]),
                            RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, dparams)
-    online = OnlineDrafter(engine, cfg, dcfg, dparams, OnlineDrafterConfig(batch_size=8, seq_len=12, top_k=4,
-                                                                           eval_rows=0), temperature=1.0)
-    assert [online.train_batch_rows(n) for n in (1, 2, 3, 5, 8, 40)] == [1, 2, 4, 8, 8, 8]
-    online.warm_up(max_rows_per_step=3)
-    trainer = online._trainer(online._home)
-    compiled = trainer.step_fn(None, None, None)._cache_size()
-    assert compiled == 4  # 1, 2, 4 and 8 rows
+    return OnlineDrafter(engine, cfg, dcfg, dparams, config, temperature=1.0)
+
+
+def _add_three_rows(online: OnlineDrafter, rl_step: int) -> None:
+    """RL step `rl_step`'s data: three samples of 10-12 tokens (one 12-token buffer row each)."""
     rng = np.random.default_rng(0)
     n, t = 3, 12
     data = DrafterData(hidden=rng.standard_normal((n, t - 1, 16)).astype(np.float32),
                        ids=rng.integers(0, 32, (n, t - 1, 4)).astype(np.int32),
                        logp=np.log(np.full((n, t - 1, 4), 0.2, np.float32)), layers=None)
-    online.add(0, rng.integers(1, 32, (n, t)), [2, 3, 2], [8, 9, 10], data)
+    online.add(rl_step, rng.integers(1, 32, (n, t)), [2, 3, 2], [8, 9, 10], data)
+
+
+def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
+    """With 3 rows held and batch_size 8, a drafter step trains on 4 rows (the 3, each
+    once, and 1 that trains nothing), compiled at warm-up with every other size it can
+    take: no step compiles inside an RL step."""
+    online = _tiny_online(OnlineDrafterConfig(batch_size=8, seq_len=12, top_k=4, eval_rows=0))
+    assert [online.train_batch_rows(n) for n in (1, 2, 3, 5, 8, 40)] == [1, 2, 4, 8, 8, 8]
+    online.warm_up(max_rows_per_step=3)
+    trainer = online._trainer(online._home)
+    compiled = trainer.step_fn(None, None, None)._cache_size()
+    assert compiled == 4  # 1, 2, 4 and 8 rows
+    _add_three_rows(online, 0)
     seen = []
     step = trainer.step
     trainer.step = lambda state, target, batch, key: seen.append(batch) or step(state, target, batch, key)
@@ -248,22 +257,9 @@ def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
 def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():
     """served_metrics scores a step's rows, padded to a power of two (not to eval_rows):
     the same figures as over eval_rows rows, of which the padding ones count nothing."""
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=8)
-    dcfg = drafter_lib.DrafterConfig(num_layers=1)
-    dparams = drafter_lib.init_drafter(cfg, dcfg, jax.random.PRNGKey(1), init_std=0.3)
-    engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
-                           sharding.make_mesh({"data": 1}, jax.devices()[:1]),
-                           RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, dparams)
-    online = OnlineDrafter(engine, cfg, dcfg, dparams, OnlineDrafterConfig(batch_size=2, seq_len=12, top_k=4,
-                                                                           eval_rows=16), temperature=1.0)
+    online = _tiny_online(OnlineDrafterConfig(batch_size=2, seq_len=12, top_k=4, eval_rows=16))
     assert [online.eval_batch_rows(n) for n in (1, 2, 3, 4, 5, 16, 40)] == [1, 2, 4, 4, 8, 16, 16]
-    rng = np.random.default_rng(0)
-    n, t = 3, 12  # three samples of 10-12 tokens: one row each
-    data = DrafterData(hidden=rng.standard_normal((n, t - 1, 16)).astype(np.float32),
-                       ids=rng.integers(0, 32, (n, t - 1, 4)).astype(np.int32),
-                       logp=np.log(np.full((n, t - 1, 4), 0.2, np.float32)), layers=None)
-    online.add(5, rng.integers(1, 32, (n, t)), [2, 3, 2], [8, 9, 10], data)
+    _add_three_rows(online, 5)
     assert online.buffer.num_rows_of_step(5) == 3
     scored = []
     evaluate = online._evaluate
