@@ -614,13 +614,14 @@ def _geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
-def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt") -> dict:
+def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: bool = True) -> dict:
     """The figures of the runs so far (records of run_repeats: "run", "pair", "mode", and
     "result" where it finished). `modes`: each mode's first finished run. `pairs`: per pair
     number, `paired_speedups` of its `a` run over its `b` run (the i-th of each by ABBA
     position, never the i-th finished one) or what it misses; `<phase>_speedup`, its
     `_min`, `_max` and `_pairs` over the complete pairs (geometric mean, range, each), and
-    the geometric means of `<phase>_speedup_total` and `_of_medians`."""
+    the geometric means of `<phase>_speedup_total` and `_of_medians`; with `others`,
+    `versus_<a>`: each other mode's speed-ups and `step_of_allowed` against `a`."""
     summary = lambda r: r["result"]["modes"][r["mode"]]
     done = [r for r in runs if "result" in r]
     out = dict(modes={})
@@ -667,6 +668,12 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt") -> dict:
     if b == "tlt":
         out["acceptance_length"] = out["modes"]["tlt"].get("acceptance_length")
     out["final_eval_accuracy"] = {m: out["modes"][m].get("final_eval_accuracy") for m in (a, b)}
+    # With `others`, every other mode (frozen, ngram, history) against `a` the same way.
+    keys = [f"{x}{y}" for x in ("rollout_speedup", "step_speedup", "step_of_allowed") for y in ("", "_min", "_max")]
+    for other in sorted({r["mode"] for r in runs} - {a, b}) if others else ():
+        versus = aggregate(runs, a, other, others=False)
+        if "pairs_complete" in versus:
+            out.setdefault(f"versus_{a}", {})[other] = {k: versus[k] for k in keys}
     return out
 
 
@@ -706,6 +713,11 @@ def print_repeats(result: dict) -> None:
         print(f"the step is {result['step_of_allowed']:.2f}x (min {result['step_of_allowed_min']:.2f}x, max "
               f"{result['step_of_allowed_max']:.2f}x) of what the rollout ratio allows with the baseline's rollout "
               "share, all else equal (geometric mean over the pairs)")
+        for mode, v in result.get("versus_baseline", {}).items():
+            print(f"{mode} against the baseline of its pair: rollout {v['rollout_speedup']:.2f}x (min "
+                  f"{v['rollout_speedup_min']:.2f}x, max {v['rollout_speedup_max']:.2f}x), step "
+                  f"{v['step_speedup']:.2f}x (min {v['step_speedup_min']:.2f}x, max {v['step_speedup_max']:.2f}x), "
+                  f"the step {v['step_of_allowed']:.2f}x of what its rollout allows")
         print(f"ratio of sums: rollout {result['rollout_speedup_total']:.2f}x, step "
               f"{result['step_speedup_total']:.2f}x; ratio of the medians: rollout "
               f"{result['rollout_speedup_of_medians']:.2f}x, step {result['step_speedup_of_medians']:.2f}x "

@@ -80,6 +80,10 @@ out = dict(abba=[(r["run"], r["pair"], r["mode"]) for r in bench_tlt.abba_order(
 runs = [dict(r, result=dict(modes={r["mode"]: scripted(r["mode"], r["pair"])}))
         for r in bench_tlt.abba_order(["baseline", "tlt"], 3)]
 out["agg"] = bench_tlt.aggregate(runs)
+three = [dict(r, result=dict(modes={r["mode"]: scripted(r["mode"], r["pair"])}))
+         for r in bench_tlt.abba_order(["baseline", "tlt", "frozen"], 2)]
+out["versus"] = bench_tlt.aggregate(three).get("versus_baseline")
+out["versus_two"] = bench_tlt.aggregate(runs).get("versus_baseline")
 envs = {}
 thp = sys.argv[1]
 envs["linux"] = bench_tlt.child_environment({"A": "1"}, "linux", thp)
@@ -123,6 +127,11 @@ def test_abba_order_pairs_by_position_and_geometric_mean(tmp_path):
     assert abs(agg["step_of_allowed"] - math.prod(of_allowed) ** (1 / 3)) < 1e-9
     assert (agg["step_of_allowed_min"], agg["step_of_allowed_max"]) == (min(of_allowed), max(of_allowed))
     assert set(agg["modes"]) == {"baseline", "tlt"}
+    # A third mode (scripted as TLT is) against the baseline of its pair: pairs 1 and 2.
+    assert out["versus_two"] is None and list(out["versus"]) == ["frozen"]
+    frozen = out["versus"]["frozen"]
+    assert abs(frozen["rollout_speedup"] - 4.5 ** 0.5) < 1e-9 and abs(frozen["step_speedup"] - 2.5 ** 0.5) < 1e-9
+    assert (frozen["rollout_speedup_min"], frozen["rollout_speedup_max"]) == (1.5, 3.0)
     assert agg["step_time_s"]["baseline"] == 20.0  # the median of the runs' medians 10, 20, 30
     envs = out["envs"]
     assert envs["linux"][0] == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
