@@ -161,10 +161,13 @@ PRESETS = {
     # fits the step's one or two packed rows, not 16 rows of padding; so does the drafter's
     # batch: the buffer holds the last 2 steps' 4 samples, and a batch of 16 rows would draw
     # them 4 times over (with replacement), 4x the compute of a catch-up step for the same rows.
+    # The drafter, warm-started, trains online at 1e-4: at the default 1e-3 it drafted worse
+    # than the frozen one (acceptance 4.7-5.0 against 5.5-6.9, docs/benchmarks.md).
     "cpu_wide_pair": dict(layers=16, decode_mlp_size=4096, steps=24, warmup_steps=3, prompts_per_step=1,
                           num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64,
-                          learner=dict(micro_batch_size=8, num_minibatches=1), drafter=dict(batch_size=4)),
+                          learner=dict(micro_batch_size=8, num_minibatches=1),
+                          drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4))),
     # The H200's, on the spec block's 16-layer 180M target (`--target`: used as it is; without
     # it, the shipped model deepened to 48 layers). 2 prompts x 8 samples, so
     # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its

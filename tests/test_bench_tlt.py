@@ -274,15 +274,16 @@ from absl import flags
 from experiments import bench_tlt
 flags.FLAGS(["bench_tlt", *sys.argv[1:]])
 configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", "d", 0, 2) for m in ("baseline", "tlt")}
-print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.tlt.drafter.batch_size]
-                  for m, c in configs.items()}))
+print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.tlt.drafter.batch_size,
+                      c.tlt.drafter.optimizer.learning_rate, c.tlt.drafter.optimizer.b2] for m, c in configs.items()}))
 """
 
 
 @pytest.mark.parametrize("given, want", [
-    ([], {"baseline": [8, 1, 4], "tlt": [8, 1, 4]}),
-    (["--set=learner.num_minibatches=2", "--tlt_set=tlt.drafter.batch_size=16"],
-     {"baseline": [8, 2, 4], "tlt": [8, 2, 16]})])
+    ([], {"baseline": [8, 1, 4, 1e-4, 0.95], "tlt": [8, 1, 4, 1e-4, 0.95]}),
+    (["--set=learner.num_minibatches=2", "--tlt_set=tlt.drafter.batch_size=16",
+      "--tlt_set=tlt.drafter.optimizer.learning_rate=1e-3"],
+     {"baseline": [8, 2, 4, 1e-4, 0.95], "tlt": [8, 2, 16, 1e-3, 0.95]})])
 def test_a_presets_learner_and_drafter_reach_the_modes_under_the_overrides(given, want, tmp_path):
     done = subprocess.run([sys.executable, "-c", _LEARNER, f"--run_dir={tmp_path}", *given],
                           capture_output=True, text=True, check=True)
