@@ -209,13 +209,10 @@ class DrafterBuffer:
         self._draws += 1
         return self._gather(self._chunks, rng.choice(n, take, replace=False), self.empty_batch(rows))
 
-    def _gather(self, chunks: list[_Chunk], idx: np.ndarray, out: dict | None = None) -> dict:
-        """Rows idx of `chunks`' rows laid end to end, into the first len(idx) rows of `out`
-        (default: new arrays of exactly those rows)."""
+    def _gather(self, chunks: list[_Chunk], idx: np.ndarray, out: dict) -> dict:
+        """Rows idx of `chunks`' rows laid end to end, into the first len(idx) rows of `out`."""
         starts = np.cumsum([0] + [len(c) for c in chunks])
         chunk_of = np.searchsorted(starts, idx, side="right") - 1
-        if out is None:
-            out = {k: np.empty((len(idx), *shape), dtype) for k, (shape, dtype) in self._fields.items()}
         for c, chunk in enumerate(chunks):
             at = np.flatnonzero(chunk_of == c)
             for k in out:

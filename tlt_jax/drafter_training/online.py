@@ -192,7 +192,7 @@ class OnlineDrafter:
         """Rows of a drafter step's batch when the buffer holds `held`: batch_size, or, while
         fewer are held, all of them padded as `eval_batch_rows` pads (a step on 2 rows then
         costs what 2 rows cost, not batch_size)."""
-        return shape_bucket(min(held, self.config.batch_size), self.config.batch_size, unit=self._fsdp)
+        return shape_bucket(held, self.config.batch_size, unit=self._fsdp)
 
     def warm_up(self, max_rows_per_step: int) -> float:
         """Compiles the drafter step on its home group at each batch it can take (a
