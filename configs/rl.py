@@ -51,8 +51,9 @@ def tlt_config() -> ml_collections.ConfigDict:
         enabled=True,
         tuner=tuner.default_arms_config(),
         # Catch-up steps keep the drafter training when every gap is shorter than a step
-        # (one device: the host phases of the tiny job are milliseconds); their time is reported.
-        spot=dict(max_steps_per_rl_step=50, catch_up_steps=2, skip_short_gaps=True),
+        # (one device: the host phases of the tiny job are milliseconds); their time is
+        # reported, and catch_up_max_share < 1 caps it as a share of the run's wall time.
+        spot=dict(max_steps_per_rl_step=50, catch_up_steps=2, catch_up_max_share=1.0, skip_short_gaps=True),
         drafter=dict(
             init="assets/drafter_tiny",  # an offline drafter export (experiments/train_drafter); "": from scratch
             num_layers=1, feature_layers=(),  # the architecture when starting from scratch

@@ -80,7 +80,9 @@ def close_in_thread(trainer, name):
 def test_config_validation():
     for kwargs, field in [(dict(max_steps_per_rl_step=-1), "max_steps_per_rl_step"),
                           (dict(catch_up_steps=1.5), "catch_up_steps"),
-                          (dict(max_steps_per_rl_step=2, catch_up_steps=3), "catch_up_steps")]:
+                          (dict(max_steps_per_rl_step=2, catch_up_steps=3), "catch_up_steps"),
+                          (dict(catch_up_max_share=1.5), "catch_up_max_share"),
+                          (dict(catch_up_max_share=-0.1), "catch_up_max_share")]:
         with pytest.raises(ValueError, match=f"tlt.spot.{field}"):
             SpotConfig(**kwargs)
     SpotConfig(max_steps_per_rl_step=0)
@@ -252,6 +254,37 @@ def test_catch_up_runs_owed_steps_not_hidden():
         assert spot.catch_up() == 0
         stats = spot.end_rl_step()
         assert stats["steps"] == 5 and stats["hidden_share"] == 1.0
+
+
+def test_catch_up_stays_within_its_share_of_the_run():
+    """No gap ever opens (one rollout group): catch-up runs a 1 s step only while the run's
+    catch-up seconds stay within catch_up_max_share of its wall time."""
+    clock = FakeClock()
+    dev = FakeDevices(clock, gated=False, step_time=1.0)
+    config = SpotConfig(max_steps_per_rl_step=4, catch_up_steps=2, catch_up_max_share=0.25)
+    ran, capped = [], []
+    with SpotTrainer(dev, config, clock=clock) as spot:
+        for rl_step in range(6):
+            spot.begin_rl_step(rl_step)
+            clock.advance(3.0)  # rollout and learner
+            ran.append(spot.catch_up())
+            capped.append(spot.end_rl_step()["catch_up_capped"])
+    # The first step's time is unknown until it runs: step 0 runs one, then refuses a
+    # second (2 s > a quarter of 4 s); then one runs whenever 1 s more stays within a
+    # quarter of the wall (t = 7: 2 > 1.75, refused; t = 10: 2 <= 2.5; t = 14: 3 <= 3.5; ...).
+    assert ran == [1, 0, 1, 1, 1, 1]
+    assert capped == [1, 2, 1, 1, 1, 1]
+    assert dev.starts == sum(ran)
+    assert sum(ran) * 1.0 <= 0.25 * clock()
+
+
+def test_catch_up_max_share_zero_runs_no_catch_up_and_one_runs_all():
+    clock = FakeClock()
+    for share, expected in [(0.0, 0), (1.0, 2)]:
+        dev = FakeDevices(clock, gated=False)
+        with SpotTrainer(dev, SpotConfig(catch_up_steps=2, catch_up_max_share=share), clock=clock) as spot:
+            spot.begin_rl_step(0)
+            assert spot.catch_up() == expected
 
 
 def test_overlapping_gaps_train_the_newest_open_one():

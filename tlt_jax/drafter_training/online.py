@@ -246,7 +246,7 @@ class OnlineDrafter:
         if multihost.is_multiprocess():
             params = multihost.broadcast_arrays(jax.device_get(self.state.params))
         else:
-            params = jax.tree.map(jnp.copy, self.state.params)
+            params = _copy(self.state.params)
         self.version, self.steps, self.skipped, self._published_steps = multihost.broadcast_object(
             (self.version, self.steps, self.skipped, self._published_steps))
         self.engine.update_drafter(params)
@@ -283,6 +283,12 @@ class OnlineDrafter:
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
         self._published_steps = meta["published_steps"]
+
+
+@jax.jit
+def _copy(tree):
+    """A copy of every array of `tree` in one program (a `jnp.copy` per leaf is a dispatch each)."""
+    return jax.tree.map(jnp.copy, tree)
 
 
 @jax.jit

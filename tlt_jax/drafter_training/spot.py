@@ -14,7 +14,8 @@ whoever knows it starts and ends raises the events, nothing polls:
 - the RL loop wraps reward scoring, batch building, checkpoint writes and evaluation in
   `with spot.gap(name, ALL):` (all devices wait on the host);
 - after the learner, `catch_up()` runs the steps still owed by `catch_up_steps` (not
-  hidden: they lengthen the RL step), and `end_rl_step()` reports the split.
+  hidden: they lengthen the RL step) while their seconds stay within `catch_up_max_share`
+  of the run's, and `end_rl_step()` reports the split.
 
 Only one drafter step runs at a time: there is one drafter, and its state is shared. With
 several gaps open, steps go to the most recently opened one still open. A step starts
@@ -56,6 +57,11 @@ class SpotStepFailed(RuntimeError):
 class SpotConfig:
     max_steps_per_rl_step: int = 50  # budget of drafter steps per RL step (gaps + catch-up)
     catch_up_steps: int = 0  # run after the learner when the gaps gave fewer than this many
+    # The most of the run's wall time (since this process's first RL step) that catch-up
+    # steps may take: one runs only if the catch-up seconds so far plus a step's (the median
+    # of recent ones) stay within this share. Where no device is ever idle (one rollout
+    # group) catch-up is all the drafter gets, and this caps what it adds to every step.
+    catch_up_max_share: float = 1.0
     # Start no step in a gap that, by its last duration under the same name, has less time
     # left than a drafter step takes: such a step would delay the phase after the gap.
     skip_short_gaps: bool = False
@@ -70,6 +76,10 @@ class SpotConfig:
                 f"tlt.spot.catch_up_steps={self.catch_up_steps} exceeds tlt.spot.max_steps_per_rl_step="
                 f"{self.max_steps_per_rl_step} (the budget covers catch-up steps too); lower catch_up_steps or "
                 "raise max_steps_per_rl_step.")
+        share = self.catch_up_max_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"tlt.spot.catch_up_max_share must be a number in [0, 1] (a share of the run's "
+                             f"wall time), got {share!r}.")
 
 
 @dataclasses.dataclass
@@ -90,6 +100,7 @@ class _Step:
 class _RLStepStats:
     steps: int = 0
     catch_up_steps: int = 0
+    catch_up_capped: int = 0  # owed steps that catch_up_max_share did not allow
     skipped: int = 0
     hidden_time_s: float = 0.0
     catch_up_time_s: float = 0.0
@@ -118,6 +129,8 @@ class SpotTrainer:
         self._gap_seconds: dict[str, float] = {}  # the last duration of each gap name
         self._step_seconds: collections.deque = collections.deque(maxlen=20)  # recent drafter steps
         self._rl_step = -1
+        self._run_started_at: float | None = None  # this process's first begin_rl_step
+        self._catch_up_seconds = 0.0  # since then
         self._totals = dict(steps=0, hidden_steps=0, catch_up_steps=0, skipped=0, rl_steps=0)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +178,8 @@ class SpotTrainer:
         checkpoint writes) count towards the next report."""
         with self._cond:
             self._rl_step = rl_step
+            if self._run_started_at is None:
+                self._run_started_at = self.clock()
 
     def open_gap(self, name: str, placement: Hashable) -> None:
         """Devices `placement` are idle from now until `close_gap(name)`; returns at once."""
@@ -234,6 +249,9 @@ class SpotTrainer:
                     owed = self.config.catch_up_steps - self._stats.steps - self._stats.catch_up_steps
                     if owed <= 0 or self._error is not None:
                         break
+                    if not self._catch_up_within_share():
+                        self._stats.catch_up_capped += owed
+                        break
                     step = self._running = _Step(None, ALL, started=True)
                 if not self.has_data():
                     with self._cond:
@@ -257,7 +275,8 @@ class SpotTrainer:
             s = self._stats
             self._totals["rl_steps"] += 1
             out = {
-                "steps": s.steps, "catch_up_steps": s.catch_up_steps, "skipped": s.skipped,
+                "steps": s.steps, "catch_up_steps": s.catch_up_steps, "catch_up_capped": s.catch_up_capped,
+                "skipped": s.skipped,
                 "step_time_s": s.hidden_time_s + s.catch_up_time_s, "hidden_time_s": s.hidden_time_s,
                 "catch_up_time_s": s.catch_up_time_s, "gap_time_s": s.gap_time_s,
                 "hidden_share": (s.hidden_time_s / (s.hidden_time_s + s.catch_up_time_s)
@@ -329,6 +348,18 @@ class SpotTrainer:
         left = self._gap_seconds[name] - (self.clock() - self._gaps[name].opened_at)
         return left >= statistics.median(self._step_seconds)
 
+    def _catch_up_within_share(self) -> bool:
+        """Whether one more catch-up step keeps the run's catch-up seconds within
+        `catch_up_max_share` of its wall time (with a share above 0: always, until both a
+        step's time and the run's start have been seen)."""
+        share = self.config.catch_up_max_share
+        if share >= 1.0 or share <= 0.0:
+            return share >= 1.0
+        if not self._step_seconds or self._run_started_at is None:
+            return True
+        wall = self.clock() - self._run_started_at
+        return self._catch_up_seconds + statistics.median(self._step_seconds) <= share * wall
+
     def _claim(self) -> _Step | None:
         """Takes the step slot for the newest open gap, or returns None."""
         with self._cond:
@@ -372,6 +403,7 @@ class SpotTrainer:
             if step.gap is None:
                 s.catch_up_steps += 1
                 s.catch_up_time_s += dt
+                self._catch_up_seconds += dt
                 self._totals["catch_up_steps"] += 1
             else:
                 s.steps += 1

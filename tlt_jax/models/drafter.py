@@ -26,6 +26,7 @@ as is (no final norm): EAGLE-1/2 as SGLang and vLLM run it (`LlamaForCausalLMEag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -194,11 +195,18 @@ def decode(drafter_params, target_params, target_config: ModelConfig, config: Dr
                       positions_BT, mask_BTW=mask_BTW, return_logits=return_logits, inputs_BTD=u)
 
 
+@functools.lru_cache(maxsize=16)
+def _drafter_shapes(target_config: ModelConfig, config: DrafterConfig):
+    """The parameter shapes `init_drafter` gives (tracing it costs milliseconds, and every
+    drafter the spot trainer publishes is checked)."""
+    expected = jax.eval_shape(lambda: init_drafter(target_config, config, jax.random.PRNGKey(0)))
+    return jax.tree.map(lambda x: tuple(x.shape), expected)
+
+
 def check_drafter_params(drafter_params, target_config: ModelConfig, config: DrafterConfig) -> None:
     """Raises if the drafter parameters do not fit this target and drafter config."""
-    expected = jax.eval_shape(lambda: init_drafter(target_config, config, jax.random.PRNGKey(0)))
     got = jax.tree.map(lambda x: (tuple(x.shape)), drafter_params)
-    want = jax.tree.map(lambda x: (tuple(x.shape)), expected)
+    want = _drafter_shapes(target_config, config)
     if got != want:
         raise ValueError(f"Drafter parameters do not match the target (hidden {target_config.hidden_size}) "
                          f"and {config}: got shapes {got}, expected {want}. Was the drafter trained for "
