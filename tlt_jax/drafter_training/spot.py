@@ -353,8 +353,10 @@ class SpotTrainer:
         `catch_up_max_share` of its wall time (with a share above 0: always, until both a
         step's time and the run's start have been seen)."""
         share = self.config.catch_up_max_share
-        if share >= 1.0 or share <= 0.0:
-            return share >= 1.0
+        if share >= 1.0:
+            return True
+        if share <= 0.0:
+            return False
         if not self._step_seconds or self._run_started_at is None:
             return True
         wall = self.clock() - self._run_started_at
