@@ -32,8 +32,7 @@ a student of another shape needs its own plan (experiments/plan_memory.py).
 import ml_collections
 
 from configs import models
-from configs.common import data_config, grid
-from configs.sft import tasks_tiny
+from configs.common import data_config, grid, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.

@@ -17,8 +17,7 @@ Presets:
 """
 import ml_collections
 
-from configs.common import data_config
-from configs.sft import tasks_long_tail, tasks_tiny
+from configs.common import data_config, tasks_long_tail, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.

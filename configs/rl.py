@@ -31,7 +31,7 @@ answer_correctness, format, gsm8k, math, reasoning_gym) or any `module.path:func
 import ml_collections
 
 from configs import sft
-from configs.common import data_config
+from configs.common import data_config, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`): they alter neither what is
 # learned nor how it is scored (speculation is lossless, so TLT's switch and its tuner are
@@ -73,7 +73,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model_dir = "assets/sft_tiny"  # a Hugging Face checkpoint with its tokenizer; "": train c.sft first
     # RL prompts come from their own seed: the SFT run drew its training problems from
     # seed 0, and a memorised problem gives no learning signal.
-    c.data = data_config(tasks=sft.tasks_tiny(), num_train=20000, num_eval=256, seed=1)
+    c.data = data_config(tasks=tasks_tiny(), num_train=20000, num_eval=256, seed=1)
     # kv_bucket: attention reads the cache in buckets of kv_bucket, twice that, ... slots
     # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket.
     # decode_mlp_size: decode with every MLP padded by zero units to this width, the same

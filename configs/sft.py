@@ -8,7 +8,7 @@ example: the small model of experiments.make_example_model on reasoning-gym task
 import ml_collections
 
 from configs import models
-from configs.common import data_config
+from configs.common import data_config, tasks_long_tail, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
@@ -17,19 +17,6 @@ RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 # The reasoning-gym tasks of the README's CPU example (`pip install -e '.[envs]'`).
 EXAMPLE_SOURCE = "reasoning_gym:basic_arithmetic,chain_sum,leg_counting"
-
-
-def tasks_tiny():
-    """Schoolbook additions of up to 8 digits (Zipf-distributed digit counts): a problem
-    space large enough that held-out problems test the procedure, not memory."""
-    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 8, "digits_zipf": 1.6}})
-
-
-def tasks_long_tail():
-    """Additions of up to 32 digits, most short (median answer 32 characters) and a few
-    up to 270: per RL step of 64 samples the longest runs about 6x the median, the long
-    tail of reasoning traces that speculation is for."""
-    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 32, "digits_zipf": 1.6}})
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from configs import sft as sft_configs
+from configs.common import tasks_tiny
 from tlt_jax import evaluation, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
@@ -43,7 +43,7 @@ def main(argv):
     cfg, params = load_hf(_TARGET.value)
     dcfg, dparams = load_drafter(_DRAFTER.value, cfg) if any(s.drafter == "eagle" for s in strategies) else (None,
                                                                                                           None)
-    examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()), "eval", _PROMPTS.value, seed=1,
+    examples = tasks.make_split(tasks.from_spec(tasks_tiny().to_dict()), "eval", _PROMPTS.value, seed=1,
                                 unique=True)
     prompts = evaluation.encode_prompts(load_tokenizer(_TARGET.value), examples)
     n = _PROMPTS.value * _SAMPLES.value

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from absl import flags
 from jax import lax
 
-from configs import sft as sft_configs
+from configs.common import tasks_tiny
 from tlt_jax import evaluation, launch, metrics, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
@@ -219,7 +219,7 @@ def main(argv):
         raise SystemExit(f"No drafter at {_DRAFTER.value!r}; train one with `python -m experiments.train_drafter "
                          "--config=configs/drafter.py:tiny` or pass --drafter.")
     drafter_cfg, drafter_params = load_drafter(_DRAFTER.value, model_cfg)
-    examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()), "eval",
+    examples = tasks.make_split(tasks.from_spec(tasks_tiny().to_dict()), "eval",
                                 max(preset["waves"] * max(batches), _MIN_REQUESTS.value), seed=2, unique=True)
     all_prompts = evaluation.encode_prompts(tokenizer, examples)
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])

@@ -93,3 +93,36 @@ def test_jax_triton_is_not_a_dependency():  # as README.md says (flax is, for th
     requires = cfg["options"]["install_requires"] + cfg["options.extras_require"]["test"]
     assert "jax-triton" not in requires and "jax_triton" not in requires
     assert "flax" in cfg["options"]["install_requires"]
+
+
+def _configs_imports() -> dict[str, set[str]]:
+    """Each file of configs/ and the other files of configs/ it imports, at any depth of its code."""
+    import ast
+    import os
+
+    root = os.path.dirname(distill.__file__)
+    names = {f[:-3] for f in os.listdir(root) if f.endswith(".py") and f != "__init__.py"}
+    graph = {}
+    for name in names:
+        tree = ast.parse(open(os.path.join(root, f"{name}.py")).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "configs":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("configs."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("configs.")}
+        graph[name] = found & names
+    return graph
+
+
+def test_no_config_file_imports_one_that_imports_it_back():
+    graph = _configs_imports()
+    assert graph["sft"] and graph["rl"], graph  # the walk sees imports
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
+
+    circles = sorted(name for name in graph if reaches(name, name))
+    assert not circles, f"configs/ files in an import circle: {circles} ({graph})"

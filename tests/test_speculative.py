@@ -159,7 +159,7 @@ def test_trained_drafter_reaches_its_acceptance_through_the_engine():
     through the engine at temperature 1 with the acceptance length it was measured at
     (3.6 on these 8 held-out prompts x 2; docs/benchmarks.md: ~4 on 32): the features
     the engine feeds it at every step are the ones it was trained on."""
-    from configs import sft as sft_configs
+    from configs.common import tasks_tiny
     from tlt_jax import evaluation
     from tlt_jax.data import tasks
     from tlt_jax.drafter_training.io import load_drafter
@@ -169,7 +169,7 @@ def test_trained_drafter_reaches_its_acceptance_through_the_engine():
     target = os.path.join(ASSETS, "sft_tiny")
     cfg, target_params = load_hf(target)
     dcfg, dparams = load_drafter(os.path.join(ASSETS, "drafter_tiny"), cfg)
-    examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()), "eval", 8, seed=2, unique=True)
+    examples = tasks.make_split(tasks.from_spec(tasks_tiny().to_dict()), "eval", 8, seed=2, unique=True)
     prompts = evaluation.encode_prompts(load_tokenizer(target), examples)
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=16, max_prompt_length=24, max_length=64, eos_token_id=cfg.eos_token_id,

@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from configs import sft as sft_configs
+from configs.common import tasks_tiny
 from tlt_jax import evaluation, sampling, sharding
 from tlt_jax.data import rewards, tasks
 from tlt_jax.drafter_training.io import load_drafter
@@ -75,7 +75,7 @@ engine = RolloutEngine(
                   eos_token_id=model_cfg.eos_token_id, max_draft_depth=max(s.depth for s in strategies)),
     drafter_cfg, drafter_params)
 sp = sampling.SamplingParams(temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
-examples = tasks.make_split(tasks.from_spec(sft_configs.tasks_tiny().to_dict()), "eval", NUM_PROMPTS, seed=2,
+examples = tasks.make_split(tasks.from_spec(tasks_tiny().to_dict()), "eval", NUM_PROMPTS, seed=2,
                             unique=True)
 prompts = evaluation.encode_prompts(tokenizer, examples)
 
