@@ -22,6 +22,7 @@ from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.train import train_rl
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.train_state import OptimizerConfig
 
 # One update per step: the drafter's data comes from the on-policy update's forward (the
 # multi-process test runs TLT with two, so through the old-policy pass).
@@ -263,12 +264,33 @@ def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():
     assert online.buffer.num_rows_of_step(5) == 3
     scored = []
     evaluate = online._evaluate
-    online._evaluate = lambda group, rows: scored.append(len(rows["tokens"])) or evaluate(group, rows)
+    online._evaluate = lambda group, rows, params=None: scored.append(len(rows["tokens"])) or evaluate(group, rows,
+                                                                                                    params)
     got = online.served_metrics(5)
-    assert scored == [4]
+    assert scored == [4, 4]  # the served drafter, then the starting one beside it
     want = evaluate(online._home, online.buffer.rows_of_step(5, 16))
     assert want["count"] > 0
     np.testing.assert_allclose([got["drafter/served_accept_rate"], got["drafter/served_top1_agree"],
                                 got["drafter/served_kl"]], [want["accept_rate"], want["top1_agree"], want["kl"]],
                                rtol=1e-5)
-    assert online.served_metrics(6) == {} and scored == [4]  # a step with no rows is not scored
+    assert online.served_metrics(6) == {} and scored == [4, 4]  # a step with no rows is not scored
+
+
+def test_the_starting_drafter_is_scored_beside_the_served_one():
+    """drafter/initial_*: the run's starting drafter on the same rows. While the drafter has
+    not changed it equals the served figures; once a trained version is published the
+    served figures move and the starting drafter's stay where they were."""
+    online = _tiny_online(OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16,
+                                              optimizer=OptimizerConfig(learning_rate=3e-2)))
+    _add_three_rows(online, 1)
+    names = ("accept_rate", "top1_agree", "kl")
+    before = online.served_metrics(1)
+    for name in names:
+        assert before[f"drafter/initial_{name}"] == before[f"drafter/served_{name}"], name
+    for _ in range(3):
+        online.train_step(spot.ALL)
+    assert online.publish()
+    after = online.served_metrics(1)
+    assert after["drafter/served_kl"] != before["drafter/served_kl"]
+    for name in names:
+        np.testing.assert_allclose(after[f"drafter/initial_{name}"], before[f"drafter/initial_{name}"], rtol=1e-6)

@@ -101,6 +101,9 @@ class OnlineDrafter:
         self._trainers: dict[int, DrafterTrainer] = {}
         self._home = engine.local_groups[0].index  # the rollout group whose devices hold the train state
         self.state = self._trainer(self._home).init_state(drafter_params)
+        # The run's starting drafter, kept to score beside the served one (`served_metrics`):
+        # staleness and recovery on the same rows, whatever arms the tuner chose.
+        self._initial = {self._home: _copy(self.state.params)}  # per rollout group: a copy on its devices
         self._noise_key = jax.random.PRNGKey(seed + 1)
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
@@ -135,19 +138,25 @@ class OnlineDrafter:
         strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", with
         ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the chance of acceptance at draft
         position i + 1, where the drafter reads its own earlier drafts; a pass with no
-        entries is left out), and the seconds it took ("time_served_eval_s"). Empty with
-        eval_rows 0."""
+        entries is left out), the same of the run's starting drafter on the same rows
+        ("drafter/initial_accept_rate", "drafter/initial_top1_agree", "drafter/initial_kl":
+        how stale it would be by now), and the seconds it took ("time_served_eval_s").
+        Empty with eval_rows 0."""
         held = self.buffer.num_rows_of_step(rl_step)
         if not self.config.eval_rows or not held:
             return {}
         t0 = time.perf_counter()
-        out = self._evaluate(self._home, self.buffer.rows_of_step(rl_step, self.eval_batch_rows(held)))
+        rows = self.buffer.rows_of_step(rl_step, self.eval_batch_rows(held))
+        out = self._evaluate(self._home, rows)
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
+        initial = self._evaluate(self._home, rows, self._initial_params(self._home))
         by_pass = {f"drafter/served_{k}": v for k, v in out.items()
                    if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
-                "drafter/served_kl": out["kl"], **by_pass, "time_served_eval_s": time.perf_counter() - t0}
+                "drafter/served_kl": out["kl"], **by_pass,
+                **{f"drafter/initial_{k}": initial[k] for k in ("accept_rate", "top1_agree", "kl")},
+                "time_served_eval_s": time.perf_counter() - t0}
 
     def eval_batch_rows(self, held: int) -> int:
         """Rows `served_metrics` scores when the step's buffer holds `held`: all of them, up
@@ -160,9 +169,18 @@ class OnlineDrafter:
         """Devices of the home group that a drafter batch is split over."""
         return self.engine.groups[self._home].mesh.shape["fsdp"]
 
-    def _evaluate(self, group: int, rows: dict) -> dict[str, float]:
+    def _initial_params(self, group: int):
+        """The starting drafter on the devices of rollout `group` (copied there once)."""
+        if group not in self._initial:
+            first = next(iter(self._initial.values()))
+            self._initial[group] = jax.device_put(first, self._trainer(group).drafter_shardings(first))
+        return self._initial[group]
+
+    def _evaluate(self, group: int, rows: dict, params=None) -> dict[str, float]:
+        """The trainer's teacher-forced metrics of `params` (default: the drafter the
+        engine's group holds) on `rows`, against the group's copy of the target."""
         trainer = self._trainer(group)
-        params = self.engine.groups[group].drafter_params
+        params = self.engine.groups[group].drafter_params if params is None else params
         target = shared_target_params(self.engine.groups[group].params)
         return {k: float(v) for k, v in jax.device_get(trainer.evaluate(params, target, rows)).items()}
 
