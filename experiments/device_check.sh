@@ -16,6 +16,7 @@
 # "block NAME: timeout (...)" / "block NAME: FAIL (...)" naming the first command that did
 # not exit 0. The script ends with one table, every bar of DESIGN.md section 5 against what
 # the blocks measured (experiments/device_summary.py; also $OUT/summary.json and summary.txt).
+# PYTHON names the interpreter every command runs under (default: python from PATH).
 # $OUT then holds summary.txt, summary.json, device_check.tgz (every log and JSON; PACK=0
 # keeps them loose too) and rollout_hlo.tgz: under the device machine's 8 files.
 #
@@ -26,6 +27,7 @@
 # stats) the log says "DRY: ..." and what runs in its place. tests/test_device_check.py runs it.
 set -u
 cd "$(dirname "$0")/.." || exit 1
+PYTHON=${PYTHON:-python}  # the tests pass their own: a venv's need not be the one on PATH
 DRY=${DRY:-0}
 PLAN=${PLAN:-0}
 dry() { [[ $DRY != 0 ]]; }
@@ -94,8 +96,8 @@ dry && ! plan && note "tiny sizes on the CPU (JAX_PLATFORMS=cpu), OUT=$OUT, $DRY
 BLOCK_FAIL=""
 # Without ml-collections (every config file needs it) and without a package index, the
 # wheel comes along in .whl/: `python -m pip download --no-deps -d .whl ml-collections==1.1.0`.
-if plan || ! python -c "import ml_collections" 2>/dev/null; then  # the plan counts it: the GPU machine has none
-  step pip 10 "$OUT/pip.log" python -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+if plan || ! "$PYTHON" -c "import ml_collections" 2>/dev/null; then  # the plan counts it: the GPU machine has none
+  step pip 10 "$OUT/pip.log" "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
     || echo "no ml_collections wheel in .whl/"
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -105,7 +107,7 @@ if dry; then
 else
   step nvidia-smi 5 "$OUT/gpu.csv" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 fi
-step versions 15 "$OUT/versions.txt" python -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
+step versions 15 "$OUT/versions.txt" "$PYTHON" -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
 
 # ===== BEGIN spec: speculative vs plain rollouts (sft.py, train_drafter.py, bench_spec.py) =====
 # Budget: 240 s. Trains the 180M-parameter target of configs/sft.py:gpu on the addition
@@ -143,11 +145,11 @@ if want spec; then
     DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=0)
     SPEC=(--preset=gpu --batches=1,8 --time_budget_s=30)
   fi
-  step sft 100 "$OUT/sft.log" python -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
-  step train_drafter 55 "$OUT/train_drafter.log" python -m experiments.train_drafter "${DRAFTER[@]}" \
+  step sft 100 "$OUT/sft.log" "$PYTHON" -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
+  step train_drafter 55 "$OUT/train_drafter.log" "$PYTHON" -m experiments.train_drafter "${DRAFTER[@]}" \
     --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
   # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
-  step bench_spec 85 "$OUT/bench_spec.log" python -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
+  step bench_spec 85 "$OUT/bench_spec.log" "$PYTHON" -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
     --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d8 --temperatures=1} \
     --out="$OUT/bench_spec.json"
   if ! plan; then
@@ -183,7 +185,7 @@ if want tlt; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
   else
     # shellcheck disable=SC2086  # TLT_ARGS is a list of flags
-    step bench_tlt 205 "$OUT/bench_tlt.log" python -m experiments.bench_tlt "${TLT[@]}" ${TLT_ARGS:---repeats=1} \
+    step bench_tlt 205 "$OUT/bench_tlt.log" "$PYTHON" -m experiments.bench_tlt "${TLT[@]}" ${TLT_ARGS:---repeats=1} \
       --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_tlt_runs" \
       --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_tlt.json"
     plan || tail -n 8 "$OUT/bench_tlt.log"
@@ -212,7 +214,7 @@ if want rollout; then
   # rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
   step bench_rollout 130 "$OUT/bench_rollout.log" env \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 python -m experiments.bench_rollout "${ROLLOUT[@]}" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 "$PYTHON" -m experiments.bench_rollout "${ROLLOUT[@]}" \
     --layouts=fused,stacked --out="$OUT/bench_rollout.json"
   if ! plan; then
     (cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' 2>/dev/null | tar czf rollout_hlo.tgz -T -)
@@ -237,9 +239,9 @@ if want attention; then
   else
     ATTENTION=()
   fi
-  step bench_attention 75 "$OUT/bench_attention.log" python -m experiments.bench_attention --scopes=attention \
+  step bench_attention 75 "$OUT/bench_attention.log" "$PYTHON" -m experiments.bench_attention --scopes=attention \
     --time --check "${ATTENTION[@]}" --out="$OUT/bench_attention.json"
-  step bench_attention_segments 40 "$OUT/bench_attention_segments.log" python -m experiments.bench_attention \
+  step bench_attention_segments 40 "$OUT/bench_attention_segments.log" "$PYTHON" -m experiments.bench_attention \
     --scopes=attention --time --segments --impls=blockwise "${ATTENTION[@]}" \
     --out="$OUT/bench_attention_segments.json"
   plan || tail -n 12 "$OUT/bench_attention.log" "$OUT/bench_attention_segments.log"
@@ -262,7 +264,7 @@ if want verify; then
     VERIFY=(--nodes=48,16,8 --batches=1,8 --repeats=5 --time_budget_s=25)
   fi
   # shellcheck disable=SC2086  # VERIFY_ARGS is a list of flags
-  step bench_verify 40 "$OUT/bench_verify.log" python -m experiments.bench_verify "${VERIFY[@]}" \
+  step bench_verify 40 "$OUT/bench_verify.log" "$PYTHON" -m experiments.bench_verify "${VERIFY[@]}" \
     ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json"
   plan || tail -n 6 "$OUT/bench_verify.log"
   block_end "$OUT/bench_verify.json"
@@ -287,7 +289,7 @@ if want losses; then
     LOSSES=(--preset=gpu --only="chunked_xla[dw_accum=param],pallas,anchor_dense")
   fi
   # shellcheck disable=SC2086  # LOSSES_ARGS is a list of flags
-  step bench_kl 85 "$OUT/bench_kl.log" python -m experiments.bench_kl "${LOSSES[@]}" --time_budget_s=55 \
+  step bench_kl 85 "$OUT/bench_kl.log" "$PYTHON" -m experiments.bench_kl "${LOSSES[@]}" --time_budget_s=55 \
     ${LOSSES_ARGS:-} --out="$OUT/bench_kl.json"
   plan || tail -n 12 "$OUT/bench_kl.log"
   block_end "$OUT/bench_kl.json"
@@ -297,12 +299,12 @@ fi
 # ===== The bars against their targets: one table (experiments/device_summary.py) =====
 PLANNED=$((PLANNED + 5))
 if plan; then
-  printf '%6d s  %-22s %s\n' 5 summary "python -m experiments.device_summary --out_dir=$OUT"
+  printf '%6d s  %-22s %s\n' 5 summary "$PYTHON -m experiments.device_summary --out_dir=$OUT"
   echo "planned: $PLANNED s in all ($((PLANNED / 60)) min $((PLANNED % 60)) s)"
   exit 0
 fi
 # shellcheck disable=SC2046  # --dry or nothing
-timeout 5 python -m experiments.device_summary --out_dir="$OUT" $(dry && echo --dry) > "$OUT/summary.txt" 2>&1 \
+timeout 5 "$PYTHON" -m experiments.device_summary --out_dir="$OUT" $(dry && echo --dry) > "$OUT/summary.txt" 2>&1 \
   || echo "device_summary exit $?" >> "$OUT/summary.txt"
 cd "$OUT" || exit 1
 # Everything the blocks wrote at the top of $OUT, in one file (the device machine returns 8).

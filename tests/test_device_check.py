@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -28,7 +29,11 @@ def _env(**extra):
     for name in ("BLOCKS", "OUT", "DRY", "PLAN", "PACK", "DRY_TIMEOUT", "SPEC_ARGS", "TLT_ARGS", "VERIFY_ARGS",
                  "LOSSES_ARGS"):
         env.pop(name, None)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    # Every command under this interpreter, and a `python` first on PATH that fails: a command
+    # that took PATH's would fail its block.
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_no_python")
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHON=sys.executable,
+               PATH=f"{stub}{os.pathsep}{env.get('PATH', '')}", **extra)
     return env
 
 
