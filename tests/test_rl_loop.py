@@ -88,7 +88,9 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
     """One real RL step: the engine reports log-probs under the distribution it sampled
     from (after top-p), the learner's old log-probs are the temperature-only policy's, and
     the step's `rollout_logp_gap` is their mean absolute difference: -log(kept mass) per
-    token under top-p, the engine's numerics alone without it."""
+    token under top-p, the engine's numerics alone without it. Against a reference policy
+    of other weights, `policy_kl_from_start` is the token mean of the k3 estimate of
+    KL(policy || reference) on the step's own response tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -104,6 +106,7 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
                       num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id)
     params = tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)  # a spread-out next-token distribution
+    ref_params = tfm.init_params(cfg, jax.random.PRNGKey(4), init_std=0.3)  # "the start": another policy
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     temperature, max_tokens = 0.9, 12
     sp = sampling.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
@@ -116,14 +119,15 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
     examples = tasks.make_split(tasks.get_task("addition", max_digits=3), "train", 16, seed=0)
     rl = loop.RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=examples,
                      eval_examples=examples[:2], sampling_params=sp,
-                     step_config=loop.RLStepConfig(prompts_per_step=2, num_samples=4), seq_len=seq_len, seed=0)
+                     step_config=loop.RLStepConfig(prompts_per_step=2, num_samples=4), seq_len=seq_len, seed=0,
+                     ref_params=ref_params)
     _, step_metrics, _, rollouts = rl.step(learner.init_state(params), step=0, data_position=0)
     rl.close()
 
     # The reference: a plain forward of each sample, its sampled tokens' log-probs under
     # the temperature-only and the processed (top-p) distributions.
     prompt_ids = evaluation.encode_prompts(tokenizer, rl.prompts_for(0))
-    gaps, engine_errors = [], []
+    gaps, engine_errors, kls = [], [], []
     for i, answer in enumerate(rollouts.tokens):
         prompt = np.asarray(prompt_ids[rollouts.prompt_index[i]], np.int32)
         seq = np.concatenate([prompt, answer])[None]
@@ -133,10 +137,17 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
         processed = sampling.processed_logprobs(logits, sp)
         pick = lambda lp, answer=answer: np.asarray(jnp.take_along_axis(lp, jnp.asarray(answer)[:, None], 1)[:, 0])
         gaps.append(np.abs(pick(plain) - pick(processed)))
+        ref_logits = tfm.logits_from_hidden(ref_params, cfg, tfm.forward(ref_params, cfg, jnp.asarray(seq)))
+        d = pick(jax.nn.log_softmax(ref_logits[0, len(prompt) - 1:-1].astype(jnp.float32) / temperature)) - \
+            pick(plain)
+        kls.append(np.exp(d) - d - 1)
         engine_errors.append(np.abs(pick(processed) - rollouts.logprobs[i]))
     assert max(e.max() for e in engine_errors) < 1e-4  # the engine's log-probs are the processed ones
     want = np.concatenate(gaps).mean()
     np.testing.assert_allclose(step_metrics["rollout_logp_gap"], want, rtol=1e-3, atol=1e-5)
+    want_kl = np.concatenate(kls).mean()
+    assert want_kl > 0.05  # the two policies differ: the check has power
+    np.testing.assert_allclose(step_metrics["policy_kl_from_start"], want_kl, rtol=1e-3)
     if top_p < 1:
         assert want > 0.05  # top-p cut real mass here: the check has power
     else:

@@ -254,6 +254,7 @@ class RLLoop:
         if self.ref_params is not None:
             batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
         t_old_start = t_old_end = time.perf_counter()
+        t_ref = t_old_start - t_batch  # the starting policy's forward: a phase of its own, for the KL alone
         if self.learner.on_policy:
             # The update's own forward gives the old log-probs, the entropy and the drafter's data.
             state, updates, entropy, drafter_data = self.learner.update_on_policy(state, batch, **data_kw)
@@ -297,12 +298,15 @@ class RLLoop:
             "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
             "rollout_logp_gap": float(np.mean([u["rollout_logp_gap"] for u in updates])),
             "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
+            # How far the policy has moved: the first update's forward is the policy as the step
+            # starts, on the step's own response tokens (what the drafter must draft for).
+            **({"policy_kl_from_start": float(updates[0]["kl"])} if "kl" in last else {}),
             "skipped_updates": skipped, "reward_failures": failures, "reward_timeouts": scored.timed_out,
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
             # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
             # most of them hidden in the rollout with reward_overlap.
             "time_reward_wait_s": t_scored - t_wait, "time_reward_scoring_s": scored.scoring_s,
-            "time_batch_s": t_batch - t_reward, "time_old_logp_s": t_old_end - t_old_start,
+            "time_batch_s": t_batch - t_reward, "time_ref_logp_s": t_ref, "time_old_logp_s": t_old_end - t_old_start,
             "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
             "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
             "time_idle_s": timeline["group_idle_s"],
