@@ -84,6 +84,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
                                                top_p=1.0, kv_bucket=64, decode_mlp_size=0))
     c.num_samples = 8  # G
     c.prompts_per_step = 16
+    c.balance_tasks = False  # True: every step's prompts take the data's tasks in turn (RLStepConfig)
     c.advantage = "grpo"
     c.reward = "task"
     c.reward_workers = 0  # > 0: score in that many worker processes (slow reward functions)

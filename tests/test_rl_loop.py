@@ -183,3 +183,22 @@ def test_evaluation_counts_the_correct_answers(tmp_path):
     assert out["accuracy"] == 5 / 8
     lengths = [len(a) + 1 for a in answers]  # one token a character, and the <eos>
     assert out["length_mean"] == pytest.approx(np.mean(lengths)) and out["length_max"] == max(lengths)
+
+
+def test_balanced_tasks_put_every_task_in_every_step():
+    """With balance_tasks each step of 2 prompts holds one prompt of each of 2 tasks, even
+    with one task 9 times rarer, and the order is a fixed function of (seed, epoch); without
+    it some steps hold one task only."""
+    import types
+
+    examples = [tasks.Example(f"p{i}", "", "", "a" if i % 10 else "b") for i in range(100)]
+
+    def steps(balance):
+        rl = types.SimpleNamespace(config=loop.RLStepConfig(prompts_per_step=2, balance_tasks=balance), seed=3,
+                                   _epoch_order=None, train_examples=examples)
+        rl._order = lambda epoch, n: loop.RLLoop._order(rl, epoch, n)
+        return [[e.task for e in loop.RLLoop.prompts_for(rl, pos)] for pos in range(0, 200, 2)]
+
+    assert all(sorted(step) == ["a", "b"] for step in steps(True))
+    assert steps(True) == steps(True)
+    assert any(step == ["a", "a"] for step in steps(False))

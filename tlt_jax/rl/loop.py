@@ -57,6 +57,10 @@ class RLStepConfig:
     # on its own (every registered one); False for a reward that reads the whole batch.
     reward_overlap: bool = True
     max_consecutive_skips: int = 3
+    # Each epoch's order takes the tasks in turn (each task's examples shuffled), so that a
+    # step of k >= T prompts holds every one of the T tasks (a shorter task's examples
+    # recur within the epoch); False: one shuffle of all examples.
+    balance_tasks: bool = False
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
@@ -175,7 +179,16 @@ class RLLoop:
     def _order(self, epoch: int, n: int) -> np.ndarray:
         """The train stream's order in `epoch`, drawn once per epoch."""
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+            rng = np.random.default_rng([self.seed, epoch])
+            order = rng.permutation(n)
+            if self.config.balance_tasks:
+                by_task: dict[str, list[int]] = {}
+                for i in order:
+                    by_task.setdefault(self.train_examples[int(i)].task, []).append(int(i))
+                turns = [by_task[t] for t in sorted(by_task)]
+                order = np.asarray([turns[pos % len(turns)][(pos // len(turns)) % len(turns[pos % len(turns)])]
+                                    for pos in range(n)])
+            self._epoch_order = (epoch, order)
         return self._epoch_order[1]
 
     def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):

@@ -251,7 +251,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
                             advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
                             reward_timeout_s=config.reward_timeout_s, reward_overlap=config.reward_overlap,
-                            max_consecutive_skips=config.max_consecutive_skips)
+                            max_consecutive_skips=config.max_consecutive_skips,
+                            balance_tasks=config.get("balance_tasks", False))
     tlt = None
     if tlt_on:
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
