@@ -23,6 +23,26 @@ def tasks_long_tail():
     return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 32, "digits_zipf": 1.6}})
 
 
+def code_config(**overrides) -> ml_collections.ConfigDict:
+    """The `code` reward's options (`rewards.CodeReward`; docs/code.md): read when
+    reward="code", as get_reward("code", **config.code)."""
+    fields = dict(
+        partial_credit=True,  # the share of tests passed; False: 1 only if all pass
+        sandbox="auto",  # bwrap (namespaces), rlimits (resource limits only), auto: bwrap where it runs
+        timeout_s=5.0,  # wall seconds per test; a sample's first timeout ends its run
+        memory_mb=1024,  # address space per program
+        output_bytes=1 << 20,  # stdout + stderr per program, and each stdin/stdout test's output
+        file_bytes=16 << 20,  # the largest file a program may write
+        processes=16,  # processes and threads per program at once
+        max_parallel=0,  # sandboxes at once (0: one per CPU)
+        python="",  # the interpreter programs run with ("": this one, or the system's python3)
+    )
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise KeyError(f"Unknown code fields {unknown}.")
+    return ml_collections.ConfigDict({**fields, **overrides})
+
+
 def data_config(**overrides) -> ml_collections.ConfigDict:
     """A `data` section with every field `tlt_jax.data.sources` reads (source, synthetic
     tasks, files and their columns, prompt format); `overrides` set some of them."""

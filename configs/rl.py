@@ -26,12 +26,13 @@ Data (`data`): `source` is `tasks` (the synthetic generators of `data.tasks`), `
 `prompt_field`, `answer_field` by dotted path) or `reasoning_gym:NAME[=WEIGHT],...`;
 `chat_template` applies the tokenizer's chat template (with `system_prompt`), else
 `prompt_template` formats the example's fields. `reward` names a registered reward (task,
-answer_correctness, format, gsm8k, math, reasoning_gym) or any `module.path:function`.
+answer_correctness, format, gsm8k, math, reasoning_gym, code: programs run against tests,
+options in `code`, docs/code.md) or any `module.path:function`.
 """
 import ml_collections
 
 from configs import sft
-from configs.common import data_config, tasks_tiny
+from configs.common import code_config, data_config, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`): they alter neither what is
 # learned nor how it is scored (speculation is lossless, so TLT's switch and its tuner are
@@ -39,7 +40,8 @@ from configs.common import data_config, tasks_tiny
 # --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "tlt.drafter.eval_rows",
                 "save_hf",
-                "reward_workers", "reward_overlap", "tlt.enabled", "tlt.tuner", "sft.run_dir", "wandb")
+                "reward_workers", "reward_overlap", "code.max_parallel", "tlt.enabled", "tlt.tuner", "sft.run_dir",
+                "wandb")
 
 
 def tlt_config() -> ml_collections.ConfigDict:
@@ -92,6 +94,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Each sample scored as it finishes, while the rest decode (the same rewards for a reward
     # that scores each sample on its own; False for one that reads the whole batch).
     c.reward_overlap = True
+    c.code = code_config()  # the code reward's sandbox and scoring (reward="code"; docs/code.md)
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0

@@ -8,7 +8,7 @@ example: the small model of experiments.make_example_model on reasoning-gym task
 import ml_collections
 
 from configs import models
-from configs.common import data_config, tasks_long_tail, tasks_tiny
+from configs.common import code_config, data_config, tasks_long_tail, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
@@ -26,6 +26,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.model_dir = ""  # a Hugging Face checkpoint to start from; "": config.model from random weights
     c.data = data_config(tasks=tasks_tiny(), num_train=50000, num_eval=128, seq_len=128)
     c.reward = ""  # the eval's verifier ("": the source's own, `sources.default_reward`)
+    c.code = code_config()  # the code reward's options, when it is the verifier (docs/code.md)
     c.eval = ml_collections.ConfigDict(dict(num_slots=64, max_prompt_length=24))
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-3, warmup_steps=50, schedule="cosine",
                                                  decay_steps=400, weight_decay=0.01, b1=0.9, b2=0.98,

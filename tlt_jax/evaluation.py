@@ -4,8 +4,9 @@ A prompt reaches the engine as `prompts.PromptFormat` makes it (the tokenizer's 
 template or a format string); a completion is the text of the answer's tokens without
 its end token (any of the model's end tokens). `evaluate_samples` also returns one
 record per sample, what `eval_samples.jsonl` holds: the prompt as templated text, the
-completion, the reference answer, the reward, the length, and whether the sample ended
-on an end token or was cut off (`max_tokens`, or the engine's cache length).
+completion, the reference answer, the reward (and `reward_info`, where the reward says
+why: `rewards.Scored`), the length, and whether the sample ended on an end token or was
+cut off (`max_tokens`, or the engine's cache length).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
     chosen = [examples[i] for i in out.prompt_index]
     fields = tasks.reward_fields(chosen)
     fn = rewards.get_reward(reward) if isinstance(reward, str) else reward
-    scores, _ = rewards.safe_rewards(fn, [e.prompt for e in chosen], completions, **fields)
+    scores, _, infos = rewards.safe_rewards_with_info(fn, [e.prompt for e in chosen], completions, **fields)
     lengths = out.lengths
     ended = np.asarray([reason in _ENDED for reason in out.finish_reason], bool)
     metrics = {"accuracy": float(np.mean(scores)) if len(scores) else 0.0,
@@ -62,6 +63,8 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
                         "reference": examples[example_index].answer, "reward": float(scores[i]),
                         "length": int(lengths[i]), "finish_reason": out.finish_reason[i],
                         "ended": bool(ended[i])})
+        if infos[i] is not None:  # why the reward scored so (the code reward's tests passed, first failure)
+            samples[-1]["reward_info"] = infos[i]
     return metrics, samples
 
 

@@ -61,7 +61,7 @@ def check_config(config) -> None:
     files or fields, no prompt that fits eval.max_prompt_length), an unknown reward."""
     launch.check_path(config, "model_dir")
     if config.get("reward"):
-        rewards.get_reward(config.reward)
+        rewards.reward_from_config(config)
     if config.get("model_dir"):
         try:
             load_hf_config(config.model_dir)
@@ -111,7 +111,8 @@ def train_sft(config, *, progress: bool = True) -> dict:
         num_slots=config.eval.num_slots, max_prompt_length=config.eval.max_prompt_length,
         max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=end_ids))
     greedy = sampling.SamplingParams(temperature=0.0, max_tokens=config.data.seq_len)
-    reward = sources.correctness_reward(config.data, config.get("reward") or sources.default_reward(config.data))
+    reward = rewards.reward_from_config(config, sources.correctness_reward(
+        config.data, config.get("reward") or sources.default_reward(config.data)))
 
     def run_eval(state, step):
         engine.update_params(state.params)

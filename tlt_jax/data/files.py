@@ -102,7 +102,7 @@ class FileProblems(Sequence[tasks.Example]):
         known = field_paths(first)
         for config_name, path in (("data.prompt_field", self.prompt_field), ("data.answer_field", self.answer_field),
                                   ("data.response_field", self.response_field)):
-            if path not in known:
+            if path and path not in known:  # "": no such column (code datasets need no answer)
                 raise ValueError(f"{config_name}={path!r} is not a field of {flag}; its fields: {', '.join(known)}.")
         self._prompt_column = self.prompt_field.split(".")[0]  # the other columns are reward fields
         rows = np.arange(len(table), dtype=np.int64)
@@ -127,8 +127,9 @@ class FileProblems(Sequence[tasks.Example]):
             prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
         fields = {k: v for k, v in row.items() if k != self._prompt_column}
         task = str(row.get("data_source") or self.name)
-        return tasks.Example(prompt=prompt, solution=_answer_text(get_field(row, self.response_field)),
-                             answer=_answer_text(get_field(row, self.answer_field)), task=task, fields=fields)
+        text = lambda path: _answer_text(get_field(row, path)) if path else ""
+        return tasks.Example(prompt=prompt, solution=text(self.response_field), answer=text(self.answer_field),
+                             task=task, fields=fields)
 
     def __len__(self) -> int:
         return len(self.rows)

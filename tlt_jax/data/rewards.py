@@ -14,9 +14,12 @@ The registry, `REWARDS` (each scores within `SCORE_RANGE`, [0, 1]):
   math                math-verify's equivalence of the final answer and the reference
                       (LaTeX, \\boxed{}, fractions, plain numbers);
   reasoning_gym       a reasoning-gym task's own `score_answer` on the last
-                      <answer>...</answer> (the optional extra `envs`).
+                      <answer>...</answer> (the optional extra `envs`);
+  code                the completion's program run against its row's tests in a sandbox
+                      (`CodeReward`, options from config.code; docs/code.md).
 `get_reward` also takes `module.path:function`, any importable reward of the same
-convention, so a verifier of one's own needs no change here.
+convention, so a verifier of one's own needs no change here. A score may be a `Scored`
+float, whose `info` (why it scored so) `safe_rewards_with_info` hands on.
 
 `safe_rewards` is how the RL loop calls a reward: a sample whose score raises or is not
 finite scores 0 and is counted, without zeroing the rest of the batch, and the warning
@@ -35,6 +38,7 @@ import importlib.util
 import logging
 import math
 import multiprocessing
+import os
 import queue
 import re
 import threading
@@ -44,7 +48,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tlt_jax.data import environments, tasks
+from tlt_jax.data import code_tests, environments, sandbox, tasks
 
 RewardFn = Callable[..., list[float]]
 logger = logging.getLogger(__name__)
@@ -240,6 +244,91 @@ def reasoning_gym_score(prompts: Sequence[str], completions: Sequence[str], entr
     return scores
 
 
+class Scored(float):
+    """A reward's score of one sample with `info`, a small JSON-able dict saying why it
+    scored so (the code reward's: passed, total, failure, detail), which eval_samples.jsonl
+    shows as reward_info. A float, so every caller of a reward keeps working; it pickles
+    whole, to and from reward workers."""
+
+    def __new__(cls, value: float, info: dict):
+        scored = super().__new__(cls, value)
+        scored.info = info
+        return scored
+
+    def __reduce__(self):
+        return Scored, (float(self), self.info)
+
+    def __repr__(self) -> str:
+        return f"{float(self)!r} ({self.info})"
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeReward:
+    """The `code` reward: each completion's program (`code_tests.program_of`) run against
+    its row's tests (`code_tests.row_tests`) in a fresh sandbox (`sandbox.run`).
+
+    Scores the share of tests passed (partial_credit=False: 1 only if all pass), as
+    `Scored` with passed / total and the first failure's kind. A sample whose sandbox
+    failed before its program ran scores NaN: counted as a failed sample, scored 0 and
+    shown once per batch by `safe_rewards`, while the rest of the batch scores as usual.
+
+    partial_credit: see above; sandbox: a mode of `sandbox.MODES`; timeout_s (per test),
+    memory_mb, output_bytes, file_bytes, processes: each program's `sandbox.Limits`;
+    max_parallel: sandboxes at once (0: one per CPU); python: the interpreter programs
+    run with ("": `sandbox.default_python`).
+    """
+
+    partial_credit: bool = True
+    sandbox: str = "auto"
+    timeout_s: float = 5.0
+    memory_mb: int = 1024
+    output_bytes: int = 1 << 20
+    file_bytes: int = 16 << 20
+    processes: int = 16
+    max_parallel: int = 0
+    python: str = ""
+
+    def __post_init__(self):
+        _ = self.limits  # whose checks name the bad field
+        if self.max_parallel < 0:
+            raise ValueError(f"code.max_parallel={self.max_parallel} must be >= 0 (0: one per CPU).")
+        if self.sandbox not in sandbox.MODES:
+            raise ValueError(f"code.sandbox={self.sandbox!r}; choose from {', '.join(sandbox.MODES)}.")
+
+    @property
+    def limits(self) -> sandbox.Limits:
+        return sandbox.Limits(self.timeout_s, self.memory_mb, self.output_bytes, self.file_bytes, self.processes)
+
+    @property
+    def parallel(self) -> int:
+        """Sandboxes at once: within a call, and the threads `Scorer` scores samples on."""
+        return self.max_parallel or os.cpu_count() or 1
+
+    def check(self) -> str:
+        """The sandbox mode this machine runs ours as (ValueError, one line, if it cannot)."""
+        return sandbox.resolve_mode(self.sandbox, self.python or sandbox.default_python())
+
+    def _outcome(self, prompt, completion: str, row: dict) -> sandbox.Outcome:
+        suite, preamble = code_tests.row_tests(prompt, row)
+        return sandbox.run(code_tests.program_of(completion, suite, preamble), suite, self.limits, self.sandbox,
+                           self.python)
+
+    def _score(self, outcome: sandbox.Outcome) -> Scored:
+        info = dataclasses.asdict(outcome)
+        if outcome.failure == "sandbox_error":
+            return Scored(float("nan"), info)
+        share = outcome.passed / max(outcome.total, 1)
+        return Scored(share if self.partial_credit else float(outcome.passed == outcome.total), info)
+
+    def __call__(self, prompts: Sequence, completions: Sequence[str], **fields) -> list[Scored]:
+        rows = [{k: v[i] for k, v in fields.items()} for i in range(len(completions))]
+        for prompt, row in zip(prompts, rows, strict=True):
+            code_tests.row_tests(prompt, row)  # a bad row fails the batch before any sandbox runs
+        self.check()
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(self.parallel, len(completions)))) as pool:
+            return [self._score(o) for o in pool.map(self._outcome, prompts, completions, rows)]
+
+
 REWARDS: dict[str, RewardFn] = {
     "answer_correctness": answer_correctness,
     "format": format_reward,
@@ -247,20 +336,30 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_correctness,
     "math": math_correctness,
     "reasoning_gym": reasoning_gym_score,
+    "code": CodeReward(),
 }
+# Rewards with options, config.<name>: get_reward(name, **options) builds one.
+_CONFIGURABLE = {"code": CodeReward}
 SCORE_RANGE = (0.0, 1.0)  # every reward of REWARDS scores within it (plots clip reward bands to it)
 # Rewards that need a package: reward -> (module, how to install it).
 _NEEDS = {"math": ("math_verify", "pip install -e ."),
           "reasoning_gym": ("reasoning_gym", environments.INSTALL_HINT)}
 
 
-def get_reward(name: str) -> RewardFn:
+def get_reward(name: str, **options) -> RewardFn:
     """The reward `name`: one of `REWARDS`, or `module.path:function` for any importable
-    reward of the convention above (a user's own verifier).
+    reward of the convention above (a user's own verifier). `options` configure a reward
+    that has them (`code`: `CodeReward`'s fields, config.code).
 
     Raises ValueError for a name that names no reward, ImportError for a module or package
     that cannot be imported; each message is one line naming the config field `reward`.
     """
+    if name in _CONFIGURABLE:
+        reward = _CONFIGURABLE[name](**options)
+        reward.check()
+        return reward
+    if options:
+        raise ValueError(f"reward={name!r} takes no options (given {sorted(options)}).")
     if name in REWARDS:
         module, install = _NEEDS.get(name, (None, None))
         if module is not None and importlib.util.find_spec(module) is None:
@@ -282,6 +381,13 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward={name!r}: {module_name}.{attribute} is a {type(fn).__name__}, not a function "
                          "fn(prompts, completions, **fields) -> list[float].")
     return fn
+
+
+def reward_from_config(config, name: str | None = None) -> RewardFn:
+    """The reward `name` (default config.reward) with its options from the config:
+    get_reward("code", **config.code), get_reward(name) for a reward without options."""
+    name = config.reward if name is None else name
+    return get_reward(name, **config[name]) if name in _CONFIGURABLE else get_reward(name)
 
 
 def _finite_or_none(value) -> float | None:
@@ -314,9 +420,10 @@ class FailedSample:
 
 
 def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], fields: dict,
-                     warn: bool = True) -> tuple[np.ndarray, int, FailedSample | None]:
-    """`safe_rewards`, and the first sample that failed (None if none did); warn=False
-    leaves the warning to the caller (`Scoring`, which warns once for its batch)."""
+                     warn: bool = True) -> tuple[np.ndarray, int, FailedSample | None, list[dict | None]]:
+    """`safe_rewards`, the first sample that failed (None if none did) and each score's
+    `Scored.info` (None for a plain float); warn=False leaves the warning to the caller
+    (`Scoring`, which warns once for its batch)."""
     batch = len(completions)
     problems = {}  # sample -> what went wrong, where its score does not tell
     try:
@@ -347,7 +454,8 @@ def _checked_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence
         first = FailedSample(str(prompts[i]), str(completions[i]), problems.get(i, f"returned {scores[i]!r}"))
         if warn:
             _warn_failures(fn, len(failed), batch, first)
-    return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), len(failed), first
+    infos = [getattr(s, "info", None) for s in scores]
+    return np.array([0.0 if s is None else s for s in finite], dtype=np.float32), len(failed), first, infos
 
 
 def _warn_failures(reward, failed: int, batch: int, first: FailedSample) -> None:
@@ -365,8 +473,15 @@ def safe_rewards(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str
     Failures are logged as one warning per call, which shows the first failed sample: its
     prompt, completion and what the reward returned or raised (`FailedSample`).
     """
-    scores, failures, _ = _checked_rewards(fn, prompts, completions, fields)
+    scores, failures, _, _ = _checked_rewards(fn, prompts, completions, fields)
     return scores, failures
+
+
+def safe_rewards_with_info(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
+                           **fields) -> tuple[np.ndarray, int, list[dict | None]]:
+    """`safe_rewards`, and each sample's `Scored.info` (None where the score is a plain float)."""
+    scores, failures, _, infos = _checked_rewards(fn, prompts, completions, fields)
+    return scores, failures, infos
 
 
 _START_TIMEOUT_S = 300.0  # for the workers of a new pool to be up
@@ -388,18 +503,20 @@ def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float]:
     reward, prompts, completions, fields, warn = job
     fn = get_reward(reward) if isinstance(reward, str) else reward
     t0 = time.perf_counter()
-    scores, failures, first = _checked_rewards(fn, prompts, completions, fields, warn)
+    scores, failures, first, _ = _checked_rewards(fn, prompts, completions, fields, warn)
     return scores, failures, first, time.perf_counter() - t0
 
 
 class _ScoringThread:
-    """One daemon thread scoring jobs in order in this process: submitting never blocks
-    the caller (the engine's host loop), and a reward that hangs past a deadline is left
-    behind with its thread (a daemon: it keeps no process alive)."""
+    """Daemon threads scoring jobs in this process, in order of submission: submitting
+    never blocks the caller (the engine's host loop), and a reward that hangs past a
+    deadline is left behind with its thread (a daemon: it keeps no process alive). One
+    thread, or a reward's `parallel` (one that waits on subprocesses, as `CodeReward`)."""
 
-    def __init__(self):
-        self._jobs = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="reward", daemon=True).start()
+    def __init__(self, threads: int = 1):
+        self._jobs, self._threads = queue.SimpleQueue(), threads
+        for _ in range(threads):
+            threading.Thread(target=self._serve, name="reward", daemon=True).start()
 
     def submit(self, job) -> concurrent.futures.Future:
         future = concurrent.futures.Future()
@@ -416,7 +533,8 @@ class _ScoringThread:
                     future.set_exception(error)
 
     def close(self):
-        self._jobs.put(None)
+        for _ in range(self._threads):
+            self._jobs.put(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +649,8 @@ class Scorer:
         """Starts scoring `job` in a worker or on the scoring thread; its future result."""
         if not self.workers:
             if self._thread is None:
-                self._thread = _ScoringThread()
+                fn = get_reward(self.reward) if isinstance(self.reward, str) else self.reward
+                self._thread = _ScoringThread(getattr(fn, "parallel", 1))
             return self._thread.submit(job)
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()

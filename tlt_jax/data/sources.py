@@ -85,7 +85,8 @@ def load_problems(data_config, *, tokenizer, max_prompt_length: int = 0) -> Prob
         for split, flag in (("train", "data.train"), ("eval", "data.eval")):
             table = files.load_table(get(split), flag)
             splits[split] = files.FileProblems(
-                table, prompt_field=get("prompt_field", "prompt"), answer_field=get("answer_field", "answer"),
+                table, prompt_field=get("prompt_field", "prompt"),
+                answer_field=data_config.get("answer_field", "answer"),  # "": none (code rows carry tests)
                 response_field=get("response_field"), prompt_ids=prompt_ids, max_prompt_length=max_prompt_length,
                 limit=num_train if split == "train" else num_eval, flag=flag)
         return Problems(splits["train"], splits["eval"], {k: v.dropped for k, v in splits.items()}, fmt)

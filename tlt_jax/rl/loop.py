@@ -48,7 +48,7 @@ class RLStepConfig:
     prompts_per_step: int = 8
     num_samples: int = 8  # G, answers per prompt
     advantage: str = "grpo"
-    reward: str = "task"
+    reward: str | rewards.RewardFn = "task"  # a name, or a reward with its options (rewards.reward_from_config)
     reward_workers: int = 0  # > 0: score in a process pool (slow reward functions)
     # A batch not scored by then (with overlap: after the rollout) scores 0, counted (0: no deadline).
     reward_timeout_s: float = 600.0
@@ -137,7 +137,8 @@ class RLLoop:
     def __init__(self, *, engine: RolloutEngine, learner: Learner, tokenizer, train_examples: Sequence[tasks.Example],
                  eval_examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
                  step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None,
-                 prompt_format: PromptFormat | None = None, correctness_reward: str = "answer_correctness",
+                 prompt_format: PromptFormat | None = None,
+                 correctness_reward: str | rewards.RewardFn = "answer_correctness",
                  end_token_ids: Sequence[int] | None = None):
         """train_examples / eval_examples: any sequences (a dataset from disk makes its
         examples on access); prompt_format: how a prompt becomes the engine's tokens;
@@ -249,7 +250,8 @@ class RLLoop:
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
             faults.maybe_kill("reward", step)
             correct = (reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
-                rewards.get_reward(self.correctness_reward), prompts, completions, **fields)[0])
+                rewards.get_reward(self.correctness_reward) if isinstance(self.correctness_reward, str)
+                else self.correctness_reward, prompts, completions, **fields)[0])
             self.reward_failures += failures
             advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward),
                                                                                 cfg.num_samples))

@@ -167,7 +167,7 @@ def check_config(config) -> None:
                          f"{samples} samples.")
     if config.advantage not in grpo.ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage={config.advantage!r}; choose from {sorted(grpo.ADVANTAGE_ESTIMATORS)}.")
-    rewards.get_reward(config.reward)  # a registered name or an importable module.path:function
+    rewards.reward_from_config(config)  # a registered name or an importable module.path:function
     sources.check_reward(config.data, config.reward)
     if sources.kind(config.data) == "reasoning_gym":
         environments.parse_source(config.data.source)
@@ -249,7 +249,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     keep_reference = config.grpo.kl_coef > 0 or config.track_kl
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
-                            advantage=config.advantage, reward=config.reward, reward_workers=config.reward_workers,
+                            advantage=config.advantage, reward=rewards.reward_from_config(config),
+                            reward_workers=config.reward_workers,
                             reward_timeout_s=config.reward_timeout_s, reward_overlap=config.reward_overlap,
                             max_consecutive_skips=config.max_consecutive_skips,
                             balance_tasks=config.get("balance_tasks", False))
@@ -270,7 +271,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt, prompt_format=problems.prompt_format,
-                  correctness_reward=sources.correctness_reward(config.data, config.reward), end_token_ids=end_ids)
+                  correctness_reward=rewards.reward_from_config(config, sources.correctness_reward(config.data,
+                                                                                                    config.reward)),
+                  end_token_ids=end_ids)
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
     # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
