@@ -54,6 +54,7 @@ environment got. Each run's phase medians also split its rollout into decode chu
 prefill, harvest and the host's other time between chunks (`rollout_split`).
 """
 import ast
+import functools
 import json
 import math
 import os
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from configs import rl as rl_configs
-from experiments import slow_reward
+from experiments import machine, slow_reward
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
@@ -92,8 +93,11 @@ _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint w
                               "preset's deepened SFT model; needs --drafter.")
 _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (experiments.train_drafter).")
 _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the preset's rollout.decode_mlp_size (both "
-                                        "modes): decode's MLP width, for weights several times this machine's "
-                                        "last-level cache (cpu_wide_decode's 4096: 104 MB).")
+                                        "modes): decode's MLP width (the wide presets size it from this machine's "
+                                        "last-level cache, `machine.mlp_size_for_cache`).")
+_REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs, time the target's padded decode step at "
+                                  "batch 1, 2 and 4 (`machine.regime_check`: within 15% of each other where a step is "
+                                  "bound by reading the weights, as on a GPU) and record it with the machine.")
 _SET = flags.DEFINE_multi_string("set", [], "A config override key=value for every mode, e.g. "
                                  "rollout.kv_bucket=0; repeatable (--tlt_set's apply after it).")
 _TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
@@ -132,26 +136,27 @@ PRESETS = {
     "cpu_tail": dict(layers=16, steps=12, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=96,
                      num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
     # A regime like a GPU's: the shipped model deepened to 16 layers and every MLP (the
-    # drafter's too) padded from 384 to 4096 units that add nothing (`transformer.pad_mlp`):
-    # the trained function and the drafter's features, 26M parameters, 104 MB of float32
-    # weights, 3x this CPU's 32 MiB L3 cache: a decode step at batch 1-4 is bound by reading
-    # the weights (5.3-7.2 ms) and at batch 1 a verify of 4-5 tokens costs one step
-    # (docs/benchmarks.md). The tail preset's shape (every chunk is the tuner's).
-    "cpu_wide": dict(layers=16, mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=4, num_samples=8,
+    # drafter's too) padded with units that add nothing (`transformer.pad_mlp`) until the
+    # weights are 3x this machine's last-level cache ("llc": `machine.mlp_size_for_cache`;
+    # on a 32 MiB L3, 4096 units, 104 MB): the trained function and the drafter's features,
+    # decoded at batch 1-4 in a step bound by reading the weights (on the EPYC 5.3-7.2 ms;
+    # at batch 1 a verify of 4-5 tokens costs one step, docs/benchmarks.md). The run records
+    # the machine and the regime check (`machine.regime_check`). The tail preset's shape.
+    "cpu_wide": dict(layers=16, mlp_size="llc", steps=10, warmup_steps=3, prompts_per_step=4, num_samples=8,
                      max_tokens=96, num_slots=32, catch_up_steps=2, max_steps_per_rl_step=8),
     # cpu_wide's regime in the rollout alone: the engine decodes the 16-layer target with
-    # every MLP padded to 4096 zero units (`rollout.decode_mlp_size`: the same tokens, 104 MB
-    # of weights read per step), while the learner and the drafter train the model as it is,
+    # every MLP padded with zero units to 3x the last-level cache (`rollout.decode_mlp_size`:
+    # the same tokens), while the learner and the drafter train the model as it is,
     # as a GPU's learner is not slowed by decode's weight reads. 2 prompts x 8 samples, so
     # the tail runs at the small batches where a verify of a few tokens costs about a step.
-    "cpu_wide_decode": dict(layers=16, decode_mlp_size=4096, steps=10, warmup_steps=3, prompts_per_step=2,
+    "cpu_wide_decode": dict(layers=16, decode_mlp_size="llc", steps=10, warmup_steps=3, prompts_per_step=2,
                             num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8),
     # cpu_wide_decode's regime on cpu_long's tasks: the long-tail warm start decoded with
-    # every MLP padded to 4096 zero units, 2 prompts x 8 samples, so after the first few
+    # every MLP padded to 3x the cache, 2 prompts x 8 samples, so after the first few
     # dozen tokens the rollout runs at batch 1-8, where on these CPUs a decode step is
-    # bound by reading the 104 MB of weights (cpu_long's batch-64 phase is not: there a
+    # bound by reading the weights (cpu_long's batch-64 phase is not: there a
     # padded verify costs 2-4 steps, docs/benchmarks.md).
-    "cpu_wide_tail": dict(layers=16, decode_mlp_size=4096, steps=12, warmup_steps=3, prompts_per_step=2,
+    "cpu_wide_tail": dict(layers=16, decode_mlp_size="llc", steps=12, warmup_steps=3, prompts_per_step=2,
                           num_samples=8, max_tokens=288, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64),
     # cpu_wide_tail with one prompt's pair of samples a step, so the whole rollout runs at
@@ -165,7 +170,7 @@ PRESETS = {
     # than the frozen one (acceptance 4.7-5.0 against 5.5-6.9, docs/benchmarks.md). With one
     # rollout group no device idles, so every drafter step is a catch-up step that lengthens
     # the RL step (2 of ~11 ms each, 6% of it): they may take at most 2% of the run's time.
-    "cpu_wide_pair": dict(layers=16, decode_mlp_size=4096, steps=24, warmup_steps=3, prompts_per_step=1,
+    "cpu_wide_pair": dict(layers=16, decode_mlp_size="llc", steps=24, warmup_steps=3, prompts_per_step=1,
                           num_samples=2, max_tokens=288, num_slots=2, catch_up_steps=2, max_steps_per_rl_step=8,
                           warm_start="long_tail", max_prompt_length=64,
                           learner=dict(micro_batch_size=8, num_minibatches=1),
@@ -210,10 +215,15 @@ def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
     return sft_dir, drafter_dir
 
 
-def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_size: int = 0) -> tuple[str, str]:
+def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_size: int | str = 0) -> tuple[str, str]:
     """(target HF dir, drafter export dir) of the preset, built once from its warm start
-    (with mlp_size, every MLP of target and drafter padded to that many units)."""
+    (with mlp_size, every MLP of target and drafter padded to that many units; "llc": to 3x
+    this machine's last-level cache, `machine.mlp_size_for_cache`)."""
     sft_dir, sft_drafter_dir = build_warm_start(warm_start, cache_dir)
+    if mlp_size == "llc":
+        cfg, params = load_hf(sft_dir)
+        deep = tfm.append_identity_layers(jax.tree.map(jnp.asarray, params), cfg, layers)
+        mlp_size = machine.mlp_size_for_cache(*deep)
     suffix = ("" if warm_start == "assets" else f"_{warm_start}") + (f"_f{mlp_size}" if mlp_size else "")
     target_dir = os.path.join(cache_dir, f"target_l{layers}{suffix}")
     drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}{suffix}")
@@ -234,16 +244,31 @@ def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_si
     return target_dir, drafter_dir
 
 
-def _decode_mlp_size(preset: dict) -> int:
-    return preset.get("decode_mlp_size", 0) if _DECODE_MLP_SIZE.value is None else _DECODE_MLP_SIZE.value
+def _decode_mlp_size(preset: dict, target_dir: str | None) -> int:
+    """Decode's MLP width: --decode_mlp_size, else the preset's; "llc" sized from this
+    machine's last-level cache for the target in target_dir (None: not built yet, 0)."""
+    if _DECODE_MLP_SIZE.value is not None:
+        return _DECODE_MLP_SIZE.value
+    size = preset.get("decode_mlp_size", 0)
+    if size != "llc":
+        return size
+    return 0 if target_dir is None else _mlp_size_for_cache(target_dir)
 
 
-def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed: int, steps: int):
+@functools.cache
+def _mlp_size_for_cache(target_dir: str) -> int:
+    return machine.mlp_size_for_cache(*load_hf(target_dir))
+
+
+def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed: int, steps: int,
+                built: bool = True):
+    """The run config of `mode` (built: the target exists, so a width sized from the cache
+    can be read off it; False checks the flags before anything is built)."""
     c = rl_configs.get_config("tiny")
     c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"],
-                     decode_mlp_size=_decode_mlp_size(preset))
+                     decode_mlp_size=_decode_mlp_size(preset, target_dir if built else None))
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 
@@ -251,7 +276,9 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.rollout.max_prompt_length = preset["max_prompt_length"]
     c.learner.update(preset.get("learner", {}))
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
-    c.track_kl = False  # kl_coef is 0: no reference forward, in either mode
+    # How far the policy moves (policy_kl_from_start): the reference forward, in every mode,
+    # is timed as a phase of its own and left out of the times compared (`summarise`).
+    c.track_kl = True
     if _SLOW_REWARD_MS.value:
         c.reward = slow_reward.name(c.reward, _SLOW_REWARD_MS.value)
     c.reward_overlap, c.reward_workers = _REWARD_OVERLAP.value, _REWARD_WORKERS.value
@@ -297,8 +324,26 @@ def _by_depth(record: dict) -> list[float]:
                                  if k.startswith("accept_depth_"))]
 
 
+def _without_reference(record: dict) -> dict:
+    """A step's record with the reference forward (time_ref_logp_s, run for
+    policy_kl_from_start alone) taken out of the learner's and the step's times."""
+    ref = record.get("time_ref_logp_s", 0.0)
+    return {**record, "time_learner_s": record["time_learner_s"] - ref, "time_step_s": record["time_step_s"] - ref}
+
+
+def thirds(values: list) -> dict | None:
+    """Means of the first and the last third of a per-step list (None entries skipped),
+    and the last's over the first; None with fewer than 6 steps."""
+    if len(values) < 6:
+        return None
+    n = len(values) // 3
+    mean = lambda xs: statistics.fmean(xs) if xs else None
+    first, last = mean([v for v in values[:n] if v is not None]), mean([v for v in values[-n:] if v is not None])
+    return dict(first=first, last=last, last_over_first=None if not first or last is None else last / first)
+
+
 def summarise(records: list[dict], warmup: int) -> dict:
-    steps = [r for r in records if "time_step_s" in r]
+    steps = [_without_reference(r) for r in records if "time_step_s" in r]
     steady = steps[warmup:] or steps
     med = {k: statistics.median(r[k] for r in steady) for k in _TIMES}
     first = sum(r["time_step_s"] for r in steps[:warmup])
@@ -309,6 +354,10 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 # The drafter that served each step, teacher-forced on that step's sequences
                 # (None: no drafter), and live acceptance per draft position (whatever arms ran).
                 served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
+                # The run's starting drafter on the same rows (staleness, whatever the arms), and
+                # how far the policy has moved from its start.
+                initial_accept_rate=[r.get("drafter/initial_accept_rate") for r in steps],
+                policy_kl_from_start=[r.get("policy_kl_from_start") for r in steps],
                 acceptance_by_depth=[_by_depth(r) for r in steps],
                 speculative_token_share=[r["speculative_token_share"] for r in steps],
                 drafter_version=[r.get("drafter_version", 0) for r in steps],
@@ -320,6 +369,15 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
                 reward_scoring_s=statistics.median(r.get("time_reward_scoring_s", 0.0) for r in steady),
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady),
+                rollout_tokens_per_s_steps=[r["rollout_tokens_per_s"] for r in steps],
+                eval_accuracy=[r.get("eval_accuracy") for r in records if "eval_accuracy" in r],
+                # Over the first and the last third of the steps: staleness and recovery.
+                thirds={k: thirds(v) for k, v in dict(
+                    acceptance_length=[a if a > 0 else None for a in (r["acceptance_length"] for r in steps)],
+                    served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
+                    initial_accept_rate=[r.get("drafter/initial_accept_rate") for r in steps],
+                    rollout_tokens_per_s=[r["rollout_tokens_per_s"] for r in steps],
+                    policy_kl_from_start=[r.get("policy_kl_from_start") for r in steps]).items()},
                 # Where the rollout's wall went (medians; metrics of `RLLoop.step`).
                 rollout_split={part: statistics.median(r.get(f"time_rollout_{part}_s", 0.0) for r in steady)
                                for part in ROLLOUT_PARTS})
@@ -339,11 +397,30 @@ def main(argv):
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
     for mode in modes:  # a bad --set or --tlt_set fails here, before any run starts
-        mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1)
+        mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1, built=False)
     if _SINGLE_MODE.value or _REPEATS.value == 0:
         print_in_process(run_in_process([_SINGLE_MODE.value] if _SINGLE_MODE.value else _MODES.value))
     else:
         sys.exit(run_repeats())
+
+
+def _machine_and_regime(preset: dict, target_dir: str) -> dict:
+    """The machine (CPU model, last-level cache) and, with --regime_check, the target's
+    decode step at batch 1, 2 and 4 as the runs decode it (`machine.regime_check`)."""
+    out = dict(machine=machine.machine_record())
+    if _REGIME_CHECK.value:
+        cfg, params = load_hf(target_dir)
+        prompt = load_tokenizer(target_dir)("add 123+4567\n")["input_ids"]
+        step_s = machine.decode_step_seconds(cfg, params, _decode_mlp_size(preset, target_dir), prompt)
+        out["regime"] = machine.regime_check(step_s)
+        r = out["regime"]
+        print(f"regime check ({out['machine']['cpu']}, last-level cache "
+              f"{(out['machine']['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB): decode step at batch "
+              + ", ".join(f"{b}: {v * 1e3:.2f} ms" for b, v in r["step_s"].items())
+              + f"; spread {r['spread']:.0%} ({'within' if r['passed'] else 'beyond'} {r['tolerance']:.0%}: "
+              + ("bound by reading the weights, as on a GPU)" if r["passed"] else
+                 "NOT bound by reading the weights: its speed-ups are not a GPU's)"), flush=True)
+    return out
 
 
 def _target(preset: dict) -> tuple[str, str]:
@@ -373,8 +450,10 @@ def run_in_process(modes: list[str]) -> dict:
     target_dir, drafter_dir = _target(preset)
     result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                   preset=_PRESET.value, seed=SEED.value, steps=steps, layers=_target_layers(preset),
-                  decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
+                  decode_mlp_size=_decode_mlp_size(preset, target_dir), set=_SET.value, tlt_set=_TLT_SET.value,
                   build_s=time.perf_counter() - t0, modes={}, **_reward_settings())
+    if not _SINGLE_MODE.value:
+        result.update(_machine_and_regime(preset, target_dir))
     for mode in modes:
         config = mode_config(mode, preset, target_dir, drafter_dir, SEED.value, steps)
         if os.path.exists(config.run_dir):  # a benchmark measures fresh runs, never a resumed one
@@ -572,12 +651,13 @@ def run_repeats(launch_child=spawn) -> int:
     jax.config.update("jax_platforms", "cpu")
     launch.enable_compilation_cache(xla_cache_dir())
     t0 = time.perf_counter()
-    _target(preset)
+    target_dir, _ = _target(preset)
     result = dict(preset=_PRESET.value, seed=SEED.value, steps=steps, layers=_target_layers(preset),
-                  decode_mlp_size=_decode_mlp_size(preset), set=_SET.value, tlt_set=_TLT_SET.value,
+                  decode_mlp_size=_decode_mlp_size(preset, target_dir), set=_SET.value, tlt_set=_TLT_SET.value,
                   repeats=_REPEATS.value,
                   order=[r["mode"] for r in order],
-                  child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings())
+                  child_environment=env_note, build_s=time.perf_counter() - t0, runs=[], **_reward_settings(),
+                  **_machine_and_regime(preset, target_dir))
     failed = []
     t_start = time.perf_counter()
     for run in order:
@@ -657,6 +737,8 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
         pairs.append(entry)
     out["pairs"] = pairs
     complete = [p for p in pairs if "missing" not in p]
+    if others:
+        out.update(drafter_comparisons(done))
     if not complete:
         return out
     out["pairs_complete"] = len(complete)
@@ -681,6 +763,38 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
         versus = aggregate(runs, a, other, others=False)
         if "pairs_complete" in versus:
             out.setdefault(f"versus_{a}", {})[other] = {k: versus[k] for k in keys}
+    return out
+
+
+def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
+    """Each trained drafter's mode ("tlt", and any other with a drafter) against the `stale`
+    one of the same pair, over the last third of the steps: acceptance length and rollout
+    tokens/s (the modes sample different tokens once their drafters differ, so their
+    steps' times compare unlike work; tokens/s does not). `<mode>_versus_<stale>`: per pair
+    and the geometric mean over pairs of each ratio."""
+    out = {}
+    last = lambda r, key: (r["result"]["modes"][r["mode"]].get("thirds", {}).get(key) or {}).get("last")
+    for mode in sorted({r["mode"] for r in done} - {stale, "baseline"}):
+        pairs = []
+        for pair in sorted({r["pair"] for r in done}):
+            members = {r["mode"]: r for r in done if r["pair"] == pair}
+            if mode not in members or stale not in members:
+                continue
+            ratio = {}
+            for key in ("acceptance_length", "rollout_tokens_per_s"):
+                x, y = last(members[mode], key), last(members[stale], key)
+                if x and y:
+                    ratio[key] = x / y
+            if ratio:
+                pairs.append(dict(pair=pair, **ratio))
+        if pairs:
+            entry = dict(pairs=pairs)
+            for key in ("acceptance_length", "rollout_tokens_per_s"):
+                values = [p[key] for p in pairs if key in p]
+                if values:
+                    entry[f"{key}_last_third"] = _geomean(values)
+                    entry[f"{key}_last_third_min"], entry[f"{key}_last_third_max"] = min(values), max(values)
+            out[f"{mode}_versus_{stale}"] = entry
     return out
 
 
@@ -730,6 +844,12 @@ def print_repeats(result: dict) -> None:
               f"{result['step_speedup_total']:.2f}x; ratio of the medians: rollout "
               f"{result['rollout_speedup_of_medians']:.2f}x, step {result['step_speedup_of_medians']:.2f}x "
               "(geometric means over the pairs)")
+    for key, v in result.items():
+        if key.endswith("_versus_frozen"):
+            print(f"{key.replace('_', ' ')}, over the last third of the steps: acceptance length "
+                  f"{v.get('acceptance_length_last_third', float('nan')):.2f}x, rollout tokens/s "
+                  f"{v.get('rollout_tokens_per_s_last_third', float('nan')):.2f}x (geometric means over "
+                  f"{len(v['pairs'])} pair{'s' * (len(v['pairs']) != 1)})")
     _warn_compiles({f"run {r['run']} ({r['mode']})": r["result"]["modes"][r["mode"]]["new_compiled_programs"]
                     for r in result["runs"] if "result" in r})
 

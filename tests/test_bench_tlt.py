@@ -155,7 +155,7 @@ os.makedirs(f"{tmp}/target")
 with open(f"{tmp}/target/config.json", "w") as f:  # a --target is decoded as it is: its own 3 layers
     json.dump({"num_hidden_layers": 3}, f)
 flags.FLAGS(["bench_tlt", f"--out={out_path}", f"--run_dir={tmp}/runs", f"--target={tmp}/target",
-             f"--drafter={tmp}/drafter", "--preset=cpu_tail", "--seed=5", "--steps=6"])
+             f"--drafter={tmp}/drafter", "--preset=cpu_tail", "--seed=5", "--steps=6", "--noregime_check"])
 seen = []
 
 def launch(command, env):
@@ -201,6 +201,7 @@ def test_a_failed_run_is_reported_and_the_others_kept(tmp_path):
     assert abs(result["step_speedup"] - 1.25) < 1e-9 and abs(result["rollout_speedup"] - 1.5) < 1e-9
     assert result["order"] == ["baseline", "tlt", "tlt", "baseline"] and result["backend"] == "cpu"
     assert result["layers"] == 3  # the --target's, not the preset's 16
+    assert set(result["machine"]) == {"cpu", "last_level_cache_bytes", "cpus"} and "regime" not in result
     for s in seen:
         args = s["command"][s["command"].index("experiments.bench_tlt") + 1:]
         assert args[-2:] == [f"--single_mode={s['mode']}", args[-1]]
@@ -242,13 +243,14 @@ from absl import flags
 from experiments import bench_tlt
 flags.FLAGS(["bench_tlt", *sys.argv[1:]])
 preset = bench_tlt.PRESETS["cpu_wide_decode"]
+bench_tlt._mlp_size_for_cache = lambda target_dir: {"t": 5120}[target_dir]  # what this machine's cache asks
 print(json.dumps({m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2).rollout.decode_mlp_size
                   for m in ("baseline", "tlt")}))
 """
 
 
-@pytest.mark.parametrize("given, want", [([], 4096), (["--decode_mlp_size=8192"], 8192), (["--decode_mlp_size=0"], 0)])
-def test_decode_mlp_size_overrides_the_preset_in_both_modes(given, want, tmp_path):
+@pytest.mark.parametrize("given, want", [([], 5120), (["--decode_mlp_size=8192"], 8192), (["--decode_mlp_size=0"], 0)])
+def test_decode_mlp_size_is_sized_from_the_cache_or_overridden_in_both_modes(given, want, tmp_path):
     done = subprocess.run([sys.executable, "-c", _DECODE_WIDTHS, f"--run_dir={tmp_path}", *given],
                           capture_output=True, text=True, check=True)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": want, "tlt": want}
@@ -276,7 +278,8 @@ import json, sys
 from absl import flags
 from experiments import bench_tlt
 flags.FLAGS(["bench_tlt", *sys.argv[1:]])
-configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", "d", 0, 2) for m in ("baseline", "tlt")}
+configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", "d", 0, 2, built=False)
+           for m in ("baseline", "tlt")}
 print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.tlt.drafter.batch_size,
                       c.tlt.drafter.optimizer.learning_rate, c.tlt.drafter.optimizer.b2,
                       c.tlt.spot.catch_up_max_share] for m, c in configs.items()}))
@@ -316,3 +319,33 @@ def test_an_override_of_no_field_is_an_error_naming_it_before_any_run(tmp_path):
     assert done.returncode != 0
     assert "--set/--tlt_set 'rollout.spec_step_per_sync=16'" in done.stderr
     assert "# run 1" not in done.stdout and not os.path.exists(f"{tmp_path}/r")
+
+
+_DRAFTERS = r"""
+import json
+from experiments import bench_tlt
+
+def run(n, pair, mode, acceptance, tokens_per_s):
+    thirds = dict(acceptance_length=bench_tlt.thirds(acceptance),
+                  rollout_tokens_per_s=bench_tlt.thirds(tokens_per_s))
+    return dict(run=n, pair=pair, mode=mode, result=dict(modes={mode: dict(thirds=thirds)}))
+
+# Six steps a run: thirds of two steps. TLT holds its acceptance, frozen loses a third of it.
+runs = [run(1, 1, "frozen", [6, 6, 5, 5, 4, 4], [100] * 6), run(2, 1, "tlt", [6, 6, 6, 6, 6, 6], [150] * 6),
+        run(3, 2, "tlt", [6, 6, 6, 6, 6, 6], [120] * 6), run(4, 2, "frozen", [6, 6, 6, 6, 4, 4], [100] * 6)]
+print(json.dumps(dict(cmp=bench_tlt.drafter_comparisons(runs), short=bench_tlt.thirds([1, 2, 3, 4, 5]),
+                      gaps=bench_tlt.thirds([None, 2, 3, 4, 5, None]))))
+"""
+
+
+def test_a_trained_drafter_is_compared_with_the_frozen_one_of_its_pair_over_the_last_third():
+    done = subprocess.run([sys.executable, "-c", _DRAFTERS], capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    versus = out["cmp"]["tlt_versus_frozen"]
+    assert [(p["pair"], p["acceptance_length"], p["rollout_tokens_per_s"]) for p in versus["pairs"]] == [
+        (1, 1.5, 1.5), (2, 1.5, 1.2)]
+    assert abs(versus["acceptance_length_last_third"] - 1.5) < 1e-9
+    assert abs(versus["rollout_tokens_per_s_last_third"] - (1.5 * 1.2) ** 0.5) < 1e-9
+    assert list(out["cmp"]) == ["tlt_versus_frozen"]
+    assert out["short"] is None  # fewer than 6 steps: no thirds
+    assert out["gaps"] == {"first": 2.0, "last": 5.0, "last_over_first": 2.5}  # a step with no figure is skipped
