@@ -23,6 +23,21 @@ def tasks_long_tail():
     return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 32, "digits_zipf": 1.6}})
 
 
+# B's weight (A's is 1) in the drift_shift warm start's problems: tuned so that B's pass@G
+# starts in the band RL can learn from (docs/tlt.md).
+WARM_START_COUNTDOWN_WEIGHT = 0.1
+
+
+def tasks_drift_shift(countdown_weight: float = 1.0):
+    """Two tasks whose share changes between warm start and RL (bench_tlt's cpu_drift_shift):
+    additions of up to 16 digits (A) and countdowns over three numbers up to 8 (B, searches
+    of up to 24 lines, median answer twice A's). The SFT model sees little of B, so RL moves
+    B's completions and the drafter trained on the SFT model goes stale there."""
+    return ml_collections.ConfigDict({
+        "addition": {"weight": 1.0, "max_digits": 16, "digits_zipf": 1.6},
+        "countdown": {"weight": countdown_weight, "num_numbers": 3, "max_number": 8, "max_trace_lines": 24}})
+
+
 def code_config(**overrides) -> ml_collections.ConfigDict:
     """The `code` reward's options (`rewards.CodeReward`; docs/code.md): read when
     reward="code", as get_reward("code", **config.code)."""

@@ -17,7 +17,7 @@ Presets:
 """
 import ml_collections
 
-from configs.common import data_config, tasks_long_tail, tasks_tiny
+from configs.common import WARM_START_COUNTDOWN_WEIGHT, data_config, tasks_drift_shift, tasks_long_tail, tasks_tiny
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
@@ -25,8 +25,8 @@ RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset not in ("tiny", "fused", "gpu", "long_tail"):
-        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail.")
+    if preset not in ("tiny", "fused", "gpu", "long_tail", "drift_shift"):
+        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail, drift_shift.")
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
@@ -80,6 +80,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.data.update(tasks=tasks_long_tail(), seq_len=352)
         c.acceptance.update(max_tokens=288, max_prompt_length=64)
         c.run_dir = "runs/drafter_long_tail"
+    if preset == "drift_shift":  # for the target of configs/sft.py:drift_shift, on the same mix of tasks
+        c.target_dir = "runs/sft_drift_shift/hf"
+        c.data.update(tasks=tasks_drift_shift(WARM_START_COUNTDOWN_WEIGHT), seq_len=272)
+        c.acceptance.update(max_tokens=224, max_prompt_length=48)
+        c.run_dir = "runs/drafter_drift_shift"
     return c
 
 

@@ -8,7 +8,14 @@ example: the small model of experiments.make_example_model on reasoning-gym task
 import ml_collections
 
 from configs import models
-from configs.common import code_config, data_config, tasks_long_tail, tasks_tiny
+from configs.common import (
+    WARM_START_COUNTDOWN_WEIGHT,
+    code_config,
+    data_config,
+    tasks_drift_shift,
+    tasks_long_tail,
+    tasks_tiny,
+)
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
@@ -54,6 +61,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.decay_steps = 300
         c.steps, c.eval_every, c.checkpoint_every = 300, 300, 100
         c.run_dir = "runs/sft_long_tail"
+    elif preset == "drift_shift":
+        # bench_tlt's cpu_drift_shift warm start: additions (A) with a small share of
+        # countdowns (B), so that B's pass@G starts low and RL has B to learn.
+        c.data.update(tasks=tasks_drift_shift(WARM_START_COUNTDOWN_WEIGHT), seq_len=272)
+        c.eval.max_prompt_length = 48
+        c.optimizer.decay_steps = 300
+        c.steps, c.eval_every, c.checkpoint_every = 300, 300, 100
+        c.run_dir = "runs/sft_drift_shift"
     elif preset in ("hf", "example"):
         # Your checkpoint on your data (docs/your_model.md): its tokenizer's chat template, the
         # answers (data.response_field, default data.answer_field) as targets.
@@ -73,5 +88,5 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
             c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 300, 100, 100, 32
             c.run_dir = "runs/example/sft"
     elif preset != "tiny":
-        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, hf, example.")
+        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, drift_shift, hf, example.")
     return c

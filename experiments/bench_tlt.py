@@ -70,6 +70,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from configs import rl as rl_configs
+from configs.common import tasks_drift_shift
 from experiments import machine, slow_reward
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
@@ -80,7 +81,8 @@ from tlt_jax.rollout.timeline import ROLLOUT_PARTS
 from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
-                                                   "cpu_wide_tail", "cpu_wide_pair", "gpu"],
+                                                   "cpu_wide_tail", "cpu_wide_pair", "cpu_drift_rl",
+                                                   "cpu_drift_shift", "gpu"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -95,6 +97,9 @@ _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (ex
 _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the preset's rollout.decode_mlp_size (both "
                                         "modes): decode's MLP width (the wide presets size it from this machine's "
                                         "last-level cache, `machine.mlp_size_for_cache`).")
+_PIN_ARM = flags.DEFINE_string("pin_arm", None, "Pin the tuner of the tlt and frozen modes to this one arm at every "
+                               "batch (e.g. eagle-d6; '': the preset's arms), so that their live acceptance "
+                               "compares drafters, not arm choices.")
 _REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs, time the target's padded decode step at "
                                   "batch 1, 2 and 4 (`machine.regime_check`: within 15% of each other where a step is "
                                   "bound by reading the weights, as on a GPU) and record it with the machine.")
@@ -176,6 +181,29 @@ PRESETS = {
                           learner=dict(micro_batch_size=8, num_minibatches=1),
                           drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
                           spot=dict(catch_up_max_share=0.02)),
+    # Drift that RL itself makes: cpu_wide_pair's long-tail tasks at a policy learning rate
+    # 4x the tiny job's (2e-4), 2 prompts x 4 samples a step (G = 4: GRPO has signal) over
+    # 60 steps, the tuner pinned to one EAGLE arm at every batch (`pin_arm`), so that live
+    # acceptance compares drafters, not the arms chosen. The offline drafter learned the
+    # dataset's correct traces, so RL may move the policy toward what it drafts well: here
+    # TLT must lose nothing against the frozen drafter (docs/tlt.md).
+    "cpu_drift_rl": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
+                         num_samples=4, max_tokens=288, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
+                         warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True,
+                         learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
+                         drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
+                         spot=dict(catch_up_max_share=0.02)),
+    # A change of response style between warm start and RL: the warm start (configs/sft.py:
+    # drift_shift) and its offline drafter saw additions (A) and a small share of countdowns
+    # (B); RL trains on both, one prompt of each a step (balance_tasks), so B's completions
+    # change as B is learned and the frozen drafter goes stale there.
+    "cpu_drift_shift": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
+                            num_samples=4, max_tokens=224, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
+                            warm_start="drift_shift", max_prompt_length=48, pin_arm="eagle-d6", thirds=True,
+                            rl_tasks=tasks_drift_shift, balance_tasks=True,
+                            learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
+                            drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
+                            spot=dict(catch_up_max_share=0.02)),
     # The H200's, on the spec block's 16-layer 180M target (`--target`: used as it is; without
     # it, the shipped model deepened to 48 layers). 2 prompts x 8 samples, so
     # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its
@@ -272,8 +300,10 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 
-        c.data.tasks = sft_configs.get_config(preset["warm_start"]).data.tasks
+        c.data.tasks = preset["rl_tasks"]() if "rl_tasks" in preset else \
+            sft_configs.get_config(preset["warm_start"]).data.tasks
         c.rollout.max_prompt_length = preset["max_prompt_length"]
+    c.balance_tasks = preset.get("balance_tasks", False)
     c.learner.update(preset.get("learner", {}))
     c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
     # How far the policy moves (policy_kl_from_start): the reference forward, in every mode,
@@ -290,6 +320,10 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
                       max_steps_per_rl_step=preset["max_steps_per_rl_step"])
     if "max_active" in preset:
         c.tlt.tuner.max_active = preset["max_active"]
+    pin_arm = preset.get("pin_arm", "") if _PIN_ARM.value is None else _PIN_ARM.value
+    if pin_arm and mode in ("tlt", "frozen"):  # one drafting arm at every batch: drafters compared, not arms
+        c.tlt.tuner.arms = [[pin_arm] for _ in c.tlt.tuner.buckets]
+        c.tlt.tuner.max_active = preset["num_slots"]
     if mode == "frozen":
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     if mode == "ngram":
@@ -396,6 +430,11 @@ def main(argv):
         raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
+    preset, steps = PRESETS[_PRESET.value], STEPS.value or PRESETS[_PRESET.value]["steps"]
+    if preset.get("thirds") and steps - preset["warmup_steps"] < 6:
+        raise ValueError(f"--steps={steps}: preset {_PRESET.value} compares the first and the last third of the "
+                         f"steps after its {preset['warmup_steps']} warm-up steps, so it needs at least "
+                         f"{preset['warmup_steps'] + 6}.")
     for mode in modes:  # a bad --set or --tlt_set fails here, before any run starts
         mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1, built=False)
     if _SINGLE_MODE.value or _REPEATS.value == 0:

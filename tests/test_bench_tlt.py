@@ -349,3 +349,33 @@ def test_a_trained_drafter_is_compared_with_the_frozen_one_of_its_pair_over_the_
     assert list(out["cmp"]) == ["tlt_versus_frozen"]
     assert out["short"] is None  # fewer than 6 steps: no thirds
     assert out["gaps"] == {"first": 2.0, "last": 5.0, "last_over_first": 2.5}  # a step with no figure is skipped
+
+
+def test_a_drift_preset_with_no_thirds_is_refused_naming_the_steps(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "experiments.bench_tlt", "--preset=cpu_drift_shift", "--steps=8",
+                           "--print_commands", f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "--steps=8: preset cpu_drift_shift compares the first and the last third" in done.stderr
+    assert "needs at least 9" in done.stderr
+
+
+_PINNED = r"""
+import json, sys
+from absl import flags
+from experiments import bench_tlt
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+preset = bench_tlt.PRESETS["cpu_drift_shift"]
+configs = {m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False) for m in ("baseline", "tlt", "frozen")}
+print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks, sorted(c.data.tasks),
+                      c.data.tasks.countdown.weight] for m, c in configs.items()}))
+"""
+
+
+@pytest.mark.parametrize("given, arm", [([], "eagle-d6"), (["--pin_arm=eagle-d4"], "eagle-d4")])
+def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tasks(given, arm, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _PINNED, f"--run_dir={tmp_path}", *given],
+                          capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for mode in ("tlt", "frozen"):
+        assert out[mode] == [[[arm]] * 4, 8, True, ["addition", "countdown"], 1.0]
+    assert out["baseline"][0] != [[arm]] * 4 and out["baseline"][2:] == [True, ["addition", "countdown"], 1.0]
