@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import itertools
 import json
 import os
 import secrets
@@ -48,6 +49,7 @@ FAILURE_KINDS = ("wrong_answer", "runtime_error", "timeout", "memory", "output_l
                  "sandbox_error")
 _HARNESS = open(os.path.join(os.path.dirname(__file__), "sandbox_harness.py")).read()
 _STARTUP_S = 30.0  # for the sandbox and its interpreter to be up, on a loaded machine
+_EXIT_GRACE_S = 0.5  # for a sandbox whose tests all ended to exit by itself
 _DETAIL_CHARS = 300
 _SYSTEM_PATHS = "/usr/local/bin:/usr/bin:/bin"
 
@@ -166,44 +168,55 @@ def _bwrap_args(workdir: str, python: str) -> list[str]:
     return args + ["--"]
 
 
-def _uid_processes(uid: int) -> list[int]:
-    """The live processes whose real uid is `uid` (zombies are dead already)."""
-    pids = []
+def _processes_by_uid(uids: range) -> dict[int, tuple[list[int], list[int]]]:
+    """The processes whose real uid is in `uids`: uid -> (live, zombies)."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/status") as f:
                     fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
-            except (OSError, ValueError):
+                uid = int(fields["Uid"].split()[0])
+            except (OSError, ValueError, KeyError):
                 continue
-            zombie = fields.get("State", "").strip().startswith("Z")
-            if "Uid" in fields and int(fields["Uid"].split()[0]) == uid and not zombie:
-                pids.append(int(entry))
-    return pids
+            if uid in uids:
+                live, zombies = found.setdefault(uid, ([], []))
+                (zombies if fields.get("State", "").strip().startswith("Z") else live).append(int(entry))
+    return found
 
 
 def _kill_uid(uid: int) -> None:
-    """Kills every process of `uid` (a fork bomb refills, within its process limit: rounds)."""
-    for _ in range(1000):
-        pids = _uid_processes(uid)
-        if not pids:
+    """Kills every live process of `uid`, in rounds: a fork bomb refills within its limit."""
+    for _ in range(10_000):
+        live = _processes_by_uid(range(uid, uid + 1)).get(uid, ([], []))[0]
+        if not live:
             return
-        for pid in pids:
+        for pid in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    raise RuntimeError(f"Processes of sandbox uid {uid} survive SIGKILL: {pids[:8]}.")
+    raise RuntimeError(f"Processes of sandbox uid {uid} survive SIGKILL: {live[:8]}.")
+
+
+_next_uid = itertools.count()  # where this process starts looking for a free uid: round robin
 
 
 @contextlib.contextmanager
 def _sandbox_uid() -> Iterator[int | None]:
     """An unprivileged uid no other sandbox on this machine holds (as root; else None),
-    with none of its processes alive before or after."""
+    with no process of it left. A uid whose killed processes are still zombies (their
+    new parent, init, has not reaped them yet) is passed over: they would count against
+    the process limit of the next sandbox."""
     if os.geteuid() != 0:
         yield None
         return
     lock_dir = os.path.join(tempfile.gettempdir(), "tlt_jax_sandbox_uids")
     os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-    for uid in SANDBOX_UIDS:
+    processes = _processes_by_uid(SANDBOX_UIDS)
+    start = next(_next_uid)
+    for i in range(len(SANDBOX_UIDS)):
+        uid = SANDBOX_UIDS[(start + i) % len(SANDBOX_UIDS)]
+        if processes.get(uid, ([], []))[1]:
+            continue
         fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -211,7 +224,8 @@ def _sandbox_uid() -> Iterator[int | None]:
             os.close(fd)
             continue
         try:
-            _kill_uid(uid)  # left by a process that died holding the lease
+            if processes.get(uid, ([], []))[0]:
+                _kill_uid(uid)  # left by a process that died holding the lease
             yield uid
         finally:
             os.close(fd)
@@ -350,10 +364,13 @@ def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto
         try:
             exit_status = _serve(process, report_r, json.dumps(job).encode(), state)
         finally:
+            if state.done:  # the harness exits now; under bwrap, its parents reap it and exit
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(_EXIT_GRACE_S)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             if uid is not None:
-                _kill_uid(uid)  # also what left the process group (setsid) before the directory goes
+                _kill_uid(uid)  # also what left the process group (setsid), before the directory goes
             process.wait()
             for stream in (process.stdin, process.stdout, process.stderr):
                 with contextlib.suppress(OSError):
