@@ -8,6 +8,7 @@ Same config, seed and data in every mode; only `tlt.*` differs. Modes:
   tlt        adaptive speculation (the tuner) and the drafter trained on the spot
   frozen     TLT with the warm-start drafter never trained: what a
              static drafter accepts as the policy moves
+  scratch    TLT with a drafter from nothing (tlt.drafter.init=''), trained on the spot
   ngram      TLT with n-gram arms only: no drafter at all
   history    TLT with the n-gram arms searching each prompt's earlier rollouts too
              (`history-*` arms in their place), no EAGLE arm
@@ -87,8 +88,9 @@ _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail"
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 STEPS = flags.DEFINE_integer("steps", None, "Override the preset's RL steps per mode.")
-_MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, ngram): "
-                           "the order of the first pair of runs; the next pair runs them in reverse (ABBA).")
+_MODES = flags.DEFINE_list("modes", ["baseline", "tlt"], "Modes to run, in order (baseline, tlt, frozen, scratch, "
+                           "ngram, history): the order of the first pair of runs; the next pair runs them in "
+                           "reverse (ABBA).")
 CACHE = flags.DEFINE_string("cache_dir", "runs/bench_tlt_cache", "Where the preset's target and drafter are built.")
 _RUN_DIR = flags.DEFINE_string("run_dir", "runs/bench_tlt", "Run directories of the modes go here.")
 _TARGET = flags.DEFINE_string("target", "", "A target (Hugging Face checkpoint with tokenizer) in place of the "
@@ -118,7 +120,7 @@ _SLOW_REWARD_MS = flags.DEFINE_float("slow_reward_ms", 0.0, "A slow verifier: th
 _REWARD_OVERLAP = flags.DEFINE_bool("reward_overlap", True, "Score each sample as it finishes, while the rest "
                                     "decode (reward_overlap); False: the batch after the rollout.")
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 0, "Reward worker processes (0: a scoring thread).")
-MODES = ("baseline", "tlt", "frozen", "ngram", "history")
+MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
@@ -321,11 +323,13 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     if "max_active" in preset:
         c.tlt.tuner.max_active = preset["max_active"]
     pin_arm = preset.get("pin_arm", "") if _PIN_ARM.value is None else _PIN_ARM.value
-    if pin_arm and mode in ("tlt", "frozen"):  # one drafting arm at every batch: drafters compared, not arms
+    if pin_arm and mode in ("tlt", "frozen", "scratch"):  # one arm at every batch: drafters compared, not arms
         c.tlt.tuner.arms = [[pin_arm] for _ in c.tlt.tuner.buckets]
         c.tlt.tuner.max_active = preset["num_slots"]
     if mode == "frozen":
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
+    if mode == "scratch":
+        c.tlt.drafter.init = ""
     if mode == "ngram":
         c.tlt.tuner.arms = [[a for a in arms if not a.startswith("eagle")] for arms in c.tlt.tuner.arms]
     if mode == "history":
@@ -520,7 +524,7 @@ def run_in_process(modes: list[str]) -> dict:
             final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
     _write(result)
-    if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "ngram")):
+    if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "scratch", "ngram")):
         plot_acceptance(modes, os.path.splitext(OUT.value)[0] + "_acceptance.png")
     return result
 
@@ -728,7 +732,7 @@ def run_repeats(launch_child=spawn) -> int:
         result.update(aggregate(result["runs"]), wall_s=time.perf_counter() - t_start)
         _write(result)
     print_repeats(result)
-    if OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "ngram")):
+    if OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "scratch", "ngram")):
         plot_acceptance(result["modes"], os.path.splitext(OUT.value)[0] + "_acceptance.png")
     if failed:
         print(f"{len(failed)} of {len(order)} runs failed (runs {', '.join(str(r['run']) for r in failed)}); the "
@@ -813,7 +817,7 @@ def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
     and the geometric mean over pairs of each ratio."""
     out = {}
     last = lambda r, key: (r["result"]["modes"][r["mode"]].get("thirds", {}).get(key) or {}).get("last")
-    for mode in sorted({r["mode"] for r in done} - {stale, "baseline"}):
+    for mode in sorted({r["mode"] for r in done} & {"tlt", "scratch"}):
         pairs = []
         for pair in sorted({r["pair"] for r in done}):
             members = {r["mode"]: r for r in done if r["pair"] == pair}
@@ -922,28 +926,44 @@ def paired_speedups(baseline: dict, tlt: dict) -> dict:
 
 
 def plot_acceptance(modes: dict, path: str) -> None:
-    """Per RL step of each drafter the modes ran (adaptive, frozen, n-gram): the live
-    acceptance length, and the teacher-forced acceptance of the drafter that served the
-    step on the step's own sequences (which does not mix in the arms the tuner chose)."""
+    """Per RL step of each drafter the modes ran (adaptive, frozen, from nothing, n-gram):
+    the live acceptance length, with the policy's KL from its start on a second axis; and
+    the teacher-forced acceptance of the drafter that served the step on the step's own
+    sequences (which does not mix in the arms the tuner chose), with the run's starting
+    drafter on the same sequences (dashed: how stale it would be by now)."""
     from matplotlib.figure import Figure
 
-    labels = {"tlt": "adaptive (spot-trained)", "frozen": "frozen at step 0", "ngram": "none (n-gram only)"}
+    labels = {"tlt": "adaptive (spot-trained)", "frozen": "frozen at step 0", "scratch": "adaptive, from nothing",
+              "ngram": "none (n-gram only)"}
+    nan_for_none = lambda xs: [float("nan") if x is None else x for x in xs]
     figure = Figure(figsize=(7, 5.6), layout="constrained")
     live, served = figure.subplots(2, 1, sharex=True)
-    for mode, label in labels.items():
-        if mode in modes:
-            # A step whose tail chunks all decoded plainly has no acceptance: a gap, not 0.
-            values = [a if a > 0 else float("nan") for a in modes[mode]["acceptance_length"]]
-            live.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
-            rates = [float("nan") if a is None else a for a in modes[mode].get("served_accept_rate", [])]
-            if any(not math.isnan(a) for a in rates):
-                served.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=label)
+    kl_axis = None
+    for i, (mode, label) in enumerate((m, l) for m, l in labels.items() if m in modes):
+        color = f"C{i}"
+        # A step whose tail chunks all decoded plainly has no acceptance: a gap, not 0.
+        values = [a if a > 0 else float("nan") for a in modes[mode]["acceptance_length"]]
+        live.plot(range(1, len(values) + 1), values, marker="o", markersize=3, color=color, label=label)
+        rates = nan_for_none(modes[mode].get("served_accept_rate", []))
+        if any(not math.isnan(a) for a in rates):
+            served.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, color=color, label=label)
+        initial = nan_for_none(modes[mode].get("initial_accept_rate", []))
+        if mode != "frozen" and any(not math.isnan(a) for a in initial):
+            served.plot(range(1, len(initial) + 1), initial, linestyle="--", color=color,
+                        label=f"{label}: its starting drafter")
+        kl = nan_for_none(modes[mode].get("policy_kl_from_start", []))
+        if any(not math.isnan(k) for k in kl):
+            kl_axis = kl_axis or live.twinx()
+            kl_axis.plot(range(1, len(kl) + 1), kl, linestyle=":", color=color, label=f"{label}: policy KL")
     live.set_ylabel("acceptance length (live)")
     served.set_ylabel("first-draft acceptance,\nteacher-forced")
     served.set_xlabel("RL step")
+    if kl_axis is not None:
+        kl_axis.set_ylabel("policy KL from its start (dotted)")
+        kl_axis.legend(loc="lower right", fontsize="small")
     for ax in (live, served):
         ax.grid(alpha=0.3)
-        ax.legend(loc="best")
+        ax.legend(loc="best", fontsize="small")
     figure.savefig(path, dpi=100)
 
 

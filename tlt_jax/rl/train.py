@@ -398,8 +398,9 @@ def _plot(run_dir: str, records, rollouts, end: int, tlt_on: bool) -> None:
         metrics.plot_rollout_timeline(rollouts.timeline, os.path.join(run_dir, "rollout_timeline.png"),
                                       title=f"Rollout of RL step {end}")
     if tlt_on:
-        metrics.plot_curves(records, ["acceptance_length", "drafter/served_accept_rate", "speculative_token_share",
-                                      "rollout_tokens_per_s", "drafter_version", "spot/steps", "spot/hidden_share"],
+        metrics.plot_curves(records, ["acceptance_length", "drafter/served_accept_rate", "drafter/initial_accept_rate",
+                                      "policy_kl_from_start", "speculative_token_share", "rollout_tokens_per_s",
+                                      "drafter_version", "spot/steps", "spot/hidden_share"],
                             os.path.join(run_dir, "tlt.png"), title="TLT: speculation and the spot-trained drafter")
         tuner_lib.plot_arm_choices([r for r in records if any(k.startswith("tuner/") for k in r)],
                                    os.path.join(run_dir, "tuner_arms.png"))
