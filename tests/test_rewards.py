@@ -178,7 +178,7 @@ def test_reasoning_gym_without_its_entry_is_a_failure():
 
 
 def test_registry():
-    assert set(rewards.REWARDS) == {"answer_correctness", "format", "task", "gsm8k", "math", "reasoning_gym"}
+    assert set(rewards.REWARDS) == {"answer_correctness", "format", "task", "gsm8k", "math", "reasoning_gym", "code"}
     assert rewards.get_reward("task") is rewards.task_reward
     assert rewards.get_reward("math") is rewards.math_correctness
 
@@ -204,8 +204,8 @@ def test_a_reward_of_ones_own_by_module_and_function():
 
 
 @pytest.mark.parametrize("name, error, message", [
-    ("bleu", ValueError, r"reward='bleu' is not a registered reward \(answer_correctness, format, gsm8k, math, "
-                         r"reasoning_gym, task\) nor module\.path:function"),
+    ("bleu", ValueError, r"reward='bleu' is not a registered reward \(answer_correctness, code, format, gsm8k, "
+                         r"math, reasoning_gym, task\) nor module\.path:function"),
     ("no_such_package.rewards:fn", ImportError,
      r"reward='no_such_package.rewards:fn': cannot import module 'no_such_package.rewards' "
      r"\(ModuleNotFoundError: No module named 'no_such_package'\)"),
