@@ -3,6 +3,7 @@ hacks that pass nothing, bombs and loops that score 0 with the host unharmed (a 
 file, no process left, no secret of ours, no network), parallel scoring under timeouts,
 a dead sandbox counted once, reward_info, bad input, and the example dataset."""
 import dataclasses
+import functools
 import itertools
 import json
 import pickle
@@ -182,17 +183,27 @@ def test_expected_values_never_reach_the_sandbox(mode):
     assert score == 0.0 and score.info["detail"] == "printed 'nothing\\n'"
 
 
-def test_process_limit_binds(canary):
-    """A program that forks up to 64 sleeping children gets no more than code.processes:
-    the check that guards the fork bomb below."""
+_PROBE_LIMIT = 8
+_FORK_PROBE = ("import os, time\ncount = 0\nfor _ in range(64):\n    try:\n        pid = os.fork()\n"
+               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+               "    count += 1\n")
+
+
+@functools.cache
+def _process_limit_binds(mode: str) -> bool:
+    """Whether a program that forks up to 64 sleeping children gets fewer than
+    code.processes of them: what a fork bomb's test needs first."""
+    score = _score([fenced(_FORK_PROBE)], mode=mode, processes=_PROBE_LIMIT,
+                   test_list=[[f"assert count < {_PROBE_LIMIT}"]])[0]
+    return score == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_process_limit_binds(mode, canary):
+    _mode(mode)
     if not sandbox.process_limit_binds():
         pytest.skip("not root: the process limit counts this user's processes too (docs/code.md)")
-    probe = ("import os, time\ncount = 0\nfor _ in range(64):\n    try:\n        pid = os.fork()\n"
-             "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
-             "    count += 1\n")
-    for mode in ("rlimits",) + (("bwrap",) if STRONG == "bwrap" else ()):
-        score = _score([fenced(probe)], mode=mode, processes=8, test_list=[["assert count < 8"]])[0]
-        assert score == 1.0, (mode, score.info)
+    assert _process_limit_binds(mode), f"a program forked {_PROBE_LIMIT} or more processes (code.processes)"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -201,8 +212,8 @@ def test_bombs_and_loops_score_zero_and_leave_nothing(mode, canary):
     stdin/stdout program): each scores 0 with its kind, the canary stays, no process is
     left (the canary fixture checks both), and no run waits much past its timeout."""
     _mode(mode)
-    if not sandbox.process_limit_binds():
-        pytest.skip("never a fork bomb without a binding process limit (not root)")
+    if not (sandbox.process_limit_binds() and _process_limit_binds(mode)):
+        pytest.skip("never a fork bomb without a binding process limit (test_process_limit_binds)")
     vandal = _vandal(canary)
     programs = {
         "fork bomb": vandal + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
@@ -217,7 +228,7 @@ def test_bombs_and_loops_score_zero_and_leave_nothing(mode, canary):
                                                             fenced(vandal + "while True:\n    pass")]
     io = {"inputs": ["1\n", "2\n"], "outputs": ["1", "2"]}
     start = time.monotonic()
-    scores = _score(completions, mode=mode, timeout_s=1.0, max_parallel=2, processes=8,
+    scores = _score(completions, mode=mode, timeout_s=1.0, max_parallel=2, processes=_PROBE_LIMIT,
                     test_list=[asserts] * len(programs) + [None, None], input_output=[None] * len(programs) + [io, io])
     elapsed = time.monotonic() - start
     assert [float(s) for s in scores] == [0.0] * len(completions), [s.info for s in scores]

@@ -434,6 +434,9 @@ def _serve(process: subprocess.Popen, report_fd: int, job: bytes, state: _Run) -
             else:
                 continue
             break
+        if not selector.get_map():  # every pipe closed: the harness has exited, or is about to
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(_EXIT_GRACE_S)
     finally:
         selector.close()
     return process.poll()

@@ -57,7 +57,7 @@ def check_reward(data_config, reward: str) -> None:
     """The synthetic tasks' rewards read the tasks' answer format and checkers."""
     if kind(data_config) != "tasks" and reward in ("task", "answer_correctness", "format"):
         raise ValueError(f"reward={reward!r} scores the synthetic tasks' format; with data.source="
-                         f"{data_config.source!r} choose math, gsm8k, reasoning_gym or module.path:function.")
+                         f"{data_config.source!r} choose math, gsm8k, reasoning_gym, code or module.path:function.")
 
 
 def _filter(examples: list[tasks.Example], prompt_ids, max_prompt_length: int, what: str) -> tuple[list, int]:
