@@ -349,3 +349,38 @@ def test_fewer_rows_than_a_batch_are_each_drawn_once_then_padded():
     assert sorted(first(buffer.sample(2))) in ([100, 200], [100, 301], [200, 301])  # without replacement
     with pytest.raises(ValueError, match="rows must hold them"):
         buffer.sample(8, 2)
+
+
+def test_replay_keeps_a_uniform_sample_of_evicted_rows_and_draws_its_share_from_them(tmp_path):
+    """With replay_share 0.5 and a window of one RL step, each batch of 4 draws 2 rows from
+    the reservoir of rows the window evicted (first tokens below 100 * step) and 2 from the
+    newest step; the reservoir is capped at half the rows and resumes exactly."""
+    with pytest.raises(ValueError, match=r"tlt\.drafter\.replay_share=1\.5 must be in \[0, 1\]"):
+        DrafterBuffer(8, 3, 2, max_bytes=10 ** 6, replay_share=1.5)
+    row_bytes = 8 * (12 + 3 * 4 + 8 * 2) + 7
+    made = lambda: DrafterBuffer(8, 3, 2, max_bytes=16 * row_bytes, keep_steps=1, seed=2, replay_share=0.5)
+    buffer = made()
+    for step in range(6):  # 4 full rows a step, first tokens 100 * (4 step + i)
+        _add(buffer, step, [1] * 4, [7] * 4, 8, first=4 * step)
+    assert buffer.num_rows == 4 and buffer.num_replay_rows == 8  # half of the 16 rows max_bytes holds
+    replay_firsts = set(buffer.state_dict()["replay"]["tokens"][:, 0].tolist())
+    assert replay_firsts <= {100 * i for i in range(20)} and len(replay_firsts) == 8
+    assert max(replay_firsts) >= 400  # not only the first rows evicted: a sample of all of them
+    for _ in range(3):
+        firsts = buffer.sample(4)["tokens"][:, 0].tolist()
+        assert sorted(firsts[:2]) == sorted(set(firsts[:2])) and all(f >= 2000 for f in firsts[:2])
+        assert all(f in replay_firsts for f in firsts[2:])
+    twin = made()
+    with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, buffer.state_dict())
+        ckpt.wait()
+        twin.load_state_dict(ckpt.restore()[0])
+    for b in (buffer, twin):
+        _add(b, 6, [1] * 4, [7] * 4, 8, first=24)
+    assert twin.stats() == buffer.stats()
+    jax.tree.map(np.testing.assert_array_equal, twin.sample(4), buffer.sample(4))
+    # Without replay nothing older than the window is kept or drawn.
+    plain = DrafterBuffer(8, 3, 2, max_bytes=16 * row_bytes, keep_steps=1, seed=2)
+    for step in range(3):
+        _add(plain, step, [1] * 4, [7] * 4, 8, first=4 * step)
+    assert plain.num_replay_rows == 0 and all(f >= 800 for f in plain.sample(4)["tokens"][:, 0])

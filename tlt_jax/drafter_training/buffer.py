@@ -40,6 +40,12 @@ Memory. A row takes S * (12 + D*b + 8K + n*D*b) + S - 1 bytes, b the bytes per f
 `max_bytes` (config `tlt.drafter.buffer_max_bytes`) bounds the rows held; the oldest go first.
 Greedy packing wastes only the tail of each row; `add` briefly holds the batch's outputs on
 host beside the rows it builds.
+
+Replay. With `replay_share` > 0 the rows that leave the window of `keep_steps` RL steps are
+not all dropped: a uniform reservoir sample of every row evicted so far (up to half the
+rows `max_bytes` holds; the window keeps the other half) stays, and each batch draws that
+share of its rows from it, the rest from the window. A drafter that follows a moving
+target on a few rows a step then also keeps seeing what drafted well before.
 """
 from __future__ import annotations
 
@@ -76,13 +82,20 @@ class DrafterBuffer:
       keep_steps: RL steps whose rows are kept (2: this step and the previous).
       prompt_tail: prompt tokens kept before the last one (see the module docstring).
       seed: of `sample`'s draws.
+      replay_share: the share of each batch drawn from the replay reservoir of rows older
+        than the window (0: none kept; see the module docstring), in [0, 1].
     """
 
     def __init__(self, seq_len: int, hidden_size: int, top_k: int, *, max_bytes: int, num_feature_layers: int = 0,
-                 feature_dtype="float32", keep_steps: int = 2, prompt_tail: int = 0, seed: int = 0):
+                 feature_dtype="float32", keep_steps: int = 2, prompt_tail: int = 0, seed: int = 0,
+                 replay_share: float = 0.0):
         if seq_len < 2 or keep_steps < 1 or prompt_tail < 0 or seed < 0:
             raise ValueError(f"DrafterBuffer needs seq_len >= 2, keep_steps >= 1, prompt_tail >= 0 and seed >= 0; "
                              f"got {seq_len}, {keep_steps}, {prompt_tail}, {seed}.")
+        if not 0 <= replay_share <= 1:
+            raise ValueError(f"tlt.drafter.replay_share={replay_share} must be in [0, 1] (the share of each drafter "
+                             "batch drawn from rows older than the buffer's window; 0: none).")
+        self.replay_share = replay_share
         self.seq_len, self.hidden_size, self.top_k = seq_len, hidden_size, top_k
         self.num_feature_layers, self.feature_dtype = num_feature_layers, np.dtype(feature_dtype)
         self.max_bytes, self.keep_steps, self.prompt_tail, self.seed = max_bytes, keep_steps, prompt_tail, seed
@@ -100,8 +113,11 @@ class DrafterBuffer:
                 f"{f.name}, top_k={k}, {num_feature_layers} feature layers) takes {self.row_bytes} bytes; set "
                 f"tlt.drafter.buffer_max_bytes >= {self.row_bytes}, or lower tlt.drafter.seq_len.")
         self._max_rows = max_bytes // self.row_bytes
+        self._replay_max_rows = self._max_rows // 2 if replay_share else 0
+        self._max_rows -= self._replay_max_rows
         self._chunks: list[_Chunk] = []
-        self._draws = self._truncated = self._dropped_rows = 0
+        self._replay = self.empty_batch(0)  # the reservoir's rows
+        self._draws = self._truncated = self._dropped_rows = self._evicted = 0
 
     # -- adding
 
@@ -153,18 +169,45 @@ class DrafterBuffer:
         self._evict(rl_step)
 
     def _evict(self, rl_step: int) -> None:
+        for chunk in self._chunks:
+            if chunk.step <= rl_step - self.keep_steps:
+                self._into_replay(chunk.rows)
         self._chunks = [c for c in self._chunks if c.step > rl_step - self.keep_steps]
         excess = self.num_rows - self._max_rows
         while excess > 0:
             oldest = self._chunks[0]
             if len(oldest) <= excess:
-                self._chunks.pop(0)
+                self._into_replay(self._chunks.pop(0).rows)
                 dropped = len(oldest)
             else:  # a copy, so that the dropped rows' memory is freed
+                self._into_replay({k: v[:excess] for k, v in oldest.rows.items()})
                 oldest.rows = {k: v[excess:].copy() for k, v in oldest.rows.items()}
                 dropped = excess
             excess -= dropped
             self._dropped_rows += dropped
+
+    def _into_replay(self, rows: dict) -> None:
+        """Offers evicted rows to the reservoir: the i-th row ever evicted is kept with
+        probability capacity / i, in place of a uniformly drawn one (Algorithm R), so the
+        reservoir is a uniform sample of every evicted row."""
+        capacity = self._replay_max_rows
+        if not capacity:
+            return
+        rng = np.random.default_rng([self.seed, 1, self._evicted])
+        for r in range(len(rows["tokens"])):
+            self._evicted += 1
+            held = len(self._replay["tokens"])
+            if held < capacity:
+                self._replay = {k: np.concatenate([v, rows[k][r:r + 1]]) for k, v in self._replay.items()}
+            else:
+                slot = int(rng.integers(self._evicted))
+                if slot < capacity:
+                    for k, v in self._replay.items():
+                        v[slot] = rows[k][r]
+
+    @property
+    def num_replay_rows(self) -> int:
+        return len(self._replay["tokens"])
 
     # -- reading
 
@@ -207,7 +250,13 @@ class DrafterBuffer:
             raise ValueError(f"sample(batch_size={batch_size}, rows={rows}) draws {take} rows; rows must hold them.")
         rng = np.random.default_rng([self.seed, self._draws])
         self._draws += 1
-        return self._gather(self._chunks, rng.choice(n, take, replace=False), self.empty_batch(rows))
+        out = self.empty_batch(rows)
+        old = min(round(self.replay_share * take), self.num_replay_rows)
+        if old:
+            picked = rng.choice(self.num_replay_rows, old, replace=False)
+            for k in out:
+                out[k][take - old:take] = self._replay[k][picked]
+        return self._gather(self._chunks, rng.choice(n, take - old, replace=False), out)
 
     def _gather(self, chunks: list[_Chunk], idx: np.ndarray, out: dict) -> dict:
         """Rows idx of `chunks`' rows laid end to end, into the first len(idx) rows of `out`."""
@@ -239,7 +288,8 @@ class DrafterBuffer:
         truncated to seq_len and the rows dropped to respect max_bytes."""
         samples = sum(int(c.rows["segment_ids"].max(axis=1).sum()) for c in self._chunks)
         return {"rows": self.num_rows, "samples": samples, "steps": len({c.step for c in self._chunks}),
-                "bytes": self.nbytes, "truncated": self._truncated, "dropped_rows": self._dropped_rows}
+                "bytes": self.nbytes, "truncated": self._truncated, "dropped_rows": self._dropped_rows,
+                "replay_rows": self.num_replay_rows}
 
     # -- checkpointing
 
@@ -251,7 +301,10 @@ class DrafterBuffer:
         `nbytes` (<= max_bytes) + 8 bytes a row, concatenated here (a transient copy). Its
         shapes follow the rows held: restore it without a target, or with shapes recorded
         at save time."""
-        state = {"draws": self._draws, "truncated": self._truncated, "dropped_rows": self._dropped_rows}
+        state = {"draws": self._draws, "truncated": self._truncated, "dropped_rows": self._dropped_rows,
+                 "evicted": self._evicted}
+        if self.num_replay_rows:
+            state["replay"] = {k: v.copy() for k, v in self._replay.items()}
         if self._chunks:
             state["rows"] = {k: np.concatenate([c.rows[k] for c in self._chunks]) for k in self._fields}
             state["steps"] = np.concatenate([np.full(len(c), c.step, np.int64) for c in self._chunks])
@@ -274,4 +327,7 @@ class DrafterBuffer:
                       for a, b in zip(bounds, bounds[1:])]
         self._chunks = chunks
         self._draws, self._truncated = int(state["draws"]), int(state["truncated"])
-        self._dropped_rows = int(state["dropped_rows"])
+        self._dropped_rows, self._evicted = int(state["dropped_rows"]), int(state.get("evicted", 0))
+        self._replay = self.empty_batch(0)
+        if "replay" in state:
+            self._replay = {k: np.asarray(state["replay"][k], dtype).copy() for k, (_, dtype) in self._fields.items()}

@@ -59,6 +59,7 @@ class OnlineDrafterConfig:
     seq_len: int = 128  # buffer row length (samples are packed)
     buffer_max_bytes: int = 256 << 20
     keep_steps: int = 2  # RL steps of data the buffer holds
+    replay_share: float = 0.0  # of each batch, rows older than keep_steps from a replay reservoir (DrafterBuffer)
     prompt_tail: int = 0  # prompt tokens kept before each response (context, never targets)
     feature_weight: float = 1.0
     kl_weight: float = 1.0
@@ -97,7 +98,7 @@ class OnlineDrafter:
                                     max_bytes=config.buffer_max_bytes,
                                     num_feature_layers=len(drafter_config.feature_layers),
                                     feature_dtype=target_config.jnp_dtype, keep_steps=config.keep_steps,
-                                    prompt_tail=config.prompt_tail, seed=seed)
+                                    prompt_tail=config.prompt_tail, seed=seed, replay_share=config.replay_share)
         self._trainers: dict[int, DrafterTrainer] = {}
         self._home = engine.local_groups[0].index  # the rollout group whose devices hold the train state
         self.state = self._trainer(self._home).init_state(drafter_params)
