@@ -102,8 +102,8 @@ _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the p
 _PIN_ARM = flags.DEFINE_string("pin_arm", None, "Pin the tuner of the tlt and frozen modes to this one arm at every "
                                "batch (e.g. eagle-d6; '': the preset's arms), so that their live acceptance "
                                "compares drafters, not arm choices.")
-_REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs, time the target's padded decode step at "
-                                  "batch 1, 2 and 4 (`machine.regime_check`: within 15% of each other where a step is "
+_REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs of a CPU preset, time the target's padded "
+                                  "decode step at batch 1, 2 and 4 (`machine.regime_check`: within 15% of each other where a step is "
                                   "bound by reading the weights, as on a GPU) and record it with the machine.")
 _SET = flags.DEFINE_multi_string("set", [], "A config override key=value for every mode, e.g. "
                                  "rollout.kv_bucket=0; repeatable (--tlt_set's apply after it).")
@@ -451,7 +451,8 @@ def _machine_and_regime(preset: dict, target_dir: str) -> dict:
     """The machine (CPU model, last-level cache) and, with --regime_check, the target's
     decode step at batch 1, 2 and 4 as the runs decode it (`machine.regime_check`)."""
     out = dict(machine=machine.machine_record())
-    if _REGIME_CHECK.value:
+    # On the CPU presets only: this process decodes on the CPU, which says nothing of a GPU's runs.
+    if _REGIME_CHECK.value and _PRESET.value.startswith("cpu"):
         cfg, params = load_hf(target_dir)
         prompt = load_tokenizer(target_dir)("add 123+4567\n")["input_ids"]
         step_s = machine.decode_step_seconds(cfg, params, _decode_mlp_size(preset, target_dir), prompt)

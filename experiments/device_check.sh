@@ -6,8 +6,8 @@
 # BLOCKS="rollout attention" bash experiments/device_check.sh. The default BLOCKS ("spec tlt")
 # fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
-# timeout and the sum, and runs nothing). The rest run by name: rollout 130 s, attention
-# 115 s, verify 40 s, losses 85 s.
+# timeout and the sum, and runs nothing). The rest run by name: drift 300 s (after spec),
+# rollout 130 s, attention 115 s, verify 40 s, losses 85 s.
 #
 # Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
 # stops at once) and must not stop the blocks after it (no `set -e`). Every benchmark
@@ -192,6 +192,32 @@ if want tlt; then
   fi
   plan || rm -rf "$OUT/bench_tlt_runs" "$OUT/bench_tlt_cache"
   block_end "$OUT/bench_tlt.json"
+fi
+
+# ----- drift (by name: BLOCKS="spec tlt drift"): the spot-trained drafter against the frozen one
+# Budget: 300 s, beyond the default 8-minute plan. The spec block's target and drafter, the
+# gpu preset's shape with the policy's learning rate at 2e-4 (the CPU drift presets'), 30 RL
+# steps of each of tlt and frozen in fresh processes (one pair), the tuner pinned to eagle-d6
+# so that live acceptance compares drafters. It answers: does the policy move
+# (policy_kl_from_start), does the frozen drafter go stale (its live acceptance and the
+# starting drafter's teacher-forced rate, first against last third), and does TLT hold
+# (tlt_versus_frozen: acceptance and rollout tokens/s over the last third).
+if want drift; then
+  block_start drift
+  DRIFT=(--preset=gpu --modes=tlt,frozen --pin_arm=eagle-d6 --set=rollout.kv_bucket=0
+         --set=learner.optimizer.learning_rate=2e-4 --steps=30)
+  dry && DRIFT=(--preset=gpu --modes=tlt,frozen --pin_arm=eagle-d4 --set=learner.optimizer.learning_rate=2e-4 --steps=2)
+  if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
+    BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
+  else
+    # shellcheck disable=SC2086  # DRIFT_ARGS is a list of flags
+    step bench_tlt_drift 300 "$OUT/bench_tlt_drift.log" "$PYTHON" -m experiments.bench_tlt "${DRIFT[@]}" \
+      ${DRIFT_ARGS:---repeats=1} --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" \
+      --run_dir="$OUT/bench_tlt_drift_runs" --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_tlt_drift.json"
+    plan || tail -n 8 "$OUT/bench_tlt_drift.log"
+  fi
+  plan || rm -rf "$OUT/bench_tlt_drift_runs" "$OUT/bench_tlt_cache"
+  block_end "$OUT/bench_tlt_drift.json"
 fi
 plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 # ===== END tlt ================================================================================
