@@ -103,8 +103,9 @@ _PIN_ARM = flags.DEFINE_string("pin_arm", None, "Pin the tuner of the tlt and fr
                                "batch (e.g. eagle-d6; '': the preset's arms), so that their live acceptance "
                                "compares drafters, not arm choices.")
 _REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs of a CPU preset, time the target's padded "
-                                  "decode step at batch 1, 2 and 4 (`machine.regime_check`: within 15% of each other where a step is "
-                                  "bound by reading the weights, as on a GPU) and record it with the machine.")
+                                  "decode step at batch 1, 2 and 4 (`machine.regime_check`: within 15% of each "
+                                  "other where a step is bound by reading the weights, as on a GPU) and record it "
+                                  "with the machine.")
 _SET = flags.DEFINE_multi_string("set", [], "A config override key=value for every mode, e.g. "
                                  "rollout.kv_bucket=0; repeatable (--tlt_set's apply after it).")
 _TLT_SET = flags.DEFINE_multi_string("tlt_set", [], "A config override key=value for the TLT modes (not the "
