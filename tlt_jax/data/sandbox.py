@@ -112,7 +112,7 @@ def stdout_matches(actual: str, expected: str) -> bool:
 def value_matches(actual, expected) -> bool:
     """A call's return value against the expected one, after a JSON round trip (tuples are
     lists); APPS/TACO often wrap the expected value in a one-element list."""
-    actual = json.loads(json.dumps(actual, default=repr))
+    actual, expected = (json.loads(json.dumps(v, default=repr)) for v in (actual, expected))
     return actual == expected or (isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
 
 
