@@ -381,6 +381,18 @@ def thirds(values: list) -> dict | None:
     return dict(first=first, last=last, last_over_first=None if not first or last is None else last / first)
 
 
+def _by_task(steps: list[dict]) -> dict:
+    """{task: {"served_accept_rate": per step, "initial_accept_rate": per step, and each's
+    thirds}} from the steps' drafter/{served,initial}_accept_rate/<task> metrics."""
+    tasks = sorted({k.rsplit("/", 1)[1] for r in steps for k in r if k.startswith("drafter/served_accept_rate/")})
+    out = {}
+    for task in tasks:
+        series = {name: [r.get(f"drafter/{name}/{task}") for r in steps]
+                  for name in ("served_accept_rate", "initial_accept_rate")}
+        out[task] = dict(series, thirds={name: thirds(values) for name, values in series.items()})
+    return out
+
+
 def summarise(records: list[dict], warmup: int) -> dict:
     steps = [_without_reference(r) for r in records if "time_step_s" in r]
     steady = steps[warmup:] or steps
@@ -417,6 +429,8 @@ def summarise(records: list[dict], warmup: int) -> dict:
                     initial_accept_rate=[r.get("drafter/initial_accept_rate") for r in steps],
                     rollout_tokens_per_s=[r["rollout_tokens_per_s"] for r in steps],
                     policy_kl_from_start=[r.get("policy_kl_from_start") for r in steps]).items()},
+                # With several tasks a step: each task's rows scored apart, served and starting drafter.
+                by_task=_by_task(steps),
                 # Where the rollout's wall went (medians; metrics of `RLLoop.step`).
                 rollout_split={part: statistics.median(r.get(f"time_rollout_{part}_s", 0.0) for r in steady)
                                for part in ROLLOUT_PARTS})

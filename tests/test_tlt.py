@@ -294,3 +294,25 @@ def test_the_starting_drafter_is_scored_beside_the_served_one():
     assert after["drafter/served_kl"] != before["drafter/served_kl"]
     for name in names:
         np.testing.assert_allclose(after[f"drafter/initial_{name}"], before[f"drafter/initial_{name}"], rtol=1e-6)
+
+
+def test_the_rows_of_each_task_are_scored_on_their_own():
+    """With samples of two tasks, drafter/{served,initial}_accept_rate/<task> score each
+    task's samples alone: task b's figure is that of a step holding sample 1 alone."""
+    config = OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16)
+    rng = np.random.default_rng(0)
+    n, t = 3, 12
+    data = DrafterData(hidden=rng.standard_normal((n, t - 1, 16)).astype(np.float32),
+                       ids=rng.integers(0, 32, (n, t - 1, 4)).astype(np.int32),
+                       logp=np.log(np.full((n, t - 1, 4), 0.2, np.float32)), layers=None)
+    tokens = rng.integers(1, 32, (n, t))
+    mixed, alone = _tiny_online(config), _tiny_online(config)
+    mixed.add(1, tokens, [2, 3, 2], [8, 9, 10], data, tasks_n=["a", "b", "a"])
+    alone.add(1, tokens[1:2], [3], [9], jax.tree.map(lambda x: x[1:2], data))
+    got, want = mixed.served_metrics(1), alone.served_metrics(1)
+    assert {k for k in got if k.count("/") > 1} == {
+        f"drafter/{name}_accept_rate/{task}" for name in ("served", "initial") for task in "ab"}
+    np.testing.assert_allclose(got["drafter/served_accept_rate/b"], want["drafter/served_accept_rate"], rtol=1e-6)
+    assert got["drafter/served_accept_rate/a"] != got["drafter/served_accept_rate/b"]
+    alone.add(2, tokens, [2, 3, 2], [8, 9, 10], data)  # one task: no per-task figures
+    assert not any(k.count("/") > 1 for k in alone.served_metrics(2))

@@ -105,6 +105,7 @@ class OnlineDrafter:
         # The run's starting drafter, kept to score beside the served one (`served_metrics`):
         # staleness and recovery on the same rows, whatever arms the tuner chose.
         self._initial = {self._home: _copy(self.state.params)}  # per rollout group: a copy on its devices
+        self._rows_by_task: dict[str, dict] = {}  # the latest step's rows of each task, to score apart
         self._noise_key = jax.random.PRNGKey(seed + 1)
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
@@ -123,14 +124,29 @@ class OnlineDrafter:
     # -- data
 
     def add(self, rl_step: int, tokens_nT: np.ndarray, prompt_lengths_n, response_lengths_n,
-            data: DrafterData) -> None:
+            data: DrafterData, tasks_n=None) -> None:
         """Stores an RL step's samples: the learner batch's rows and the learner forward's
-        DrafterData ([n, T-1] positions; the last position predicts nothing and is padded)."""
+        DrafterData ([n, T-1] positions; the last position predicts nothing and is padded).
+        tasks_n: each sample's task; with two or more, `served_metrics` also scores the
+        step's rows of each task on their own."""
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
-        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, pad(host.hidden), pad(host.ids),
-                        pad(host.logp), pad(host.layers))
+        fields = (pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers))
+        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields)
+        self._rows_by_task = {}
+        if tasks_n is not None and len(set(tasks_n)) > 1 and self.config.eval_rows:
+            for task in sorted(set(tasks_n)):
+                pick = np.flatnonzero(np.asarray(tasks_n) == task)
+                alone = DrafterBuffer(self.buffer.seq_len, self.buffer.hidden_size, self.buffer.top_k,
+                                      max_bytes=self.buffer.max_bytes,
+                                      num_feature_layers=self.buffer.num_feature_layers,
+                                      feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
+                alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
+                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields))
+                held = alone.num_rows_of_step(rl_step)
+                if held:
+                    self._rows_by_task[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))
 
     def served_metrics(self, rl_step: int) -> dict[str, float]:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
@@ -141,8 +157,9 @@ class OnlineDrafter:
         position i + 1, where the drafter reads its own earlier drafts; a pass with no
         entries is left out), the same of the run's starting drafter on the same rows
         ("drafter/initial_accept_rate", "drafter/initial_top1_agree", "drafter/initial_kl":
-        how stale it would be by now), and the seconds it took ("time_served_eval_s").
-        Empty with eval_rows 0."""
+        how stale it would be by now), the same two per task where the step's samples came
+        from several ("drafter/served_accept_rate/<task>", "drafter/initial_accept_rate/<task>"),
+        and the seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
         held = self.buffer.num_rows_of_step(rl_step)
         if not self.config.eval_rows or not held:
             return {}
@@ -154,6 +171,11 @@ class OnlineDrafter:
         initial = self._evaluate(self._home, rows, self._initial_params(self._home))
         by_pass = {f"drafter/served_{k}": v for k, v in out.items()
                    if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
+        for task, task_rows in self._rows_by_task.items():
+            for name, params in (("served", None), ("initial", self._initial_params(self._home))):
+                scored = self._evaluate(self._home, task_rows, params)
+                if scored["count"]:
+                    by_pass[f"drafter/{name}_accept_rate/{task}"] = scored["accept_rate"]
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
                 "drafter/served_kl": out["kl"], **by_pass,
                 **{f"drafter/initial_{k}": initial[k] for k in ("accept_rate", "top1_agree", "kl")},

@@ -286,7 +286,7 @@ class RLLoop:
         if drafter is not None:  # the drafter's buffer reads one sample per row
             tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
                     np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]), rollouts.lengths,
-                    unpack_drafter_data(packing, drafter_data))
+                    unpack_drafter_data(packing, drafter_data), [e.task for e in chosen])
         faults.maybe_kill("learner", step)
         skipped = int(sum(u["skipped"] for u in updates))
         t_learner = time.perf_counter()

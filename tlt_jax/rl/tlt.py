@@ -85,9 +85,9 @@ class TLT:
         with self.spot.gap(name, ALL):
             yield
 
-    def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data) -> None:
+    def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n=None) -> None:
         if self.spot is not None:
-            self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data)
+            self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n)
             self._served = self.drafter.served_metrics(rl_step)  # the engine's drafter: the one that drafted it
             self.spot.notify_data()
 
