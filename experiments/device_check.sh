@@ -230,18 +230,19 @@ plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 if want rollout; then
   block_start rollout
   if dry; then
-    note "rollout: the tiny model (bench_rollout --preset=cpu) at batch 1 only; the CPU's HLO in" \
+    note "rollout: the tiny model (bench_rollout --preset=cpu) at batch 1 only, the fused layout only (the" \
+      "summary reads the first; tests/test_rollout_engine.py decodes every layout alike); the CPU's HLO in" \
       "rollout_hlo.tgz, not the GPU's; transformers on the CPU in float32 (no CUDA)"
-    ROLLOUT=(--preset=cpu --models=tiny --batches=1 --hf_batches=1)
+    ROLLOUT=(--preset=cpu --models=tiny --batches=1 --hf_batches=1 --layouts=fused)
   else
-    ROLLOUT=(--preset=gpu --models=qwen2.5-1.5b --batches=16,1 --hf_batches=16)
+    ROLLOUT=(--preset=gpu --models=qwen2.5-1.5b --batches=16,1 --hf_batches=16 --layouts=fused,stacked)
   fi
   # The engine's optimized HLO (insert and decode-chunk modules) comes back as
   # rollout_hlo.tgz: which kernels a decode step launches, and any weight or cache copies.
   step bench_rollout 130 "$OUT/bench_rollout.log" env \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/rollout_hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn" \
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 "$PYTHON" -m experiments.bench_rollout "${ROLLOUT[@]}" \
-    --layouts=fused,stacked --out="$OUT/bench_rollout.json"
+    --out="$OUT/bench_rollout.json"
   if ! plan; then
     (cd "$OUT" && find rollout_hlo -name '*after_optimizations.txt' 2>/dev/null | tar czf rollout_hlo.tgz -T -)
     rm -rf "$OUT/rollout_hlo"
