@@ -15,6 +15,8 @@ import pytest
 from experiments import make_code_dataset
 from tlt_jax.data import code_tests, files, rewards, sandbox
 
+# One worker runs them all: a test checks that no sandbox process is left, of any test.
+pytestmark = pytest.mark.xdist_group("test_code_reward")
 MODES = ["bwrap", "rlimits"]
 STRONG = sandbox.resolve_mode("auto", sandbox.default_python())
 
