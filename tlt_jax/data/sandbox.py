@@ -21,7 +21,8 @@ Processes: RLIMIT_NPROC counts per real uid and never binds uid 0, so as root ev
 sandbox runs as its own unprivileged uid (`SANDBOX_UIDS`, leased through lock files,
 so concurrent sandboxes, in any process of this machine, never share one); its
 processes are found and killed by that uid at the end. Not as root, programs run as
-this user, whose own processes count against the limit.
+this user, whose own processes count against the limit: it is raised by what the user
+runs when the sandbox starts.
 """
 from __future__ import annotations
 
@@ -235,8 +236,23 @@ def _sandbox_uid() -> Iterator[int | None]:
 
 def process_limit_binds() -> bool:
     """Whether `Limits.processes` bounds a program's processes by themselves: as root each
-    sandbox has its own uid; otherwise the limit counts this user's processes as well."""
+    sandbox has its own uid; otherwise the program shares this user's count (`_tasks_of`)."""
     return os.geteuid() == 0
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads of `uid` now: what RLIMIT_NPROC counts."""
+    tasks = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+                if int(fields["Uid"].split()[0]) == uid:
+                    tasks += int(fields["Threads"])
+            except (OSError, ValueError, KeyError):
+                continue
+    return tasks
 
 
 def _command(mode: str, workdir: str, python: str) -> list[str]:
@@ -350,11 +366,13 @@ def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto
     job = {"program": program, "layout": suite.layout, "tests": list(suite.tests), "setup": suite.setup,
            "entry_point": suite.entry_point, "fn_name": suite.fn_name, "nonce": state.nonce,
            "limits": {"timeout_s": limits.timeout_s, "memory_bytes": limits.memory_mb << 20,
-                      "file_bytes": limits.file_bytes, "processes": limits.processes,
+                      "file_bytes": limits.file_bytes, "processes": limits.processes,  # (+ ours, not as root)
                       "output_bytes": limits.output_bytes}}
     with _sandbox_uid() as uid, tempfile.TemporaryDirectory(prefix="tlt_code_", ignore_cleanup_errors=True) as workdir:
         if uid is not None:
             os.chown(workdir, uid, uid)
+        else:  # the program counts as this user: room for `processes` beyond what the user runs now
+            job["limits"]["processes"] += _tasks_of(os.getuid())
         report_r, report_w = os.pipe()
         try:
             job["report_fd"] = report_w
