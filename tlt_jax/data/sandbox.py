@@ -33,6 +33,7 @@ import functools
 import itertools
 import json
 import os
+import pathlib
 import secrets
 import selectors
 import shutil
@@ -48,7 +49,7 @@ SANDBOX_UIDS = range(200_000, 201_024)  # far above login and system accounts
 INSTALL_HINT = "apt-get install -y bubblewrap"
 FAILURE_KINDS = ("wrong_answer", "runtime_error", "timeout", "memory", "output_limit", "syntax_error",
                  "sandbox_error")
-_HARNESS = open(os.path.join(os.path.dirname(__file__), "sandbox_harness.py")).read()
+_HARNESS = pathlib.Path(__file__).with_name("sandbox_harness.py").read_text()  # run as python -I -c
 _STARTUP_S = 30.0  # for the sandbox and its interpreter to be up, on a loaded machine
 _EXIT_GRACE_S = 0.5  # for a sandbox whose tests all ended to exit by itself
 _DETAIL_CHARS = 300
