@@ -192,7 +192,8 @@ def test_logprob_without_entropy_is_kl_with_k1():
     np.testing.assert_allclose(np.asarray(logp), -np.asarray(kl), rtol=1e-6, atol=1e-6)
 
 
-def test_logprob_topk_matches_float64_reference():
+@pytest.mark.parametrize("impl", ["chunked_xla", "pallas"])
+def test_logprob_topk_matches_float64_reference(impl):
     """The drafter's data from the learner's forward: top-k ids and log-probs per row from
     the same blockwise projection, against log_softmax in float64; the log-probs and
     entropy are linear_logprob's, bit for bit, and so are their gradients (the on-policy
@@ -200,11 +201,11 @@ def test_logprob_topk_matches_float64_reference():
     h, w, _, _, _ = _inputs(seed=11, k=1, dtype=jnp.float32, masked=False)
     targets = np.random.default_rng(12).integers(0, V, size=N).astype(np.int32)
     targets[4] = -1  # padding: logp 0
-    k, temperature = 7, 0.7
+    k, temperature, blocks = 7, 0.7, BLOCKS[impl]
     logp, ent, ids, top_logp = jax.jit(lambda h, w: losses.linear_logprob_topk(
-        h, w, targets, k, temperature=temperature, block_sizes={"tokens": 16}))(h, w)
+        h, w, targets, k, temperature=temperature, impl=impl, block_sizes=blocks))(h, w)
     plain = jax.jit(lambda h, w: losses.linear_logprob(h, w, targets, temperature=temperature, with_entropy=True,
-                                                       impl="chunked_xla", block_sizes={"tokens": 16}))(h, w)
+                                                       impl=impl, block_sizes=blocks))(h, w)
     np.testing.assert_array_equal(np.asarray(logp), np.asarray(plain[0]))
     np.testing.assert_array_equal(np.asarray(ent), np.asarray(plain[1]))
     logq = torch.log_softmax(_t64(h) @ _t64(w) / temperature, dim=1).numpy()
@@ -212,15 +213,13 @@ def test_logprob_topk_matches_float64_reference():
     np.testing.assert_array_equal(np.asarray(ids), order)
     np.testing.assert_allclose(np.asarray(top_logp), np.take_along_axis(logq, order, 1), rtol=1e-5, atol=1e-5)
     assert ids.dtype == jnp.int32 and top_logp.shape == (N, k)
-    with pytest.raises(ValueError, match="k=0 must lie in"):
-        losses.linear_logprob_topk(h, w, targets, 0)
 
     c_lp, c_ent, c_top = (jnp.asarray(c) for c in np.random.default_rng(13).normal(size=(3, N)).astype(np.float32))
     grad = lambda fn: jax.jit(jax.grad(fn, argnums=(0, 1)))(h, w)
     dh, dw = grad(lambda h, w: (lambda lp, ent, _, top: jnp.sum(lp * c_lp + ent * c_ent + top.sum(1) * c_top))(
-        *losses.linear_logprob_topk(h, w, targets, k, temperature=temperature, block_sizes={"tokens": 16})))
+        *losses.linear_logprob_topk(h, w, targets, k, temperature=temperature, impl=impl, block_sizes=blocks)))
     plain_dh, plain_dw = grad(lambda h, w: (lambda lp, ent: jnp.sum(lp * c_lp + ent * c_ent))(*losses.linear_logprob(
-        h, w, targets, temperature=temperature, with_entropy=True, impl="chunked_xla", block_sizes={"tokens": 16})))
+        h, w, targets, temperature=temperature, with_entropy=True, impl=impl, block_sizes=blocks)))
     np.testing.assert_array_equal(np.asarray(dh), np.asarray(plain_dh))
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(plain_dw))
     th, tw = _t64(h).requires_grad_(), _t64(w).requires_grad_()
@@ -229,6 +228,46 @@ def test_logprob_topk_matches_float64_reference():
     ref_lp = torch.where(torch.tensor(targets >= 0), picked, torch.zeros(N, dtype=torch.float64))
     (ref_lp * _t64(c_lp) - (logq.exp() * logq).sum(1) * _t64(c_ent)).sum().backward()
     assert _rel_err(dh, th.grad) < 2e-5 and _rel_err(dw, tw.grad) < 2e-5
+
+
+def _tied_inputs(seed):
+    """h, w with entries in {-1, 0, 1}: every logit is an integer in [-D, D], exact in
+    float32 and under the temperature's scaling, so each row holds many ties."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.integers(-1, 2, size=(N, D)), jnp.float32),
+            jnp.asarray(rng.integers(-1, 2, size=(D, V)), jnp.float32))
+
+
+# (name, inputs, k): k past one vocabulary tile (64) fills the top-k from several tiles
+# while the first one has fewer columns than k.
+TOPK_CASES = [("normal_k7", "normal", 7), ("ties_k7", "tied", 7), ("ties_k70", "tied", 70), ("normal_k1", "normal", 1)]
+
+
+@pytest.mark.parametrize("impl", ["chunked_xla", "pallas"])
+@pytest.mark.parametrize("case", TOPK_CASES, ids=[c[0] for c in TOPK_CASES])
+def test_teacher_topk_matches_float64_reference(impl, case):
+    """A teacher's top-k from the blockwise projection (`linear_topk`, the cache's and the
+    offline drafter's targets) on fresh random inputs at odd sizes, against float64: ids
+    best first with ties to the lower id (lax.top_k's order), ties at the k-th value
+    included, and full-vocabulary log-probs at them."""
+    _, inputs, k = case
+    seed = int(np.random.SeedSequence().generate_state(1)[0])  # fresh inputs each run, printed on failure
+    if inputs == "tied":
+        h, w = _tied_inputs(seed)
+    else:
+        h, w, _, _, _ = _inputs(seed, k=1, dtype=jnp.float32, masked=False)
+    temperature = 0.7
+    ids, logp = jax.jit(lambda h, w: losses.linear_topk(h, w, k, temperature=temperature, impl=impl,
+                                                         block_sizes=BLOCKS[impl]))(h, w)
+    logq = torch.log_softmax(_t64(h) @ _t64(w) / temperature, dim=1).numpy()
+    order = np.argsort(-logq, axis=1, kind="stable")[:, :k]  # equal values: the lower id first
+    if inputs == "tied":  # the k-th value is tied with the (k+1)-th in some rows
+        sorted_q = np.take_along_axis(logq, np.argsort(-logq, axis=1, kind="stable"), 1)
+        assert np.sum(sorted_q[:, k - 1] == sorted_q[:, k]) >= 3, f"seed {seed}"
+    np.testing.assert_array_equal(np.asarray(ids), order, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(logp), np.take_along_axis(logq, order, 1), rtol=1e-5, atol=1e-5,
+                               err_msg=f"seed {seed}")
+    assert ids.dtype == jnp.int32 and logp.dtype == jnp.float32 and ids.shape == logp.shape == (N, k)
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked_xla"])
@@ -284,6 +323,25 @@ def test_bad_inputs_raise():
         kl(h, w, ids, logp, block_sizes={"tokens": 0})
     with pytest.raises(ValueError, match="targets_N"):
         losses.linear_logprob(h, w, ids)
+    targets = ids[:, 0]
+    with pytest.raises(ValueError, match=r"k=204 must lie in \[1, 203\] \(the vocabulary size\); set k <= 203"):
+        losses.linear_logprob_topk(h, w, targets, V + 1)
+    with pytest.raises(ValueError, match="k=0 must lie in"):
+        losses.linear_logprob_topk(h, w, targets, 0)
+    with pytest.raises(ValueError, match=r"k=204 must lie in \[1, 203\]"):
+        losses.linear_topk(h, w, V + 1)
+    with pytest.raises(ValueError, match=r"top_k=204 must lie in \[0, 203\] \(the vocabulary size\); lower top_k"):
+        fused_linear_kl.row_stats("pallas", h, w, ids, temperature=1.0, with_ez=False, blocks=None, top_k=V + 1)
+
+
+def test_pallas_without_a_lowering_names_the_backends_impls(monkeypatch):
+    with pytest.raises(ValueError, match="impl='pallas' has no lowering on the tpu backend; pass one of auto, "
+                                         "dense, chunked_xla."):
+        losses.resolve_impl("pallas", "tpu")
+    monkeypatch.setattr(fused_linear_kl, "_pltriton", None)  # a jax build without the Triton backend
+    with pytest.raises(ValueError, match="no lowering on the gpu backend; pass one of auto, dense, chunked_xla"):
+        losses.resolve_impl("pallas", "gpu")
+    assert losses.resolve_impl("pallas", "cpu") == "pallas"  # the interpreter
 
 
 @pytest.mark.skipif(fused_linear_kl._pltriton is None,
@@ -307,11 +365,13 @@ def test_pallas_lowers_to_triton_for_cuda():
     def objective(h, w, ids, logp, targets):
         kl = losses.linear_topk_kl(h, w, ids, logp, tail=True, temperature=0.5, impl="pallas", block_sizes=blocks)
         lp, ent = losses.linear_logprob(h, w, targets, with_entropy=True, impl="pallas", block_sizes=blocks)
-        return jnp.sum(kl) + jnp.sum(lp + ent)
+        # The running top-k (k = 5: a block of P = 8 slots) beside the lse, as the learner runs it.
+        lp_k, ent_k, _, top = losses.linear_logprob_topk(h, w, targets, 5, impl="pallas", block_sizes=blocks)
+        return jnp.sum(kl) + jnp.sum(lp + ent) + jnp.sum(lp_k + ent_k) + jnp.sum(top)
 
     lowered = jax.jit(jax.grad(objective, argnums=(0, 1))).trace(*shapes).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    for kernel in ("fused_linear_lse", "fused_linear_dh", "fused_linear_dw"):
+    for kernel in ("fused_linear_lse", "fused_linear_stats", "fused_linear_dh", "fused_linear_dw"):
         assert f'name = "{kernel}"' in text
 
 
@@ -345,3 +405,7 @@ def test_no_implementation_but_dense_materialises_the_logits():
     assert topk < logits / 4, topk / logits
     topk_grad = temp(grad(lambda h, w, t: losses.linear_logprob_topk(h, w, t, k)[0].sum()), (h, w, targets))
     assert topk_grad < logits / 4, topk_grad / logits
+    # A teacher's top-k alone (the cache, the offline drafter's targets).
+    teacher = temp(lambda h, w: losses.linear_topk(h, w, k), (h, w))
+    assert teacher < logits / 4, teacher / logits
+    assert temp(lambda h, w: losses.linear_topk(h, w, k, impl="dense"), (h, w)) >= logits

@@ -8,6 +8,9 @@ Public API:
   linear_logprob_topk(h_ND, w_DV, targets_N, k, ...) -> (logp_N, entropy_N, ids_NK, logp_NK)
       the same log-probs from the same projection pass, plus each row's top-k ids and
       log-probs: what the online drafter learns from (no gradient).
+  linear_topk(h_ND, w_DV, k, ...) -> (ids_NK, logp_NK)
+      a teacher's top-k ids and log-probs alone (the teacher cache, the offline drafter's
+      targets), from the same blockwise pass.
   BlockSizes: tiling knobs (pallas_kernels.fused_linear_kl).
 
 Math (z = (h @ w) / T in float32, q = softmax(z) over the full vocabulary, S the row's
@@ -56,7 +59,8 @@ from jax.scipy.special import xlogy
 from pallas_kernels import fused_linear_kl as fk
 from pallas_kernels.fused_linear_kl import BlockSizes
 
-__all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_logprob_topk", "linear_topk_kl", "resolve_impl"]
+__all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_logprob_topk", "linear_topk", "linear_topk_kl",
+           "resolve_impl", "topk_from_logits"]
 
 IMPLS = ("auto", "dense", "chunked_xla", "pallas")
 REDUCTIONS = ("none", "sum", "mean")
@@ -79,14 +83,22 @@ class _Config:
     blocks: BlockSizes | None
     tail: bool = False
     with_entropy: bool = False
-    top_k: int = 0  # the per-token log-prob pass also keeps each row's top-k (chunked_xla)
+    top_k: int = 0  # the per-token log-prob pass also keeps each row's top-k
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """Maps "auto" to the implementation measured fastest on the backend."""
+    """Maps "auto" to the implementation measured fastest on the backend; an impl with no
+    lowering on the backend (pallas on a TPU, or on a GPU without the Triton backend) is
+    refused, naming those it has."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return _AUTO_IMPL.get(backend or jax.default_backend(), "chunked_xla") if impl == "auto" else impl
+    backend = backend or jax.default_backend()
+    if impl == "auto":
+        return _AUTO_IMPL.get(backend, "chunked_xla")
+    if impl in fk.ENGINES and impl not in fk.engines_on(backend):
+        have = ", ".join(("auto", "dense") + fk.engines_on(backend))
+        raise ValueError(f"impl={impl!r} has no lowering on the {backend} backend; pass one of {have}.")
+    return impl
 
 
 def _as_blocks(block_sizes) -> BlockSizes | None:
@@ -341,7 +353,11 @@ def _dense_logprob(h_ND, w_DV, ids_N1, valid_N, cfg: _Config):
     logp_N = jnp.where(valid_N, jnp.take_along_axis(logq_NV, ids_N1, axis=1)[:, 0], 0.0)
     if not cfg.with_entropy:
         return logp_N
-    return logp_N, -jnp.sum(jnp.exp(logq_NV) * logq_NV, axis=1)
+    entropy_N = -jnp.sum(jnp.exp(logq_NV) * logq_NV, axis=1)
+    if not cfg.top_k:
+        return logp_N, entropy_N
+    top_logp_NK, ids_NK = jax.lax.top_k(jax.lax.stop_gradient(logq_NV), cfg.top_k)
+    return logp_N, entropy_N, ids_NK.astype(jnp.int32), top_logp_NK
 
 
 def linear_logprob(
@@ -379,26 +395,63 @@ def linear_logprob_topk(
     k: int,
     *,
     temperature: float = 1.0,
+    impl: str = "auto",
     block_sizes: BlockSizes | dict | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`linear_logprob(..., with_entropy=True)` plus the top-k of softmax(h w / T) per row,
     from one blockwise projection: (logp_N, entropy_N, ids_NK int32, logp_NK float32).
 
-    Each token block's logits give the target's log-prob, the entropy and the top-k at
-    once, so the extra outputs cost a top-k per block, not a second projection; logp_N and
-    entropy_N are those of linear_logprob, differentiable wrt h and w the same way (the
-    on-policy GRPO update takes its loss and the drafter's data from one forward); the
-    top-k carry no gradient. It runs on the chunked_xla engine, whose token blocks hold
-    full-vocabulary rows (the Pallas kernels stream vocabulary tiles).
+    The projection pass that gives the target's log-prob and the entropy keeps each row's
+    k best logits too (chunked_xla: a top-k of each token block's rows; pallas: a running
+    top-k merged per vocabulary tile), so the extra outputs cost no second projection.
+    logp_N and entropy_N are those of linear_logprob, differentiable wrt h and w the same
+    way (the on-policy GRPO update takes its loss and the drafter's data from one forward);
+    the top-k carry no gradient. ids_NK are best first, ties to the lower id (as
+    lax.top_k). k: 1 <= k <= V. impl, block_sizes: as in linear_topk_kl.
     """
     _check_projection(h_ND, w_DV, temperature)
     _check_ids("targets_N", targets_N, h_ND, trailing=())
-    if not 1 <= k <= w_DV.shape[1]:
-        raise ValueError(f"k={k} must lie in [1, {w_DV.shape[1]}] (the vocabulary size).")
-    cfg = _Config("chunked_xla", float(temperature), _as_blocks(block_sizes), with_entropy=True, top_k=int(k))
+    _check_top_k("k", k, w_DV)
+    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), with_entropy=True, top_k=int(k))
     ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
-    logp_N, entropy_N, ids_NK, logp_NK = _logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
+    forward = _dense_logprob if cfg.impl == "dense" else _logprob
+    logp_N, entropy_N, ids_NK, logp_NK = forward(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
     return logp_N, entropy_N, ids_NK, jax.lax.stop_gradient(logp_NK)
+
+
+def linear_topk(
+    h_ND: jax.Array,
+    w_DV: jax.Array,
+    k: int,
+    *,
+    temperature: float = 1.0,
+    impl: str = "auto",
+    block_sizes: BlockSizes | dict | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A teacher's top-k per row from the blockwise projection, never [N, V] logits:
+    (ids_NK int32, best first, ties to the lower id; logp_NK float32, the full-vocabulary
+    log-probs of softmax(h w / T) at those ids, not renormalised over the k). The same
+    values as `topk_from_logits` of the rows' logits (to f32 rounding). No gradient. Temporary memory is
+    one token block's logits (chunked_xla) or tile (pallas), not N x V.
+
+    h_ND, w_DV, impl, block_sizes: as in linear_topk_kl; k: 1 <= k <= V.
+    """
+    _check_projection(h_ND, w_DV, temperature)
+    _check_top_k("k", k, w_DV)
+    impl = resolve_impl(impl)
+    h_ND, w_DV = jax.lax.stop_gradient(h_ND), jax.lax.stop_gradient(w_DV)
+    if impl == "dense":
+        return topk_from_logits(jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32), k, temperature)
+    no_ids_N1 = jnp.zeros((h_ND.shape[0], 1), jnp.int32)
+    stats = fk.row_stats(impl, h_ND, w_DV, no_ids_N1, temperature=float(temperature), with_ez=False,
+                         blocks=_as_blocks(block_sizes), top_k=int(k))
+    return stats.top_ids.astype(jnp.int32), stats.top_z - stats.lse[:, None]
+
+
+def _check_top_k(name, k, w_DV):
+    if not 1 <= k <= w_DV.shape[1]:
+        raise ValueError(f"{name}={k} must lie in [1, {w_DV.shape[1]}] (the vocabulary size); set {name} <= "
+                         f"{w_DV.shape[1]}.")
 
 
 def topk_from_logits(logits_BTV, k: int, temperature: float = 1.0):
