@@ -26,6 +26,9 @@ breakdown. The steps, as the code runs them:
                  KV-cache slots of seq_len tokens each
   distill        DistillTrainer.step_fn: one update of the student from a top-100 teacher
                  cache, micro_batch rows, per-layer rematerialisation
+  teacher        the distillation teacher (`distill.train.make_teacher_topk`): its top-100
+                 ids and log-probs over micro_batch rows, what the cache writer (and the
+                 online teacher) runs per call; the forward pass only
 
 Micro-batches are multiples of the data-parallel size (data x fsdp; for decode, the
 slots of one rollout group: fsdp). The search compiles the smallest micro-batch and
@@ -53,7 +56,7 @@ import sys
 import time
 
 GB = 1e9
-STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp", "drafter", "decode", "distill")
+STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp", "drafter", "decode", "distill", "teacher")
 ATTENTION_STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp")  # those that take --attention_impl
 DISTILL_TOP_K = 100  # the teacher cache's K at real scale (the paper's)
 DEFAULT_PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-3b")
@@ -202,6 +205,14 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         rows["ids"] = spec((batch, s, k), jnp.int32)
         rows["logp"] = spec((batch, s, k), jnp.bfloat16)
         return trainer.step_fn(params, rows).lower(_abstract_state(trainer.optimizer, params), rows), 0
+    if case.step == "teacher":
+        from tlt_jax.distill.train import teacher_topk_step
+
+        k = min(DISTILL_TOP_K, model_config.vocab_size)
+        # bfloat16 log-probs, as the llama3-8b-to-3b-32k preset caches them.
+        step = teacher_topk_step(model_config, params, mesh, k=k, temperature=1.0, logp_dtype="bfloat16")
+        rows = spec((batch, s), jnp.int32)
+        return step.lower(params, rows, rows, rows), 0
     raise ValueError(f"Unknown step {case.step!r}; steps: {', '.join(STEPS)}.")
 
 

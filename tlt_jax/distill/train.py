@@ -99,16 +99,23 @@ def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
     One function for both modes: the cache writer calls it offline, the loop online. Log-probs
     leave it already rounded to the cache's dtype, so the student sees the same values either way.
     """
+    jitted = teacher_topk_step(model_cfg, params, mesh, k=k, temperature=temperature, logp_dtype=logp_dtype)
+    return lambda tokens_BT, positions_BT, segment_ids_BT: jitted(params, tokens_BT, positions_BT, segment_ids_BT)
+
+
+def teacher_topk_step(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float, logp_dtype: str):
+    """The jitted teacher of `make_teacher_topk`: (params, tokens_BT, positions_BT,
+    segment_ids_BT) -> (ids_BTK, logp_BTK). params may be jax.ShapeDtypeStructs (`.lower`
+    then compiles it abstractly, as plan_memory's teacher step does)."""
     def fn(params, tokens_BT, positions_BT, segment_ids_BT):
         h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
         ids_BTK, logp_BTK = losses.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
         return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
 
     rows_sh, out_sh = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3)
-    jitted = sharding.jit_sharded(
+    return sharding.jit_sharded(
         fn, in_shardings=(tfm.param_shardings(model_cfg, params, mesh), rows_sh, rows_sh, rows_sh),
         out_shardings=(out_sh, out_sh))
-    return lambda tokens_BT, positions_BT, segment_ids_BT: jitted(params, tokens_BT, positions_BT, segment_ids_BT)
 
 
 def cache_meta(rows: dict, *, teacher_fingerprint: str, tokenizer_fingerprint: str, top_k: int, temperature: float,
