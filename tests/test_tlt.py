@@ -316,3 +316,32 @@ def test_the_rows_of_each_task_are_scored_on_their_own():
     assert got["drafter/served_accept_rate/a"] != got["drafter/served_accept_rate/b"]
     alone.add(2, tokens, [2, 3, 2], [8, 9, 10], data)  # one task: no per-task figures
     assert not any(k.count("/") > 1 for k in alone.served_metrics(2))
+
+
+def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_with():
+    """Four steps at a high learning rate move the drafter; with a trust region toward the
+    engine's version they move it far less. The anchor is the version published: each
+    step reports its distance from it before updating, 0 right after a publish."""
+    def moved(trust_region, publish_after=None):
+        online = _tiny_online(OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=0,
+                                                  trust_region=trust_region,
+                                                  optimizer=OptimizerConfig(learning_rate=3e-2)))
+        _add_three_rows(online, 1)
+        start = jax.device_get(online.state.params)
+        outs = []
+        for i in range(4):
+            outs.append(online.train_step(spot.ALL))
+            if i == publish_after:
+                assert online.publish()
+        now = jax.device_get(online.state.params)
+        distance = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(start))))
+        return distance, outs
+
+    free, outs_free = moved(0.0)
+    held, _ = moved(30.0)
+    assert "anchor_distance" not in outs_free[0]
+    assert held < 0.5 * free, (held, free)
+    distances = [out["anchor_distance"] for out in moved(30.0, publish_after=1)[1]]
+    assert distances[0] == distances[2] == 0 and distances[1] > 0 and distances[3] > 0, distances
+    with pytest.raises(ValueError, match=r"tlt.drafter.trust_region=-1.0 must be >= 0"):
+        _tiny_online(OnlineDrafterConfig(trust_region=-1.0))

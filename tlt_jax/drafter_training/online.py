@@ -65,6 +65,9 @@ class OnlineDrafterConfig:
     kl_weight: float = 1.0
     feature_noise: float = 0.2
     ttt_steps: int = 1  # training-time test passes (DrafterTrainer; 1: none)
+    # Weight of a pull toward the version the engine drafts with (DrafterTrainer; 0: none):
+    # each RL step's drafter moves from the last published one only as far as its data pays.
+    trust_region: float = 0.0
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
     # Rows of each RL step, at most, on which the drafter that drafted its rollouts is
@@ -118,7 +121,7 @@ class OnlineDrafter:
             self._trainers[group] = DrafterTrainer(
                 self.target_config, self.drafter_config, c.optimizer, self.engine.groups[group].mesh, top_k=c.top_k,
                 feature_weight=c.feature_weight, kl_weight=c.kl_weight, temperature=self.temperature,
-                feature_noise=c.feature_noise, ttt_steps=c.ttt_steps)
+                feature_noise=c.feature_noise, ttt_steps=c.ttt_steps, trust_region=c.trust_region)
         return self._trainers[group]
 
     # -- data
@@ -222,7 +225,8 @@ class OnlineDrafter:
             self._home = group
         target = shared_target_params(self.engine.groups[group].params)
         rows = self.buffer.sample(self.config.batch_size, self.train_batch_rows(self.buffer.num_rows))
-        self.state, out = trainer.step(self.state, target, rows, jax.random.fold_in(self._noise_key, self.steps))
+        self.state, out = trainer.step(self.state, target, rows, jax.random.fold_in(self._noise_key, self.steps),
+                                       anchor=self.engine.groups[group].drafter_params)
         faults.maybe_kill("drafter_step", self.steps)
         out = {k: float(v) for k, v in jax.device_get(out).items()}
         self.steps += 1
@@ -245,7 +249,8 @@ class OnlineDrafter:
         copy = jax.tree.map(jnp.copy, self.state)
         target = shared_target_params(self.engine.groups[self._home].params)
         for rows in sorted({self.train_batch_rows(held) for held in range(1, self.config.batch_size + 1)}):
-            copy, _ = trainer.step(copy, target, self.buffer.empty_batch(rows), self._noise_key)
+            copy, _ = trainer.step(copy, target, self.buffer.empty_batch(rows), self._noise_key,
+                                   anchor=self.engine.groups[self._home].drafter_params)
         jax.block_until_ready(copy)
         if self.config.eval_rows:
             for rows in sorted({self.eval_batch_rows(held) for held in range(1, max_rows_per_step + 1)}):

@@ -215,7 +215,11 @@ class DrafterTrainer:
     def __init__(self, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
                  optimizer_config: OptimizerConfig, mesh, *, top_k: int, feature_weight: float, kl_weight: float,
                  temperature: float = 1.0, feature_noise: float = 0.0, loss_impl: str = "auto",
-                 topk_block: int = 0, remat: bool = False, ttt_steps: int = 1):
+                 topk_block: int = 0, remat: bool = False, ttt_steps: int = 1, trust_region: float = 0.0):
+        """trust_region: weight of (1/2) * sum of squares of the drafter's distance to an
+        anchor (`step`'s `anchor`, e.g. the version the engine drafts with); 0: none."""
+        if trust_region < 0:
+            raise ValueError(f"tlt.drafter.trust_region={trust_region} must be >= 0 (0: none).")
         if ttt_steps < 1:
             raise ValueError(f"ttt_steps={ttt_steps} must be >= 1 (1: no training-time test).")
         if remat and ttt_steps > 1:
@@ -227,6 +231,7 @@ class DrafterTrainer:
         self._loss_kwargs = dict(feature_weight=feature_weight, kl_weight=kl_weight, temperature=temperature,
                                  loss_impl=loss_impl, topk_block=topk_block, remat=remat, ttt_steps=ttt_steps)
         self.feature_noise = feature_noise
+        self.trust_region = trust_region
         self._target_fn = self._step = self._eval = None
 
     # -- shardings
@@ -268,33 +273,48 @@ class DrafterTrainer:
         return {**rows, **self._target_fn(target_params, rows)}
 
     def _loss(self, drafter_params, inputs, noise: bool):
-        return drafter_loss(drafter_params, inputs["target"], self.target_config, self.drafter_config,
-                            inputs["batch"], feature_noise=self.feature_noise if noise else 0.0,
-                            noise_key=inputs.get("key"), **self._loss_kwargs)
+        loss, aux = drafter_loss(drafter_params, inputs["target"], self.target_config, self.drafter_config,
+                                 inputs["batch"], feature_noise=self.feature_noise if noise else 0.0,
+                                 noise_key=inputs.get("key"), **self._loss_kwargs)
+        if "anchor" in inputs:  # a trust region: pulled toward the version the engine drafts with
+            distance = sum(jnp.sum(jnp.square(p.astype(jnp.float32) - a.astype(jnp.float32)))
+                           for p, a in zip(jax.tree.leaves(drafter_params), jax.tree.leaves(inputs["anchor"])))
+            loss = loss + 0.5 * self.trust_region * distance
+            aux = dict(aux, anchor_distance=jnp.sqrt(distance))
+        return loss, aux
 
-    def _input_shardings(self, target_params, batch, with_key: bool):
+    def _input_shardings(self, target_params, batch, with_key: bool, anchor=None):
         out = {"target": self.target_shardings(target_params), "batch": self._batch_shardings(batch)}
         if with_key:
             out["key"] = sharding.replicated(self.mesh)
+        if anchor is not None:
+            out["anchor"] = self.drafter_shardings(anchor)
         return out
 
-    def step(self, state: TrainState, target_params, batch: dict, noise_key: jax.Array):
+    def step(self, state: TrainState, target_params, batch: dict, noise_key: jax.Array, anchor=None):
         """One guarded update on `self.batch` output; returns (state, {"loss", "kl",
-        "feature_loss", "top1_agree", "accept_rate", "count", "grad_norm", "skipped"})."""
-        step = self.step_fn(state.params, target_params, batch)
+        "feature_loss", "top1_agree", "accept_rate", "count", "grad_norm", "skipped"}, and
+        with a trust region "anchor_distance"). anchor: the drafter parameters the trust
+        region pulls toward (required when trust_region > 0, ignored otherwise)."""
+        if self.trust_region and anchor is None:
+            raise ValueError("A trust region needs the anchor it pulls toward: pass anchor=.")
+        anchor = anchor if self.trust_region else None
+        step = self.step_fn(state.params, target_params, batch, anchor)
         # Host rows as arrays on the mesh first: with several processes jit takes no numpy
         # input with a non-trivial sharding, even one this process alone holds.
         batch = jax.device_put(batch, self._batch_shardings(batch))
-        return step(state, {"target": target_params, "batch": batch, "key": noise_key})
+        inputs = {"target": target_params, "batch": batch, "key": noise_key}
+        return step(state, inputs if anchor is None else dict(inputs, anchor=anchor))
 
-    def step_fn(self, drafter_params, target_params, batch: dict):
-        """The jitted update of `step`: (state, {"target", "batch", "key"}) -> (state,
-        metrics), the state donated. Its arguments may be jax.ShapeDtypeStructs (`.lower`
-        then compiles it abstractly)."""
+    def step_fn(self, drafter_params, target_params, batch: dict, anchor=None):
+        """The jitted update of `step`: (state, {"target", "batch", "key"[, "anchor"]}) ->
+        (state, metrics), the state donated. Its arguments may be jax.ShapeDtypeStructs
+        (`.lower` then compiles it abstractly)."""
         if self._step is None:
             st_sh = state_shardings(self.optimizer, drafter_params, self.drafter_shardings(drafter_params), self.mesh)
             self._step = jit_train_step(lambda p, inputs: self._loss(p, inputs, noise=True), self.optimizer, st_sh,
-                                        self._input_shardings(target_params, batch, True), self.mesh, has_aux=True)
+                                        self._input_shardings(target_params, batch, True, anchor), self.mesh,
+                                        has_aux=True)
         return self._step
 
     def evaluate(self, drafter_params, target_params, batch: dict) -> dict:
