@@ -193,6 +193,7 @@ def test_served_metrics_report_each_training_time_test_pass(target, rows):
     def served(out):
         drafter = types.SimpleNamespace(config=types.SimpleNamespace(eval_rows=4), _home=0,
                                         _evaluate=lambda g, r, params=None: out, _initial_params=lambda g: None,
+                                        _rows_by_task={},
                                         eval_batch_rows=lambda held: 4,
                                         buffer=types.SimpleNamespace(rows_of_step=lambda step, n: {},
                                                                      num_rows_of_step=lambda step: 4))
