@@ -125,6 +125,11 @@ MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
+# A drafter from nothing (mode scratch) learns at the online default's 1e-3, not at the
+# 1e-4 that keeps a warm start where it drafts well, and may spend a tenth of the run's
+# time in catch-up steps while it has everything to learn.
+_SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_max_share=0.1))
+
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
     # counts: most short, a few 4x the median), so the batch drains through a long tail.
@@ -195,7 +200,7 @@ PRESETS = {
                          warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True,
                          learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                          drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
-                         spot=dict(catch_up_max_share=0.02)),
+                         spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
     # A change of response style between warm start and RL: the warm start (configs/sft.py:
     # drift_shift) and its offline drafter saw additions (A) and a small share of countdowns
     # (B); RL trains on both, one prompt of each a step (balance_tasks), so B's completions
@@ -206,7 +211,7 @@ PRESETS = {
                             rl_tasks=tasks_drift_shift, balance_tasks=True,
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                             drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
-                            spot=dict(catch_up_max_share=0.02)),
+                            spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
     # The H200's, on the spec block's 16-layer 180M target (`--target`: used as it is; without
     # it, the shipped model deepened to 48 layers). 2 prompts x 8 samples, so
     # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its
@@ -329,8 +334,10 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.tlt.tuner.max_active = preset["num_slots"]
     if mode == "frozen":
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
-    if mode == "scratch":
+    if mode == "scratch":  # a drafter from nothing, with the preset's recipe for one (`scratch`)
         c.tlt.drafter.init = ""
+        c.tlt.drafter.update(preset.get("scratch", {}).get("drafter", {}))
+        c.tlt.spot.update(preset.get("scratch", {}).get("spot", {}))
     if mode == "ngram":
         c.tlt.tuner.arms = [[a for a in arms if not a.startswith("eagle")] for arms in c.tlt.tuner.arms]
     if mode == "history":
