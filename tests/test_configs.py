@@ -14,8 +14,9 @@ from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rl import train as rl_train
 from tlt_jax.rollout import tuner as tuner_lib
 
-PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS], sft: ["tiny", "gpu", "long_tail", "hf", "example"],
-           drafter: ["tiny", "fused", "gpu", "long_tail"], distill: ["tiny", "llama3-8b-to-3b-32k"],
+PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS],
+           sft: ["tiny", "gpu", "long_tail", "drift_shift", "hf", "example"],
+           drafter: ["tiny", "fused", "gpu", "long_tail", "drift_shift"], distill: ["tiny", "llama3-8b-to-3b-32k"],
            generate: list(models.PRESET_NAMES)}
 
 
@@ -126,3 +127,15 @@ def test_no_config_file_imports_one_that_imports_it_back():
 
     circles = sorted(name for name in graph if reaches(name, name))
     assert not circles, f"configs/ files in an import circle: {circles} ({graph})"
+
+
+@pytest.mark.parametrize("schedule, field, value", [("cosine", "decay_steps", 5000), ("constant", "warmup_steps", 3001)])
+def test_a_drafter_schedule_longer_than_the_run_is_refused_naming_the_field(schedule, field, value):
+    """tiny: 60 RL steps of at most 50 drafter steps each, 3000 optimizer steps at most."""
+    config = rl.get_config("tiny")
+    config.tlt.drafter.optimizer.update(schedule=schedule, **{field: value})
+    with pytest.raises(ValueError, match=rf"tlt.drafter.optimizer.{field}={value}: .* more than the 3000 this run "
+                                         r"can take \(steps=60 x tlt.spot.max_steps_per_rl_step=50\)"):
+        rl_train.check_config(config)
+    config.tlt.drafter.optimizer.update(schedule=schedule, warmup_steps=0, decay_steps=1000)
+    rl_train.check_config(config)

@@ -198,6 +198,16 @@ def check_config(config) -> None:
                              f"{-(-rows // fsdp) * fsdp}.")
     if not c.init and c.num_layers < 1:
         raise ValueError(f"tlt.drafter.num_layers={c.num_layers}: a drafter needs at least one layer.")
+    # A schedule the run cannot reach the end of never gives the learning rate it was set for.
+    most = config.steps * config.tlt.spot.max_steps_per_rl_step
+    o = c.optimizer
+    length = o.warmup_steps + (o.decay_steps if o.schedule == "cosine" else 0)
+    if length > most:
+        field = "decay_steps" if o.schedule == "cosine" else "warmup_steps"
+        raise ValueError(f"tlt.drafter.optimizer.{field}={o[field]}: the drafter's schedule runs {length} optimizer "
+                         f"steps, more than the {most} this run can take (steps={config.steps} x "
+                         f"tlt.spot.max_steps_per_rl_step={config.tlt.spot.max_steps_per_rl_step}); shorten it or "
+                         "use schedule='constant'.")
     launch.check_path(config, "tlt.drafter.init", kind="directory",
                       hint="pass a drafter export (`python -m experiments.train_drafter` writes one), or set "
                            "--config.tlt.drafter.init='' to start the drafter from scratch.")
@@ -244,7 +254,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
         micro_batch_size=lc.micro_batch_size, temperature=r.temperature, remat=lc.remat,
         old_policy_pass=lc.old_policy_pass,
-        attention_impl=lc.attention_impl, grpo=grpo.GRPOConfig(**config.grpo)), mesh)
+        logprob_impl=lc.logprob_impl, attention_impl=lc.attention_impl, grpo=grpo.GRPOConfig(**config.grpo)), mesh)
     state = learner.init_state(params)
     keep_reference = config.grpo.kl_coef > 0 or config.track_kl
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
