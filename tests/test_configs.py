@@ -129,7 +129,8 @@ def test_no_config_file_imports_one_that_imports_it_back():
     assert not circles, f"configs/ files in an import circle: {circles} ({graph})"
 
 
-@pytest.mark.parametrize("schedule, field, value", [("cosine", "decay_steps", 5000), ("constant", "warmup_steps", 3001)])
+@pytest.mark.parametrize("schedule, field, value",
+                         [("cosine", "decay_steps", 5000), ("constant", "warmup_steps", 3001)])
 def test_a_drafter_schedule_longer_than_the_run_is_refused_naming_the_field(schedule, field, value):
     """tiny: 60 RL steps of at most 50 drafter steps each, 3000 optimizer steps at most."""
     config = rl.get_config("tiny")
