@@ -105,6 +105,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # and the drafter's data; always: a separate old-policy forward first
         old_policy_pass="auto",
         attention_impl="auto",  # dense | blockwise | cudnn | auto (blockwise or cuDNN for long rows)
+        logprob_impl="auto",  # the log-prob / entropy / drafter top-K projection: auto | dense | chunked_xla | pallas
         optimizer=dict(learning_rate=5e-5, warmup_steps=2, schedule="constant", decay_steps=1000,
                        weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0)))
     c.steps = 60

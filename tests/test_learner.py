@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from pallas_kernels import fused_linear_kl
 from tlt_jax import sharding
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.online import OnlineDrafter
@@ -136,6 +137,34 @@ def test_old_policy_outputs_share_the_forward_with_the_logprobs():
     top, top_ids = jax.lax.top_k(ref, 5)
     np.testing.assert_array_equal(data.ids, top_ids)
     np.testing.assert_allclose(data.logp, top, atol=1e-5)
+
+
+def test_the_configured_projection_gives_log_probs_and_drafter_data(monkeypatch):
+    """learner.logprob_impl reaches every projection of the old-policy pass, the drafter's
+    top-K included: pallas (interpret mode) gives chunked_xla's outputs. An impl the
+    backend has no lowering for is refused at construction, naming the field."""
+    params = tfm.init_params(CFG, jax.random.PRNGKey(2), init_std=0.2)
+    batch, _ = loop.build_batch(*SAMPLES, seq_len=T, pad_id=0, minibatch_rows=lambda r: 8)
+    rows = tuple(jnp.asarray(x) for x in _rows(batch))
+    pallas_calls = []
+    stats = fused_linear_kl._pallas_row_stats
+    monkeypatch.setattr(fused_linear_kl, "_pallas_row_stats", lambda *a, **k: pallas_calls.append(1) or stats(*a, **k))
+    outs = {}
+    for impl in ("chunked_xla", "pallas"):
+        learner = Learner(CFG, LearnerConfig(temperature=0.9, logprob_impl=impl), _mesh((1, 1, 1)))
+        outs[impl] = learner.logprobs_and_drafter_data(params, *rows, top_k=5)
+    assert pallas_calls  # traced once per compiled shape, by the pallas learner alone
+    (logp, ent, data), (ref_logp, ref_ent, ref_data) = outs["pallas"], outs["chunked_xla"]
+    np.testing.assert_array_equal(data.ids, ref_data.ids)
+    for got, want in ((logp, ref_logp), (ent, ref_ent), (data.logp, ref_data.logp)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+    with pytest.raises(ValueError, match="learner.logprob_impl='cuda': impl must be one of"):
+        Learner(CFG, LearnerConfig(logprob_impl="cuda"), _mesh((1, 1, 1)))
+    monkeypatch.setattr(fused_linear_kl, "engines_on", lambda backend: ("chunked_xla",))  # no Pallas lowering
+    with pytest.raises(ValueError, match="learner.logprob_impl='pallas': impl='pallas' has no lowering on the cpu "
+                                         "backend; pass one of auto, dense, chunked_xla"):
+        Learner(CFG, LearnerConfig(logprob_impl="pallas"), _mesh((1, 1, 1)))
 
 
 def test_unpacked_drafter_data_equals_the_pass_over_one_sample_per_row():

@@ -65,7 +65,7 @@ class LearnerConfig:
     # (`Learner.on_policy`); "always": a separate forward first, as verl does.
     old_policy_pass: str = "auto"
     remat: bool = True
-    logprob_impl: str = "auto"
+    logprob_impl: str = "auto"  # `losses.IMPLS`: the projection of the log-probs, entropy and drafter's top-K
     attention_impl: str = "auto"  # `attention.attention`'s impl: "dense" forms [n, heads, T, T] scores
     grpo: grpo.GRPOConfig = grpo.GRPOConfig()
 
@@ -79,9 +79,9 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
     """One target forward's per-token outputs, of rows packed as `token_logprobs`':
     (logp [n, T-1], entropy [n, T-1], DrafterData or None). With top_k > 0 the log-probs,
     the entropy and the drafter's top-K come out of the same blockwise projection
-    (`losses.linear_logprob_topk`), so no [n, T, V] logits exist; without, no drafter data
-    and `logprob_impl`'s projection. logp and entropy are differentiable (the on-policy
-    update's loss), the drafter data is not."""
+    (`losses.linear_logprob_topk`), so no [n, T, V] logits exist; without, no drafter data.
+    Either way the projection is `logprob_impl`'s. logp and entropy are differentiable (the
+    on-policy update's loss), the drafter data is not."""
     out = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=positions_nT[:, :-1],
                       segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers), remat=remat,
                       attention_impl=attention_impl)
@@ -93,7 +93,7 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
                                               with_entropy=True, impl=logprob_impl)
         return logp.reshape(n, t), entropy.reshape(n, t), None
     logp, entropy, ids, top_logp = losses.linear_logprob_topk(h.reshape(n * t, d), w, targets, top_k,
-                                                              temperature=temperature)
+                                                              temperature=temperature, impl=logprob_impl)
     data = DrafterData(jax.lax.stop_gradient(h), ids.reshape(n, t, top_k), top_logp.reshape(n, t, top_k),
                        None if layers is None else jnp.moveaxis(layers, 0, 2))
     return logp.reshape(n, t), entropy.reshape(n, t), data
@@ -123,6 +123,10 @@ class Learner:
         if config.old_policy_pass not in OLD_POLICY_PASSES:
             raise ValueError(f"LearnerConfig.old_policy_pass={config.old_policy_pass!r}: choose from "
                              f"{OLD_POLICY_PASSES}.")
+        try:  # refused here, naming the backend's impls, rather than at the first step's trace
+            losses.resolve_impl(config.logprob_impl)
+        except ValueError as e:
+            raise ValueError(f"learner.logprob_impl={config.logprob_impl!r}: {e}") from e
         self.model_config, self.config, self.mesh = model_config, config, mesh
         self.optimizer = make_optimizer(config.optimizer)
         self._steps: dict = {}
@@ -205,7 +209,8 @@ class Learner:
         if key not in self._steps:
             fn = lambda p, t, pos, seg: policy_outputs(
                 p, self.model_config, t, pos, seg, temperature=self.config.temperature, top_k=top_k,
-                feature_layers=feature_layers, attention_impl=self.config.attention_impl)
+                feature_layers=feature_layers, logprob_impl=self.config.logprob_impl,
+                attention_impl=self.config.attention_impl)
             rows = jax.ShapeDtypeStruct(tokens_nT.shape, jnp.int32)
             out_shapes = jax.eval_shape(fn, params, rows, rows, rows)
             out_sh = jax.tree.map(lambda x: sharding.batch_sharding(self.mesh, x.ndim), out_shapes)
