@@ -4,12 +4,13 @@ another teacher is refused."""
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from configs import distill as distill_config
 from configs import models
-from tlt_jax import metrics
+from tlt_jax import metrics, sharding
 from tlt_jax.data import tasks
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.distill import train
@@ -145,3 +146,16 @@ def test_the_32k_preset_is_the_papers_setting_and_names_its_required_teacher():
         train.check_paths(c)
     with pytest.raises(ValueError, match="presets: tiny, llama3-8b-to-3b-32k"):
         distill_config.get_config("llama3-70b")
+
+
+def test_the_teacher_never_forms_a_row_of_logits():
+    """XLA's temp bytes (compile time, nothing allocated) of the teacher's top-K at a shape
+    where one row's float32 logits are 128 MiB: a token block's worth of them, not the row."""
+    t, v = 2048, 16384
+    cfg = from_config_dict(models.model_config("tiny")).replace(vocab_size=v)
+    params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.PRNGKey(0)))
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    step = train.teacher_topk_step(cfg, params, mesh, k=8, temperature=1.0, logp_dtype="float32")
+    rows = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    temp = step.lower(params, rows, rows, rows).compile().memory_analysis().temp_size_in_bytes
+    assert temp < t * v * 4 / 3, temp / (t * v * 4)  # the CPU's block: 256 of the 2048 rows

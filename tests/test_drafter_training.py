@@ -279,3 +279,17 @@ def test_export_round_trip_and_target_check(tmp_path, target):
         io.save_drafter(tmp_path / "other", dparams, PLAIN, CFG, "sha256:abc")
     with pytest.raises(FileNotFoundError, match="experiments.train_drafter"):
         io.load_drafter(tmp_path / "missing")
+
+
+def test_target_topk_never_forms_a_row_of_logits():
+    """XLA's temp bytes (compile time) of the target's outputs at a shape where the
+    batch's float32 logits are 128 MiB: the top-K comes from the blockwise projection, a
+    token block's logits at a time."""
+    b, t, v = 2, 1024, 16384
+    cfg = ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.PRNGKey(0)))
+    rows = {name: jax.ShapeDtypeStruct((b, t), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+    fn = jax.jit(lambda p, r: dt.target_outputs(p, cfg, PLAIN, r, top_k=K))
+    temp = fn.lower(params, rows).compile().memory_analysis().temp_size_in_bytes
+    assert temp < b * t * v * 4 / 3, temp / (b * t * v * 4)

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, launch, losses, metrics, sharding
+from tlt_jax import checkpoint, fingerprint, launch, logprobs, losses, metrics, sharding
 from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.distill import teacher_cache as tc
@@ -98,6 +98,9 @@ def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
 
     One function for both modes: the cache writer calls it offline, the loop online. Log-probs
     leave it already rounded to the cache's dtype, so the student sees the same values either way.
+    The top-k comes from the blockwise projection (`logprobs.topk_of_hidden`): beyond the forward,
+    the teacher's temporary memory is one token block's logits, never [B, T, V] (16.8 GB in
+    float32 for one row of 32,768 tokens at Llama-3's vocabulary).
     """
     jitted = teacher_topk_step(model_cfg, params, mesh, k=k, temperature=temperature, logp_dtype=logp_dtype)
     return lambda tokens_BT, positions_BT, segment_ids_BT: jitted(params, tokens_BT, positions_BT, segment_ids_BT)
@@ -109,7 +112,7 @@ def teacher_topk_step(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
     then compiles it abstractly, as plan_memory's teacher step does)."""
     def fn(params, tokens_BT, positions_BT, segment_ids_BT):
         h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
-        ids_BTK, logp_BTK = losses.topk_from_logits(tfm.logits_from_hidden(params, model_cfg, h_BTD), k, temperature)
+        ids_BTK, logp_BTK = logprobs.topk_of_hidden(params, model_cfg, h_BTD, k, temperature=temperature)
         return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
 
     rows_sh, out_sh = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tlt_jax import checkpoint, evaluation, fingerprint, launch, losses, metrics, sampling, sharding
+from tlt_jax import checkpoint, evaluation, fingerprint, launch, logprobs, losses, metrics, sampling, sharding
 from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.drafter_training import io
@@ -80,23 +80,14 @@ def _by_position_blocks(fn, block: int, *arrays_BT):
     return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), out_T)
 
 
-def topk_of_hidden(params, config: ModelConfig, h_BTD: jax.Array, k: int, temperature: float = 1.0,
-                   block: int = 0):
-    """(ids_BTK int32, logp_BTK float32): top-k of the logits of hidden states, `block`
-    positions at a time (0: all at once) so that only [B, block, V] logits ever exist."""
-    def topk(h_xD):
-        return losses.topk_from_logits(tfm.logits_from_hidden(params, config, h_xD), k, temperature)
-
-    return _by_position_blocks(topk, block, h_BTD)
-
-
 def draft_agreement(params, config: ModelConfig, g_BTD: jax.Array, ids_BTK: jax.Array, logp_BTK: jax.Array,
                     temperature: float = 1.0, block: int = 0):
     """(top1_BT int32, accept_BT float32): the argmax token of the logits of the drafter's
     predicted hidden states g_BTD, and the probability that a draft sampled from them passes
     lossless verification against the target's top-K (ids_BTK, logp_BTK): sum over those
     ids of min(p, q), q the drafter's softmax at `temperature` (a lower bound by the target's
-    mass outside its top K; exact when that is zero). `block` as in topk_of_hidden."""
+    mass outside its top K; exact when that is zero). `block` positions at a time (0: all
+    at once), so that only [B, block, V] logits ever exist."""
     def agree(g_xD, ids_xK, logp_xK):
         logits_xV = tfm.logits_from_hidden(params, config, g_xD) / temperature
         logq_xK = jnp.take_along_axis(logits_xV, ids_xK, -1) - jax.nn.logsumexp(logits_xV, -1, keepdims=True)
@@ -114,7 +105,10 @@ def target_outputs(target_params, target_config: ModelConfig, drafter_config: dr
     out = tfm.forward(target_params, target_config, rows["tokens"], positions_BT=rows["positions"],
                       segment_ids_BT=rows["segment_ids"], layer_ids=drafter_config.feature_layers)
     h_BTD, layers_nBTD = out if drafter_config.feature_layers else (out, None)
-    ids_BTK, logp_BTK = topk_of_hidden(target_params, target_config, h_BTD, top_k, temperature, topk_block)
+    # The target's top-K from the blockwise projection: one token block's logits at a time,
+    # topk_block positions of every row (0: the backend's default block).
+    ids_BTK, logp_BTK = logprobs.topk_of_hidden(target_params, target_config, h_BTD, top_k, temperature=temperature,
+                                                block_tokens=topk_block * h_BTD.shape[0])
     outputs = {"hidden": h_BTD, "ids": ids_BTK, "logp": logp_BTK}
     if layers_nBTD is not None:
         outputs["layers"] = jnp.moveaxis(layers_nBTD, 0, 2)  # batch-major, like every batch field
