@@ -546,6 +546,8 @@ def run_in_process(modes: list[str]) -> dict:
             acceptance_length=modes["tlt"]["acceptance_length"],
             final_eval_accuracy={"baseline": modes["baseline"]["final_eval_accuracy"],
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
+    in_process = [dict(run=i, pair=1, mode=m, result=dict(modes={m: s})) for i, (m, s) in enumerate(modes.items(), 1)]
+    result.update({f"{k}_in_process": v for k, v in drafter_comparisons(in_process).items()})
     _write(result)
     if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "scratch", "ngram")):
         plot_acceptance(modes, os.path.splitext(OUT.value)[0] + "_acceptance.png")
@@ -575,7 +577,29 @@ def print_in_process(result: dict) -> None:
               f"{result['step_speedup_total_in_process']:.2f}x (ratio of sums); ratio of the medians: rollout "
               f"{result['rollout_speedup_of_medians_in_process']:.2f}x, step "
               f"{result['step_speedup_of_medians_in_process']:.2f}x")
+    _print_drafter_comparisons(result)
     _warn_compiles({mode: m["new_compiled_programs"] for mode, m in modes.items()})
+
+
+def _print_drafter_comparisons(result: dict) -> None:
+    """`drafter_comparisons`' figures, and per mode the policy's KL and the drafters'
+    acceptance over the first and the last third of the steps."""
+    for key, v in result.items():
+        if "_versus_frozen" in key:
+            print(f"{key.replace('_', ' ')}, over the last third of the steps: acceptance length "
+                  f"{v.get('acceptance_length_last_third', float('nan')):.2f}x, rollout tokens/s "
+                  f"{v.get('rollout_tokens_per_s_last_third', float('nan')):.2f}x (geometric means over "
+                  f"{len(v['pairs'])} pair{'s' * (len(v['pairs']) != 1)})")
+    fmt = lambda t: ("n/a" if not t or t["first"] is None or t["last"] is None
+                     else f"{t['first']:.3f} -> {t['last']:.3f}")
+    for mode, m in result.get("modes", {}).items():
+        th = m.get("thirds", {})
+        if th:
+            print(f"{mode}, first third -> last third: policy KL {fmt(th.get('policy_kl_from_start'))}, live "
+                  f"acceptance {fmt(th.get('acceptance_length'))}, served drafter {fmt(th.get('served_accept_rate'))}, "
+                  f"starting drafter {fmt(th.get('initial_accept_rate'))}" + "".join(
+                      f"; {task}: served {fmt(t['thirds']['served_accept_rate'])}, starting "
+                      f"{fmt(t['thirds']['initial_accept_rate'])}" for task, t in m.get("by_task", {}).items()))
 
 
 def _print_table(rows: list[tuple[str, dict]], head: str) -> None:
@@ -910,12 +934,7 @@ def print_repeats(result: dict) -> None:
               f"{result['step_speedup_total']:.2f}x; ratio of the medians: rollout "
               f"{result['rollout_speedup_of_medians']:.2f}x, step {result['step_speedup_of_medians']:.2f}x "
               "(geometric means over the pairs)")
-    for key, v in result.items():
-        if key.endswith("_versus_frozen"):
-            print(f"{key.replace('_', ' ')}, over the last third of the steps: acceptance length "
-                  f"{v.get('acceptance_length_last_third', float('nan')):.2f}x, rollout tokens/s "
-                  f"{v.get('rollout_tokens_per_s_last_third', float('nan')):.2f}x (geometric means over "
-                  f"{len(v['pairs'])} pair{'s' * (len(v['pairs']) != 1)})")
+    _print_drafter_comparisons(result)
     _warn_compiles({f"run {r['run']} ({r['mode']})": r["result"]["modes"][r["mode"]]["new_compiled_programs"]
                     for r in result["runs"] if "result" in r})
 

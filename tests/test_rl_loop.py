@@ -202,3 +202,9 @@ def test_balanced_tasks_put_every_task_in_every_step():
     assert all(sorted(step) == ["a", "b"] for step in steps(True))
     assert steps(True) == steps(True)
     assert any(step == ["a", "a"] for step in steps(False))
+
+
+def test_accuracy_is_reported_per_task_only_for_a_mixture():
+    assert evaluation.accuracy_by_task(["b", "a", "b", "a"], [1.0, 0.0, 0.0, 0.0]) == {"accuracy/a": 0.0,
+                                                                                      "accuracy/b": 0.5}
+    assert evaluation.accuracy_by_task(["a", "a"], [1.0, 0.0]) == {}

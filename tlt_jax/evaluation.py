@@ -34,6 +34,15 @@ def decode_completions(tokenizer, token_lists, end_token_ids: Sequence[int] | No
     return [tokenizer.decode([t for t in tokens.tolist() if t not in ends]) for tokens in token_lists]
 
 
+def accuracy_by_task(tasks_n: Sequence[str], scores_n) -> dict[str, float]:
+    """{"accuracy/<task>": mean score of that task's samples} where the samples come from
+    several tasks (a mixture's tasks learn at their own pace); {} for one task."""
+    if len(set(tasks_n)) < 2:
+        return {}
+    scores_n, tasks_n = np.asarray(scores_n, np.float64), np.asarray(tasks_n)
+    return {f"accuracy/{task}": float(scores_n[tasks_n == task].mean()) for task in sorted(set(tasks_n))}
+
+
 def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampling_params: sampling.SamplingParams,
                      key: jax.Array, num_samples: int = 1, *, reward: str | rewards.RewardFn = "answer_correctness",
                      prompt_format: prompts.PromptFormat = _DEFAULT_FORMAT,
@@ -53,7 +62,8 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
     metrics = {"accuracy": float(np.mean(scores)) if len(scores) else 0.0,
                "length_mean": float(lengths.mean()) if len(lengths) else 0.0,
                "length_max": int(lengths.max(initial=0)),
-               "truncated_share": float(1.0 - ended.mean()) if len(ended) else 0.0}
+               "truncated_share": float(1.0 - ended.mean()) if len(ended) else 0.0,
+               **accuracy_by_task([e.task for e in chosen], scores)}
     texts = {}
     samples = []
     for i, example_index in enumerate(out.prompt_index.tolist()):

@@ -306,6 +306,7 @@ class RLLoop:
         metrics = {
             "reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
             "accuracy": float(correct.mean()),
+            **evaluation.accuracy_by_task([e.task for e in chosen], correct),
             "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
             "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
             "entropy": float((sharding.to_host(entropy) * mask).sum() / max(mask.sum(), 1)),
