@@ -29,6 +29,12 @@ breakdown. The steps, as the code runs them:
   teacher        the distillation teacher (`distill.train.make_teacher_topk`): its top-100
                  ids and log-probs over micro_batch rows, what the cache writer (and the
                  online teacher) runs per call; the forward pass only
+  teacher_topk   the teacher's top-100 from its final hidden states alone
+                 (`logprobs.topk_of_hidden`, the blockwise projection), micro_batch rows:
+                 the part of `teacher` that once formed [rows, seq_len, V] float32 logits.
+                 On XLA:CPU the teacher's forward holds a float32 copy of the scanned
+                 bfloat16 layer stack (28 GB for an 8B), which a GPU does not, and that
+                 hides this part in `teacher`'s total
 
 Micro-batches are multiples of the data-parallel size (data x fsdp; for decode, the
 slots of one rollout group: fsdp). The search compiles the smallest micro-batch and
@@ -56,7 +62,8 @@ import sys
 import time
 
 GB = 1e9
-STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp", "drafter", "decode", "distill", "teacher")
+STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp", "drafter", "decode", "distill", "teacher",
+         "teacher_topk")
 ATTENTION_STEPS = ("learner", "learner_remat", "learner_tlt", "old_logp")  # those that take --attention_impl
 DISTILL_TOP_K = 100  # the teacher cache's K at real scale (the paper's)
 DEFAULT_PRESETS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama3.2-3b")
@@ -213,6 +220,18 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         step = teacher_topk_step(model_config, params, mesh, k=k, temperature=1.0, logp_dtype="bfloat16")
         rows = spec((batch, s), jnp.int32)
         return step.lower(params, rows, rows, rows), 0
+    if case.step == "teacher_topk":
+        from tlt_jax import logprobs, sharding
+        from tlt_jax.models import transformer as tfm
+
+        k = min(DISTILL_TOP_K, model_config.vocab_size)
+        heads = ("embed", "lm_head")
+        head = {name: params[name] for name in heads if name in params}
+        head_sh = {name: sh for name, sh in tfm.param_shardings(model_config, params, mesh).items() if name in heads}
+        fn = lambda head, h_BTD: logprobs.topk_of_hidden(head, model_config, h_BTD, k)
+        rows_sh = sharding.batch_sharding(mesh, 3)
+        step = sharding.jit_sharded(fn, in_shardings=(head_sh, rows_sh), out_shardings=(rows_sh, rows_sh))
+        return step.lower(head, spec((batch, s, model_config.hidden_size), model_config.jnp_dtype)), 0
     raise ValueError(f"Unknown step {case.step!r}; steps: {', '.join(STEPS)}.")
 
 
