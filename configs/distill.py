@@ -91,7 +91,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # --steps=distill --seq_lens=32768`, XLA:CPU's buffer assignment, an upper bound for
         # bf16): 61.6 GB at 32k for one row, 127.3 GB for four, the most that fit 141 GB. The
         # teacher leaves the device once its cache is written. The teacher pass holds the
-        # 8B's bf16 weights (16 GB) and one row's [32768, 128256] logits.
+        # 8B's bf16 weights (16 GB) and, for its top-100, one token block's logits, not the
+        # row's [32768, 128256] (plan_memory --steps=teacher_topk: 0.41 GB temp at 32k).
         c.batch_size, c.eval_batch_size, c.cache_batch_size = 4, 1, 1
         c.remat, c.loss_impl = True, "auto"
         c.optimizer.update(learning_rate=1e-4, warmup_steps=50, decay_steps=2000)
