@@ -75,9 +75,11 @@ pallas       `pl.pallas_call` kernels, one source: interpret mode on CPU, Triton
              uncoalesced, N K D elements: expect them to show on the GPU).
              - statistics: online log-sum-exp over vocab tiles (1 projection) and,
                asked, a running top-k per row merged per tile (k rounds of
-               max-and-mask over the k kept and the tile's bv logits: k (P + bv)
-               compares a row per tile, under 1% of the tile's matmul at k=8,
-               D=3072, bv=128; P = k rounded up to a power of two).
+               max-and-mask over the P kept and the tile's bv logits, P = k
+               rounded up to a power of two: about 4 k (P + bv) vector ops a row
+               per tile against the tile's 2 D bv matmul flops, 0.6% at k=8,
+               D=3072, bv=128, but on CUDA cores rather than tensor cores: to be
+               timed on the GPU; at a teacher's k=100, 100 rounds a tile).
              - dh: per token block, recompute z tiles, accumulate the [tokens, D]
                result in its f32 output block (2 projections).
              - dW: per vocabulary tile, loop over all token blocks, recompute z,
