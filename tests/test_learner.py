@@ -159,6 +159,9 @@ def test_the_configured_projection_gives_log_probs_and_drafter_data(monkeypatch)
     for got, want in ((logp, ref_logp), (ent, ref_ent), (data.logp, ref_data.logp)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
 
+    with pytest.raises(ValueError, match="tlt.drafter.top_k=41 exceeds the policy's vocabulary \\(40\\); set "
+                                         "--config.tlt.drafter.top_k to at most 40"):
+        learner.logprobs_and_drafter_data(params, *rows, top_k=CFG.vocab_size + 1)
     with pytest.raises(ValueError, match="learner.logprob_impl='cuda': impl must be one of"):
         Learner(CFG, LearnerConfig(logprob_impl="cuda"), _mesh((1, 1, 1)))
     monkeypatch.setattr(fused_linear_kl, "engines_on", lambda backend: ("chunked_xla",))  # no Pallas lowering

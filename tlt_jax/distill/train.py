@@ -293,7 +293,8 @@ def _check_config(config, vocab_size: int) -> tuple[int, int]:
     eval_top_k = config.eval_top_k or vocab_size
     for name, k in (("top_k", config.top_k), ("eval_top_k", eval_top_k)):
         if not 1 <= k <= vocab_size:
-            raise ValueError(f"{name}={k} must lie in [1, {vocab_size}] (the teacher's vocabulary)")
+            raise ValueError(f"{name}={k} must lie in [1, {vocab_size}] (the teacher's vocabulary); set "
+                             f"--config.{name} to at most {vocab_size}")
     if eval_top_k < config.top_k:
         raise ValueError(f"eval_top_k={eval_top_k} must be >= top_k={config.top_k} (evaluation reads the top_k "
                          "columns of the eval targets)")

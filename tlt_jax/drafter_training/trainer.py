@@ -363,7 +363,8 @@ def check_paths(config) -> None:
     except ValueError as e:  # an architecture we do not support
         raise ValueError(f"--config.target_dir={config.target_dir!r}: {e}") from e
     if not 1 <= config.top_k <= target_cfg.vocab_size:
-        raise ValueError(f"top_k={config.top_k} must lie in [1, {target_cfg.vocab_size}] (the target's vocabulary).")
+        raise ValueError(f"top_k={config.top_k} must lie in [1, {target_cfg.vocab_size}] (the target's vocabulary); "
+                         f"set --config.top_k to at most {target_cfg.vocab_size}.")
     problems = sources.problems_for(config.tokenizer_dir or config.target_dir, config.data)
     a = config.acceptance
     if a.num_prompts:

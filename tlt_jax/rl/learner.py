@@ -82,6 +82,9 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
     (`losses.linear_logprob_topk`), so no [n, T, V] logits exist; without, no drafter data.
     Either way the projection is `logprob_impl`'s. logp and entropy are differentiable (the
     on-policy update's loss), the drafter data is not."""
+    if top_k > model_config.vocab_size:
+        raise ValueError(f"tlt.drafter.top_k={top_k} exceeds the policy's vocabulary ({model_config.vocab_size}); set "
+                         f"--config.tlt.drafter.top_k to at most {model_config.vocab_size}.")
     out = tfm.forward(params, model_config, tokens_nT[:, :-1], positions_BT=positions_nT[:, :-1],
                       segment_ids_BT=segment_ids_nT[:, :-1], layer_ids=tuple(feature_layers), remat=remat,
                       attention_impl=attention_impl)
