@@ -18,7 +18,17 @@ default: `configs/sft.py:long_tail`, trained once with its drafter) deepened to 
 layers by appending layers with zero output projections (`transformer.append_identity_layers`):
 the function (and so the accuracy and the drafter's features) of the trained model, the
 decode cost of a deeper one, so that a one-layer drafter step is a small fraction of a
-target step, as on a GPU. Built once into `--cache_dir`.
+target step, as on a GPU. Built once into `--cache_dir`. The wide and drift presets decode
+it with every MLP padded to 3x this machine's last-level cache (`machine.py`); every CPU
+preset's result records the machine and a regime check (`machine`, `regime`: decode step
+at batch 1, 2 and 4 within 15% of each other, a step bound by reading the weights).
+
+Drift (docs/tlt.md): every mode logs `policy_kl_from_start` per step and the TLT modes the
+starting drafter's teacher-forced acceptance beside the served one's (per task where a step
+has several); `thirds` gives their means over the first and the last third of the steps,
+and with `frozen` among the modes `<mode>_versus_frozen` compares each trained drafter with
+the frozen one of its pair over the last third (acceptance length, rollout tokens/s).
+`--pin_arm` (the drift presets: eagle-d6) pins the drafter modes' tuner to one arm.
 
 Phase times are medians over the steps after `--warmup_steps`; the first steps' excess over
 the median is reported as compile time (both modes compile their decode chunks before the
