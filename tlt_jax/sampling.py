@@ -24,6 +24,9 @@ class SamplingParams:
     min_p: float = 0.0
     max_tokens: int = 256
     stop_tokens: tuple[int, ...] = ()
+    # Token sequences that end a turn like a stop token (a multi-turn environment's
+    # stop strings, tokenized): matched within the turn's own tokens.
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -34,6 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 and min_p in [0, 1); got {self.top_k}, {self.min_p}.")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop_sequences must each hold at least one token id (an empty stop string?).")
 
 
 def processed_logprobs(logits_xV: jax.Array, params: SamplingParams) -> jax.Array:

@@ -443,6 +443,11 @@ class KVCache:
         return dataclasses.replace(self, k=put(self.k, rows_cache.k), v=put(self.v, rows_cache.v),
                                    lengths=self.lengths.at[rows_R].set(lengths_R, mode="drop"))
 
+    def rows(self, rows_R: jax.Array) -> "KVCache":
+        """Rows rows_R (in range) as a cache of their own, every slot and length kept:
+        a few sequences extended apart from the rest, then put back with `with_rows`."""
+        return dataclasses.replace(self, k=self.k[:, rows_R], v=self.v[:, rows_R], lengths=self.lengths[rows_R])
+
     def with_slots_copied(self, src_BT: jax.Array, dst_BT: jax.Array, lengths_B: jax.Array) -> "KVCache":
         """Each row's entries at slots src_BT copied to slots dst_BT (destinations out of
         range are dropped; sources are clipped into range), lengths set to lengths_B."""

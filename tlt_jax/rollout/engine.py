@@ -38,7 +38,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,8 @@ from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
-FINISH_REASONS = ("", "eos", "stop", "max_tokens", "cache_full")
+# "max_turns" is given on the host, when a multi-turn sample's environment reaches its last turn.
+FINISH_REASONS = ("", "eos", "stop", "max_tokens", "cache_full", "max_turns")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +140,14 @@ class Rollouts:
 
     prompt_index: np.ndarray  # int32 [n]
     sample_index: np.ndarray  # int32 [n]
-    tokens: list[np.ndarray]  # int32 [length_i], the answer only
-    logprobs: list[np.ndarray]  # float32 [length_i], under the processed distribution
+    tokens: list[np.ndarray]  # int32 [length_i], the answer only (multi-turn: the whole transcript after the prompt)
+    logprobs: list[np.ndarray]  # float32 [length_i], under the processed distribution (0 at observation tokens)
     finish_reason: list[str]
     group: np.ndarray  # int32 [n], the rollout group that produced each sample
     timeline: RolloutTimeline
+    # Multi-turn only: bool [length_i], True at the tokens of the environment's observations
+    # (context, never actions).
+    observation_mask: list[np.ndarray] | None = None
 
     def __len__(self):
         return len(self.tokens)
@@ -175,6 +179,17 @@ class SpecSlots:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class TurnSlots:
+    """What multi-turn samples need besides the plain slot state (B slots)."""
+
+    # The observation tokens among num_generated: a request's n-th sampled token draws
+    # from key n of the model's own tokens, whatever its environments answered.
+    num_observed: jax.Array  # [B]
+    turn_start: jax.Array  # [B] where the current turn starts in out_tokens (stop sequences match within it)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SlotState:
     """Device state of one group's slots (B slots, M = max new tokens)."""
 
@@ -182,26 +197,57 @@ class SlotState:
     last_token: jax.Array  # [B] sampled, not yet in the cache
     request: jax.Array  # [B] request id, -1 when never filled
     prompt_length: jax.Array  # [B]
-    num_generated: jax.Array  # [B]
+    num_generated: jax.Array  # [B] tokens after the prompt: the model's and its environment's
     active: jax.Array  # [B] bool
     finish: jax.Array  # [B] index into FINISH_REASONS
     out_tokens: jax.Array  # [B, M]
-    out_logp: jax.Array  # [B, M]
+    out_logp: jax.Array  # [B, M] 0 at observation tokens
     spec: SpecSlots | None = None
+    turns: TurnSlots | None = None  # multi-turn samples (a generate with episodes)
 
 
-def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_ids, max_length):
+def _finish_code(token_B, num_generated_B, prompt_length_B, sp, eos_ids, max_length, stop_hit_B=None):
     """Why a sequence stops after its latest token (0: it goes on): any of `eos_ids` is
-    "eos". The cache holds the prompt and every generated token but the last, hence the
-    `>` for cache_full."""
+    "eos"; a stop token, or the end of a stop sequence (stop_hit_B), "stop". The cache
+    holds the prompt and every generated token but the last, hence the `>` for cache_full."""
     code = jnp.zeros_like(token_B)
     code = jnp.where(prompt_length_B + num_generated_B > max_length, 4, code)
     code = jnp.where(num_generated_B >= sp.max_tokens, 3, code)
     if sp.stop_tokens:
         code = jnp.where(jnp.isin(token_B, jnp.asarray(sp.stop_tokens)), 2, code)
+    if stop_hit_B is not None:
+        code = jnp.where(stop_hit_B, 2, code)
     if eos_ids:
         code = jnp.where(jnp.isin(token_B, jnp.asarray(eos_ids, token_B.dtype)), 1, code)
     return code
+
+
+def _stop_sequence_hits(sp, earlier_BW, tokens_BE):
+    """[B, E] bool: whether new token e ends one of sp.stop_sequences, reading the turn's
+    earlier tokens earlier_BW (W = the longest sequence's length - 1, the latest last;
+    -1 where the turn has none) before tokens_BE. None without stop sequences."""
+    if not sp.stop_sequences:
+        return None
+    w, e = earlier_BW.shape[1], tokens_BE.shape[1]
+    window = jnp.concatenate([earlier_BW, tokens_BE], axis=1)  # token e at w + e
+    hit = jnp.zeros(tokens_BE.shape, bool)
+    for seq in sp.stop_sequences:
+        match = jnp.ones(tokens_BE.shape, bool)
+        for i, token in enumerate(seq):  # seq[i] sits len(seq) - 1 - i before the last token
+            start = w - (len(seq) - 1) + i
+            match &= window[:, start:start + e] == token
+        hit |= match
+    return hit
+
+
+def _turn_tail(sp, state) -> jax.Array:
+    """[B, W] the turn's last W tokens before the next one (W: longest stop sequence - 1),
+    -1 before the turn's start."""
+    w = max(len(s) for s in sp.stop_sequences) - 1
+    at = state.num_generated[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
+    earlier = jnp.take_along_axis(state.out_tokens, jnp.clip(at, 0, state.out_tokens.shape[1] - 1), 1)
+    turn_start = 0 if state.turns is None else state.turns.turn_start[:, None]
+    return jnp.where(at >= turn_start, earlier, -1)
 
 
 def attending(state: SlotState, slots: int | None) -> SlotState:
@@ -212,6 +258,20 @@ def attending(state: SlotState, slots: int | None) -> SlotState:
         drafter = dataclasses.replace(state.spec.drafter, cache=state.spec.drafter.cache.attending(slots))
         state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter))
     return state
+
+
+def _model_tokens(state: SlotState) -> jax.Array:
+    """[B] the model's own tokens so far: the position of a request's next sampled token
+    in its key stream (observations draw nothing)."""
+    return state.num_generated if state.turns is None else state.num_generated - state.turns.num_observed
+
+
+def _first_token_stops(sp, token_R):
+    """Whether a turn's first token ends it as a stop sequence (those of one token)."""
+    if not sp.stop_sequences:
+        return None
+    earlier = jnp.full((token_R.shape[0], max(len(s) for s in sp.stop_sequences) - 1), -1, token_R.dtype)
+    return _stop_sequence_hits(sp, earlier, token_R[:, None])[:, 0]
 
 
 def _request_keys(base_key, request_B, position_B):
@@ -247,6 +307,7 @@ class _Group:
                                                         spec=SpecSlots(rows2, row, drafter))
         self.history_state_shardings = dataclasses.replace(self.state_shardings,
                                                            spec=SpecSlots(rows2, row, drafter, rows2))
+        self.turn_shardings = TurnSlots(row, row)
         self.params = self.drafter_params = None
         self._compiled: dict = {}
         self._has_run: set = set()  # (step, strategy, sampling) whose first call, with its compile, is past
@@ -261,19 +322,23 @@ class _Group:
                                                        donate_argnums=donate_argnums)
         return self._compiled[key]
 
-    def _shardings(self, speculative: bool, history: bool = False) -> SlotState:
+    def _shardings(self, speculative: bool, history: bool = False, turns: bool = False) -> SlotState:
         if history:
-            return self.history_state_shardings
-        return self.spec_state_shardings if speculative else self.state_shardings
+            shardings = self.history_state_shardings
+        else:
+            shardings = self.spec_state_shardings if speculative else self.state_shardings
+        return dataclasses.replace(shardings, turns=self.turn_shardings) if turns else shardings
 
     @staticmethod
-    def _layout(state) -> tuple[bool, bool]:
-        """(speculative, with history rows): what the state carries besides the plain slots."""
-        return state.spec is not None, state.spec is not None and state.spec.history is not None
+    def _layout(state) -> tuple[bool, bool, bool]:
+        """(speculative, with history rows, multi-turn): what the state carries besides the plain slots."""
+        return state.spec is not None, state.spec is not None and state.spec.history is not None, \
+            state.turns is not None
 
     def empty_state(self, sp: sampling.SamplingParams, speculative: bool = False,
-                    history_width: int = 0, live: bool = False) -> SlotState:
+                    history_width: int = 0, live: bool = False, turns: bool = False) -> SlotState:
         """history_width > 0 (speculative only): each slot holds a history row that wide.
+        turns: the slots hold multi-turn samples (`TurnSlots`).
         live: every slot decodes, from a cache of one zero entry (no request's: what
         `warm_up` runs chunks on, so that their loop bodies run)."""
         engine = self.engine
@@ -292,11 +357,11 @@ class _Group:
             cache, length = tfm.init_cache(cfg, b, rc.max_length), zeros + live
             return SlotState(cache.with_lengths(length), zeros, zeros - 1, length, zeros,
                              jnp.full((b,), live), zeros, jnp.zeros((b, m), jnp.int32),
-                             jnp.zeros((b, m), jnp.float32), spec)
+                             jnp.zeros((b, m), jnp.float32), spec, TurnSlots(zeros, zeros) if turns else None)
 
-        key = ("empty", m, speculative, history_width, live)
+        key = ("empty", m, speculative, history_width, live, turns)
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0))
+            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0, turns))
         return self._compiled[key]()
 
     def _target_layer_ids(self, state):
@@ -329,7 +394,8 @@ class _Group:
             logits_RV = tfm.logits_from_hidden(params, cfg, h_UPD[sources_R, lengths_R - 1])
             keys = _request_keys(key, requests_R, jnp.zeros_like(requests_R))
             token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
-            code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length)
+            code_R = _finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length,
+                                  _first_token_stops(sp, token_R))
             put = lambda a, v: a.at[slots_R].set(v, mode="drop")
             cache = state.cache.with_rows(slots_R, small, lengths_R, sources_R)
             spec = state.spec
@@ -350,7 +416,9 @@ class _Group:
                              put(state.prompt_length, lengths_R), put(state.num_generated, jnp.ones_like(token_R)),
                              put(state.active, code_R == 0), put(state.finish, code_R),
                              state.out_tokens.at[slots_R, 0].set(token_R, mode="drop"),
-                             state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"), spec)
+                             state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"), spec,
+                             None if state.turns is None else TurnSlots(put(state.turns.num_observed, 0),
+                                                                        put(state.turns.turn_start, 0)))
 
         rep = sharding.replicated(self.mesh)
         layout = self._layout(state)
@@ -363,6 +431,75 @@ class _Group:
         return step(self.params, self.drafter_params, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R,
                     key, history_RH, sources_R, sp)
 
+    def observe(self, state, observations_RT, lengths_R, slots_R, key, sp):
+        """Continues R waiting samples after their environments answered: each slot's last
+        token (the end of its turn) and its observation's lengths_R tokens (observations_RT,
+        right-padded) are prefilled into the slot's own cache after what it holds, and the
+        next turn's first token is sampled (slot index B: a padding row, dropped). The
+        transcript is never prefilled again: the cache, the context and the drafter's
+        entries are extended in place. Observation tokens join out_tokens with log-prob 0
+        and count in num_observed, not in the model's key stream."""
+        engine = self.engine
+        cfg, rc = engine.model_config, engine.rollout_config
+        layer_ids = self._target_layer_ids(state)
+
+        def fn(params, drafter_params, state, observations_RT, lengths_R, slots_R, key, sp):
+            if rc.decode_mlp_size:
+                params = tfm.narrow_mlp(params, cfg.intermediate_size)
+            r, t = observations_RT.shape
+            rows = jnp.arange(r)
+            slots = jnp.minimum(slots_R, rc.num_slots - 1)  # padding rows read a slot, write nothing
+            start_R, generated_R = state.cache.lengths[slots], state.num_generated[slots]
+            # The turn's last token, then the observation; the new turn's first token comes after.
+            fed_RT = jnp.concatenate([state.last_token[slots][:, None], observations_RT], axis=1)
+            positions = start_R[:, None] + jnp.arange(t + 1, dtype=jnp.int32)[None]
+            h_RTD, cache_R, *layers = tfm.decode(params, cfg, state.cache.rows(slots), fed_RT, positions,
+                                                 layer_ids=layer_ids)
+            logits_RV = tfm.logits_from_hidden(params, cfg, h_RTD[rows, lengths_R])
+            observed_R = state.turns.num_observed[slots]
+            keys = _request_keys(key, state.request[slots], generated_R - observed_R)
+            token_R, logp_R = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits_RV)
+            num_generated_R = generated_R + lengths_R + 1
+            code_R = _finish_code(token_R, num_generated_R, state.prompt_length[slots], sp, rc.eos_token_id,
+                                  rc.max_length, _first_token_stops(sp, token_R))
+            cache = state.cache.with_rows(slots_R, cache_R, start_R + lengths_R + 1)
+            # What joins the outputs: the observation, then the sampled token at its length.
+            new_RT = jnp.pad(observations_RT, ((0, 0), (0, 1))).at[rows, lengths_R].set(token_R)
+            new_logp_RT = jnp.zeros(new_RT.shape, jnp.float32).at[rows, lengths_R].set(logp_R)
+            j = jnp.arange(t + 1, dtype=jnp.int32)[None]
+            kept = (j <= lengths_R[:, None]) & (slots_R < rc.num_slots)[:, None]
+            at = jnp.where(kept, generated_R[:, None] + j, sp.max_tokens)  # out of range: dropped
+            put = lambda a, v: a.at[slots_R].set(v, mode="drop")
+            spec = state.spec
+            if spec is not None:
+                where = jnp.where(kept, state.prompt_length[slots][:, None] + at, spec.context.shape[1])
+                drafter_state = spec.drafter
+                if drafter_state is not None:
+                    # Entry t reads (x_{t+1}, f_t): the fed tokens' features predict the observation
+                    # and then the sampled token.
+                    features = engine.drafter.features(drafter_params, h_RTD, layers[0] if layers else None)
+                    drafter_state = engine.drafter.extend_rows(drafter_params, params, drafter_state, slots_R, new_RT,
+                                                               features, lengths_R + 1)
+                spec = dataclasses.replace(spec, context=spec.context.at[slots[:, None], where].set(new_RT,
+                                                                                                    mode="drop"),
+                                           drafter=drafter_state)
+            return SlotState(cache, put(state.last_token, token_R), state.request, state.prompt_length,
+                             put(state.num_generated, num_generated_R), put(state.active, code_R == 0),
+                             put(state.finish, code_R),
+                             state.out_tokens.at[slots[:, None], at].set(new_RT, mode="drop"),
+                             state.out_logp.at[slots[:, None], at].set(new_logp_RT, mode="drop"), spec,
+                             TurnSlots(put(state.turns.num_observed, observed_R + lengths_R),
+                                       put(state.turns.turn_start, generated_R + lengths_R)))
+
+        rep = sharding.replicated(self.mesh)
+        layout = self._layout(state)
+        if not layout[2]:
+            raise ValueError("observe takes a multi-turn slot state (empty_state(..., turns=True)).")
+        shardings = self._shardings(*layout)
+        in_shardings = (self.param_shardings, self.drafter_shardings, shardings) + (rep,) * 4
+        step = self._jit(("observe", layout), fn, in_shardings, shardings, static_argnums=(7,), donate_argnums=(2,))
+        return step(self.params, self.drafter_params, state, observations_RT, lengths_R, slots_R, key, sp)
+
     def _advance(self, params, drafter_params, state, tokens_BE, logp_BE, count_B, features_BED, sp):
         """Commits up to E tokens per slot (count_B of them; 0 for inactive slots) to the
         outputs, stopping at the first that finishes its sequence; the context and the
@@ -371,8 +508,11 @@ class _Group:
         rc = self.engine.rollout_config
         b, e = tokens_BE.shape
         j = jnp.arange(e, dtype=jnp.int32)[None]
+        stop_hits = None
+        if sp.stop_sequences:
+            stop_hits = _stop_sequence_hits(sp, _turn_tail(sp, state), tokens_BE)
         codes = _finish_code(tokens_BE, state.num_generated[:, None] + j + 1, state.prompt_length[:, None], sp,
-                             rc.eos_token_id, rc.max_length)
+                             rc.eos_token_id, rc.max_length, stop_hits)
         stops = (codes != 0) & (j < count_B[:, None])
         first_stop = jnp.argmax(stops, axis=1)
         finished = jnp.any(stops, axis=1)
@@ -395,7 +535,7 @@ class _Group:
         new = SlotState(state.cache, jnp.where(kept > 0, last, state.last_token), state.request,
                         state.prompt_length, state.num_generated + kept, state.active & ~finished, code,
                         state.out_tokens.at[rows, at].set(tokens_BE, mode="drop"),
-                        state.out_logp.at[rows, at].set(logp_BE, mode="drop"), spec)
+                        state.out_logp.at[rows, at].set(logp_BE, mode="drop"), spec, state.turns)
         return new, kept
 
     def _plain_forward(self, params, state, key, sp):
@@ -404,7 +544,7 @@ class _Group:
         logits, h, cache, *layers = tfm.decode(params, self.engine.model_config, state.cache,
                                                state.last_token[:, None], state.cache.lengths[:, None],
                                                return_logits=True, layer_ids=self._target_layer_ids(state))
-        keys = _request_keys(key, state.request, state.num_generated)
+        keys = _request_keys(key, state.request, _model_tokens(state))
         token, logp = jax.vmap(lambda k, l: sampling.sample(k, l, sp))(keys, logits[:, 0])
         return token, logp, h, cache, layers
 
@@ -441,11 +581,12 @@ class _Group:
         fewer than `floor` sequences are active (the speculation policy chooses anew for
         the smaller batch). Returns (state, steps run, active slots per step [n], tokens
         committed per step and slot [n, B])."""
-        step = self.chunk_step(strategy, *self._layout(state), attended=attended)
+        speculative, history, turns = self._layout(state)
+        step = self.chunk_step(strategy, speculative, history, attended=attended, turns=turns)
         return step(self.params, self.drafter_params, state, key, refill_wanted, np.int32(floor), sp)
 
     def chunk_step(self, strategy: spec_lib.Strategy | None, speculative: bool, history: bool = False,
-                   attended: int | None = None):
+                   attended: int | None = None, turns: bool = False):
         """The jitted device loop of `run_chunk` for a state of that layout (`_layout`):
         (params, drafter_params, state, key,
         refill_wanted, floor, sp) -> (state, steps, active, kept), the state donated. Its
@@ -488,8 +629,8 @@ class _Group:
             return attending(state, None), i, active, kept
 
         rep = sharding.replicated(self.mesh)
-        shardings = self._shardings(speculative, history)
-        name = ("chunk", speculative, history, strategy, attended)
+        shardings = self._shardings(speculative, history, turns)
+        name = ("chunk", speculative, history, strategy, attended) + (("turns",) if turns else ())
         return self._jit(name, fn, (self.param_shardings, self.drafter_shardings, shardings, rep, rep, rep),
                          (shardings, rep, rep, rep), static_argnums=(6,), donate_argnums=(2,))
 
@@ -504,7 +645,7 @@ class _Group:
                                        spec.history if strategy.drafter == "history" else None)
         else:
             keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
-                                                                              state.num_generated))
+                                                                              _model_tokens(state)))
             drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter, state.last_token,
                                                        strategy, sp, keys)
             state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
@@ -524,7 +665,7 @@ class _Group:
         (path, num_accepted, tokens, logp, nodes), the emitted tokens, their log-probs and
         tree nodes cut to at most max_draft_depth + 1 (depth + 1 <= that many are emitted)."""
         target_logp = sampling.processed_logprobs(logits, sp)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, state.num_generated))
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, _model_tokens(state)))
         path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
         tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
         e = min(tokens.shape[1], self.engine.rollout_config.max_draft_depth + 1)
@@ -581,20 +722,31 @@ class _Group:
     # -- host loop ---------------------------------------------------------------------------
 
     def run(self, requests, key, sp, timeline: GroupTimeline, results: dict, num_samples: int = 1,
-            speculation=None, on_sample_done: Callable[[int, np.ndarray], None] | None = None):
+            speculation=None, on_sample_done: Callable[[int, np.ndarray], None] | None = None,
+            episodes: Episodes | None = None):
         """Generates every (request id, prompt) in `requests`; fills results[id] and calls
-        on_sample_done(id, tokens) for each as it is harvested."""
+        on_sample_done(id, tokens) for each as it is harvested. With `episodes`, a sample
+        whose turn ends waits in its slot for its environment's step (on a worker thread,
+        while the other slots decode), then continues with the observation prefilled."""
         rc = self.engine.rollout_config
         b, p = rc.num_slots, rc.max_prompt_length
         history = spec_lib.history_store(speculation)
-        state = self.empty_state(sp, speculation is not None, history.max_tokens if history is not None else 0)
+        state = self.empty_state(sp, speculation is not None, history.max_tokens if history is not None else 0,
+                                 turns=episodes is not None)
         pending = collections.deque(requests)
         slot_request = [-1] * b
         num_active = 0
         active = np.zeros((b,), bool)
         lengths = np.zeros((b,), np.int32)  # the cache's, as of the last sync
+        turns = _Turns(self, episodes, b) if episodes is not None else None
         timeline.start = time.perf_counter()
         while True:
+            if turns is not None and turns.waiting:
+                state, changed = turns.resume(state, slot_request, results, key, sp, on_sample_done,
+                                              block=num_active == 0 and not (pending and -1 in slot_request))
+                if changed:
+                    active, lengths = jax.device_get((state.active, state.cache.lengths))
+                    num_active = int(np.sum(active))
             free = [s for s in range(b) if slot_request[s] < 0]
             if pending and free:
                 take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
@@ -622,10 +774,13 @@ class _Group:
                 num_active = int(np.sum(active))  # some finish at their first token
             if all(s < 0 for s in slot_request):
                 break
+            if turns is not None and num_active == 0 and turns.waiting and not turns.ended(active, slot_request):
+                continue  # every sample in a slot waits on its environment
             strategy = speculation.strategy_for(num_active) if speculation is not None else None
             attended = self.kv_bucket_for(lengths, active, strategy, speculation is not None)
             # The policy hears only steady-state timings: a step's first call compiles it.
-            step_key = (rc.time_spec_phases and strategy is not None, strategy, sp, attended)
+            step_key = (rc.time_spec_phases and strategy is not None, strategy, sp, attended) + \
+                (("turns",) if turns is not None else ())
             steady = step_key in self._has_run
             self._has_run.add(step_key)
             t0 = time.perf_counter()
@@ -643,7 +798,9 @@ class _Group:
                 tokens = sum(per_sequence)
             else:
                 floor = speculation.chunk_floor(num_active) if speculation is not None else 0
-                state, n, active_steps, kept = self.run_chunk(state, key, bool(pending), strategy, sp, floor, attended)
+                # With environments a chunk also stops where a turn ends, so its step starts at once.
+                refill_wanted = bool(pending) or turns is not None
+                state, n, active_steps, kept = self.run_chunk(state, key, refill_wanted, strategy, sp, floor, attended)
                 active, lengths, n, active_steps, kept = jax.device_get((state.active, state.cache.lengths, n,
                                                                          active_steps, kept))
                 t2 = time.perf_counter()
@@ -659,23 +816,129 @@ class _Group:
                 speculation.observe(strategy, num_active, tokens, t2 - t0)
             num_active = int(np.sum(active))
             done = [s for s in range(b) if slot_request[s] >= 0 and not active[s]]
+            if turns is not None:
+                done = [s for s in done if s not in turns.waiting]
             if done:
                 t_harvest = time.perf_counter()
-                self._harvest(state, done, slot_request, results, on_sample_done)
+                if turns is not None:
+                    turns.turn_ended(state, done, slot_request, results, on_sample_done)
+                else:
+                    self._harvest(state, done, slot_request, results, on_sample_done)
                 timeline.harvest_s += time.perf_counter() - t_harvest
+        if turns is not None:
+            turns.close()
         timeline.end = time.perf_counter()
 
+    def _rows(self, arrays, slots):
+        """Those slots' rows of each of `arrays` ([B, ...] device arrays), on the host."""
+        index = np.asarray(slots + [slots[0]] * (shape_bucket(len(slots), self.engine.rollout_config.num_slots)
+                                                 - len(slots)))
+        return jax.device_get(_gather_rows(arrays, index))
+
     def _harvest(self, state, slots, slot_request, results, on_sample_done=None):
-        index = np.asarray(slots + [slots[0]] * (shape_bucket(len(slots), len(slot_request)) - len(slots)))
-        toks, logps, counts, finish = jax.device_get(
-            _gather_rows((state.out_tokens, state.out_logp, state.num_generated, state.finish), index))
+        toks, logps, counts, finish = self._rows((state.out_tokens, state.out_logp, state.num_generated,
+                                                  state.finish), slots)
         for i, s in enumerate(slots):
             n = int(counts[i])
-            results[slot_request[s]] = (toks[i, :n].copy(), logps[i, :n].copy(), FINISH_REASONS[int(finish[i])],
-                                        self.index)
-            if on_sample_done is not None:
-                on_sample_done(slot_request[s], results[slot_request[s]][0])
-            slot_request[s] = -1
+            self._finish(slot_request, s, results, on_sample_done, toks[i, :n].copy(), logps[i, :n].copy(),
+                         FINISH_REASONS[int(finish[i])])
+
+    def _finish(self, slot_request, slot, results, on_sample_done, tokens, logp, reason, observed=None):
+        """Records a finished sample (observed: its observation-token mask, multi-turn only)
+        and frees its slot."""
+        request = slot_request[slot]
+        results[request] = (tokens, logp, reason, self.index, observed)
+        if on_sample_done is not None:
+            on_sample_done(request, tokens)
+        slot_request[slot] = -1
+
+
+class Episodes(Protocol):
+    """The environments of a multi-turn `generate`, one episode per request
+    (`data.agents.Episodes` is one; sampling params then carry its stop sequences)."""
+
+    def step(self, request: int, action: np.ndarray, finish_reason: str) -> Sequence[int] | str:
+        """Called on a worker thread once request's turn ended (on an end token: "eos";
+        a stop token or sequence: "stop") with the turn's token ids: the observation's
+        token ids to prefill before the next turn, or, when the episode ends, the
+        sample's finish reason ("" keeps the turn's)."""
+        ...
+
+
+class _Turns:
+    """A group's samples between turns: each waits in its own slot (inactive, so never
+    counted as running) while its environment steps on a worker thread."""
+
+    def __init__(self, group: _Group, episodes: Episodes, num_slots: int):
+        self.group, self.episodes = group, episodes
+        self.pool = concurrent.futures.ThreadPoolExecutor(num_slots, thread_name_prefix="env")
+        self.waiting: dict[int, concurrent.futures.Future] = {}  # slot -> its environment's step
+        self.observed: dict[int, list[tuple[int, int]]] = {}  # request -> (offset, length) of each observation
+        # slot -> (tokens, logp, finish reason, prompt length) as its last turn ended
+        self.ended_turn: dict[int, tuple[np.ndarray, np.ndarray, str, int]] = {}
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+    def ended(self, active, slot_request) -> bool:
+        """Whether a slot holds a sample whose turn ended and is not yet with its environment."""
+        return any(r >= 0 and not active[s] and s not in self.waiting for s, r in enumerate(slot_request))
+
+    def turn_ended(self, state, slots, slot_request, results, on_sample_done):
+        """Hands each slot's finished turn to its environment, or records the sample when
+        it ended for good (its token budget or the cache spent)."""
+        toks, logps, counts, finish, turn_start, prompt_lengths = self.group._rows(
+            (state.out_tokens, state.out_logp, state.num_generated, state.finish, state.turns.turn_start,
+             state.prompt_length), slots)
+        for i, s in enumerate(slots):
+            n, reason = int(counts[i]), FINISH_REASONS[int(finish[i])]
+            if reason in ("eos", "stop"):
+                self.ended_turn[s] = (toks[i, :n].copy(), logps[i, :n].copy(), reason, int(prompt_lengths[i]))
+                self.waiting[s] = self.pool.submit(self.episodes.step, slot_request[s],
+                                                   toks[i, int(turn_start[i]):n].copy(), reason)
+            else:
+                self._record(slot_request, s, results, on_sample_done, toks[i, :n].copy(), logps[i, :n].copy(),
+                             reason)
+
+    def _record(self, slot_request, slot, results, on_sample_done, tokens, logp, reason):
+        observed = np.zeros(len(tokens), bool)
+        for offset, length in self.observed.pop(slot_request[slot], []):
+            observed[offset:offset + length] = True
+        self.group._finish(slot_request, slot, results, on_sample_done, tokens, logp, reason, observed)
+
+    def resume(self, state, slot_request, results, key, sp, on_sample_done, block: bool):
+        """Takes the environments' answers (block: waits for at least one): ended episodes
+        are recorded, the others' observations prefilled into their slots. Returns (state,
+        whether the device state changed)."""
+        if block:
+            concurrent.futures.wait(self.waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+        rc = self.group.engine.rollout_config
+        going = []
+        for slot in [s for s, f in self.waiting.items() if f.done()]:
+            answer = self.waiting.pop(slot).result()  # Episodes.step catches what an environment raises
+            tokens, logp, reason, prompt_length = self.ended_turn.pop(slot)
+            generated = len(tokens)
+            if isinstance(answer, str):
+                self._record(slot_request, slot, results, on_sample_done, tokens, logp, answer or reason)
+                continue
+            ids = np.asarray(answer, np.int32).reshape(-1)
+            # Room for the observation and at least one more model token, in the outputs and the cache.
+            if generated + len(ids) + 1 > sp.max_tokens or \
+                    prompt_length + generated + len(ids) > rc.max_length:
+                self._record(slot_request, slot, results, on_sample_done, tokens, logp, "max_tokens")
+                continue
+            self.observed.setdefault(slot_request[slot], []).append((generated, len(ids)))
+            going.append((slot, ids))
+        if not going:
+            return state, False
+        r = shape_bucket(len(going), rc.num_slots)
+        width = shape_bucket(max(len(ids) for _, ids in going), rc.max_length)
+        observations = np.zeros((r, width), np.int32)
+        lengths = np.zeros((r,), np.int32)
+        slots = np.full((r,), rc.num_slots, np.int32)
+        for i, (slot, ids) in enumerate(going):
+            observations[i, :len(ids)], lengths[i], slots[i] = ids, len(ids), slot
+        return self.group.observe(state, observations, lengths, slots, key, sp), True
 
 
 def _context_length(rc: RolloutConfig) -> int:
@@ -848,7 +1111,8 @@ class RolloutEngine:
                  key: jax.Array, on_group_done: Callable[[int], None] | None = None,
                  speculation: spec_lib.Speculation | None = None,
                  prompt_ids: Sequence[int] | None = None,
-                 on_sample_done: Callable[[int, np.ndarray], None] | None = None) -> Rollouts:
+                 on_sample_done: Callable[[int, np.ndarray], None] | None = None,
+                 episodes: Episodes | None = None) -> Rollouts:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
@@ -865,6 +1129,11 @@ class RolloutEngine:
         finishes, on its group's host thread between device chunks, so it should only hand
         the sample on (the RL loop submits it for scoring); with several processes, only
         for the samples of this process's groups.
+        `episodes` (multi-turn): each sample's turns end at an end token or a stop token or
+        sequence of `sampling_params`; its environment (`Episodes.step`) then answers with an
+        observation, prefilled into the sample's own slot, until the episode ends.
+        `sampling_params.max_tokens` bounds the whole transcript after the prompt; the
+        returned Rollouts carry `observation_mask`.
         """
         self._check(prompts, num_samples)
         if speculation is not None:
@@ -887,7 +1156,7 @@ class RolloutEngine:
             share = set(shares[group.index].tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
             group.run(mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy,
-                      on_sample_done)
+                      on_sample_done, episodes)
             if on_group_done is not None:
                 on_group_done(group.index)
 
@@ -910,7 +1179,7 @@ class RolloutEngine:
             sample_index=np.asarray([i % num_samples for i in ids], np.int32),
             tokens=[results[i][0] for i in ids], logprobs=[results[i][1] for i in ids],
             finish_reason=[results[i][2] for i in ids], group=np.asarray([results[i][3] for i in ids], np.int32),
-            timeline=timeline)
+            timeline=timeline, observation_mask=[results[i][4] for i in ids] if episodes is not None else None)
 
     def _exchange(self, results: dict, timeline: RolloutTimeline, policy: _Recorded | None) -> None:
         """Completes `results` and `timeline` with the other processes' groups (their times

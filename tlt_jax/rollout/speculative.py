@@ -246,6 +246,36 @@ class Drafter:
                                 last_feature.astype(state.pending_features.dtype), mode="drop"),
                             put(state.pending_count, jnp.ones_like(lengths_R)))
 
+    def extend_rows(self, drafter_params, target_params, state: DrafterState, rows_R, tokens_RT, features_RTD,
+                    counts_R) -> DrafterState:
+        """Appends counts_R entries (entry t: tokens_RT[t] = x_{t+1} and f_t) to rows rows_R
+        (out of range: dropped), as many as an observation holds, past the pending
+        capacity: the rows' pending entries and the new ones run in one forward over their
+        own cache rows, the last new entry left pending (a sample's next turn, extended in
+        its slot with no re-prefill)."""
+        b, p = state.pending_tokens.shape
+        r, t = tokens_RT.shape
+        rows = jnp.minimum(rows_R, b - 1)  # padding rows read a row, write nothing
+        index = jnp.arange(r)[:, None]
+        pending_R = state.pending_count[rows]
+        at = pending_R[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # the new entries follow the pending
+        tokens = jnp.pad(state.pending_tokens[rows], ((0, 0), (0, t))).at[index, at].set(tokens_RT)
+        features = jnp.pad(state.pending_features[rows], ((0, 0), (0, t), (0, 0))).at[index, at].set(
+            features_RTD.astype(state.pending_features.dtype))
+        cache_R = state.cache.rows(rows)
+        start_R = cache_R.lengths
+        positions = start_R[:, None] + jnp.arange(p + t, dtype=jnp.int32)[None]
+        _, cache_R = self._decode(drafter_params, target_params, cache_R, tokens, features, positions,
+                                  return_logits=False)
+        last = (pending_R + counts_R - 1)[:, None]
+        cache = state.cache.with_rows(rows_R, cache_R, start_R + pending_R + counts_R - 1)
+        put = lambda a, v: a.at[rows_R].set(v, mode="drop")
+        return DrafterState(cache,
+                            state.pending_tokens.at[rows_R, :1].set(jnp.take_along_axis(tokens, last, 1), mode="drop"),
+                            state.pending_features.at[rows_R, :1].set(
+                                jnp.take_along_axis(features, last[..., None], 1), mode="drop"),
+                            put(state.pending_count, jnp.ones_like(counts_R)))
+
     # -- drafting --------------------------------------------------------------------------------
 
     def draft(self, drafter_params, target_params, state: DrafterState, root_B, strategy: Strategy,
