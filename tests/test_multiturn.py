@@ -1,0 +1,126 @@
+"""Multi-turn rollouts in the engine: continuation in a sample's own slot, stop sequences."""
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from tlt_jax import sampling, sharding
+from tlt_jax.models import drafter as drafter_lib
+from tlt_jax.models import transformer as tfm
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rollout import speculative as spec_lib
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+
+CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+OBSERVATIONS = ([41, 42, 43], [44, 45, 46, 47, 48, 49, 41])  # after turns 1 and 2; the episode ends after turn 3
+# Turns end on a third of the vocabulary, so every sample takes its turns within the budget.
+SP = sampling.SamplingParams(temperature=1.0, max_tokens=40, stop_tokens=tuple(range(30, 41)))
+DCFG = drafter_lib.DrafterConfig(num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+
+
+def _engine(params, num_slots=4, drafter_params=None):
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=48, steps_per_sync=8, eos_token_id=0)
+    return RolloutEngine(CFG, params, mesh, rc, DCFG if drafter_params is not None else None, drafter_params)
+
+
+class Scripted:
+    """Fixed observations, the same for every request; records each turn it is handed."""
+
+    def __init__(self):
+        self.turns, self.lock = {}, threading.Lock()
+
+    def step(self, request, action, finish_reason):
+        with self.lock:
+            self.turns.setdefault(request, []).append((action.tolist(), finish_reason))
+            turn = len(self.turns[request])
+        return OBSERVATIONS[turn - 1] if turn <= len(OBSERVATIONS) else ""
+
+
+def _check_against_one_prefill(params, rollouts, episodes):
+    """Every model token's log-prob equals, within 1e-4 (float32), the one forward over
+    the whole transcript (prompt, turns and observations) gives it; the observations sit
+    where the mask says, and each turn the environment saw is the transcript's."""
+    forward = jax.jit(lambda x: jax.nn.log_softmax(tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, x))))
+    turns_seen = 0
+    for i in range(len(rollouts)):
+        prompt, tokens, observed = PROMPTS[rollouts.prompt_index[i]], rollouts.tokens[i], rollouts.observation_mask[i]
+        assert len(observed) == len(tokens) == len(rollouts.logprobs[i])
+        x = np.asarray(prompt + tokens.tolist(), np.int32)
+        logp = np.asarray(forward(x[None]))[0]
+        model = np.flatnonzero(~observed)
+        expected = logp[len(prompt) + model - 1, tokens[model]]
+        np.testing.assert_allclose(rollouts.logprobs[i][model], expected, atol=1e-4, err_msg=f"sample {i}")
+        assert (rollouts.logprobs[i][observed] == 0).all()
+        # The transcript: turn, observation, turn, ...; the environment saw each turn's ids.
+        turns = episodes.turns[i]
+        pieces = []
+        for k, (action, reason) in enumerate(turns):
+            pieces.append(action)
+            assert (reason, action[-1] in SP.stop_tokens) in (("stop", True), ("eos", False)) and action[-1] != 41
+            if k < len(OBSERVATIONS) and k + 1 < len(turns):
+                pieces.append(list(OBSERVATIONS[k]))
+        assert sum(pieces, []) == tokens.tolist()
+        assert observed.sum() == sum(len(o) for o in OBSERVATIONS[:len(turns) - 1])
+        turns_seen += len(turns)
+    return turns_seen
+
+
+def test_continuation_equals_one_prefill_of_the_whole_transcript(params):
+    episodes = Scripted()
+    rollouts = _engine(params).generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=episodes)
+    assert _check_against_one_prefill(params, rollouts, episodes) >= 2 * len(rollouts)
+    assert set(rollouts.finish_reason) <= {"stop", "eos"}  # the episode's end keeps the turn's reason
+    # The key stream counts the model's tokens alone: the same samples on 2 slots, where
+    # samples wait and continue in another order.
+    again = _engine(params, num_slots=2).generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=Scripted())
+    for a, b in zip(rollouts.tokens, again.tokens):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", [spec_lib.Strategy("eagle", depth=3), spec_lib.Strategy("ngram", depth=3)],
+                         ids=lambda s: s.name)
+def test_continuation_under_speculation_is_lossless(params, strategy):
+    """Speculative turns after a continuation: the drafter's entries and the n-gram
+    context were extended with the observation, and what is committed is still exactly
+    the target's distribution (log-probs of one prefill)."""
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    episodes = Scripted()
+    rollouts = _engine(params, drafter_params=dparams).generate(
+        PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=episodes,
+        speculation=spec_lib.FixedSpeculation(strategy, max_active=8))
+    _check_against_one_prefill(params, rollouts, episodes)
+    assert rollouts.timeline.summary()["speculative_steps"] > 0
+
+
+def test_stop_sequence_of_two_tokens_cuts_speculative_tokens_past_it(params):
+    """A stop sequence of two tokens ends each greedy answer right after its first
+    occurrence, finish reason "stop", wherever it falls among the tokens a speculative
+    step commits at once (plain decode, EAGLE chains, n-gram drafts)."""
+    greedy = sampling.SamplingParams(temperature=0.0, max_tokens=30)
+    free = _engine(params).generate(PROMPTS, 1, greedy, jax.random.PRNGKey(3))
+    stop = tuple(int(t) for t in free.tokens[0][3:5])
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=30, stop_sequences=(stop,))
+
+    def cut(tokens):
+        ends = [j for j in range(1, len(tokens)) if tuple(tokens[j - 1:j + 1].tolist()) == stop]
+        return tokens[:ends[0] + 1] if ends else tokens
+
+    expected = [cut(t) for t in free.tokens]
+    assert len(expected[0]) == 5
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    engine = _engine(params, drafter_params=dparams)
+    for strategy in (None, spec_lib.Strategy("eagle", depth=4), spec_lib.Strategy("ngram", depth=4)):
+        speculation = None if strategy is None else spec_lib.FixedSpeculation(strategy, max_active=8)
+        r = engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(3), speculation=speculation)
+        for want, got in zip(expected, r.tokens):
+            np.testing.assert_array_equal(got, want, err_msg=str(strategy))
+        assert r.finish_reason[0] == "stop"
