@@ -316,6 +316,7 @@ class _Run:
         self.failure: tuple[str, str] | None = None  # what ended the run early, if anything
         self.output_bytes = 0
         self.stderr_head = b""
+        self.stdouts: list[str] = []  # per reported stdin/stdout test that ran to its end
 
     def on_record(self, record: dict) -> None:
         event, test = record.get("event"), record.get("test")
@@ -336,7 +337,10 @@ class _Run:
         layout, expected = self.suite.layout, self.suite.expected
         if layout == "call" and not value_matches(record.get("value"), expected[i]):
             return "wrong_answer", f"returned {record.get('value')!r:.200}"
-        if layout == "stdio" and not stdout_matches(str(record.get("stdout", "")), expected[i]):
+        if layout == "stdio":
+            self.stdouts.append(str(record.get("stdout", "")))
+        if layout == "stdio" and expected is not None and not stdout_matches(str(record.get("stdout", "")),
+                                                                              expected[i]):
             return "wrong_answer", f"printed {str(record.get('stdout', ''))!r:.200}"
         return None, ""
 
@@ -361,6 +365,23 @@ class _Run:
 def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto", python: str = "") -> Outcome:
     """Runs `program` against `suite` in a new sandbox (see the module doc); never raises
     for what the program does."""
+    return _run(program, suite, limits, mode, python).outcome
+
+
+def execute(program: str, limits: Limits = Limits(), mode: str = "auto", python: str = "") -> tuple[str, Outcome]:
+    """Runs `program` once as __main__ with empty stdin in a new sandbox: (what it printed,
+    its Outcome: failure None when it ran to its end). A tool's call, not a test."""
+    run_ = _run(program, Suite("stdio", [""]), limits, mode, python)
+    return (run_.stdouts[0] if run_.stdouts else ""), run_.outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class _Finished:
+    outcome: Outcome
+    stdouts: list[str]
+
+
+def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str) -> _Finished:
     python = python or default_python()
     mode = resolve_mode(mode, python)
     state = _Run(suite, limits)
@@ -395,7 +416,7 @@ def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto
                 with contextlib.suppress(OSError):
                     stream.close()
             os.close(report_r)
-    return state.outcome(exit_status)
+    return _Finished(state.outcome(exit_status), state.stdouts)
 
 
 def _serve(process: subprocess.Popen, report_fd: int, job: bytes, state: _Run) -> int | None:

@@ -1,0 +1,371 @@
+"""Multi-turn environments: the model acts, an environment answers, for several turns.
+
+An environment is any class with this shape (`Env`), one instance per sample:
+
+    env = MyEnv(example)      # example: the row's fields (prompt, answer, task, and its own columns)
+    env.reset()               # the first user message (str or a list of {role, content}); None: the row's prompt
+    env.step(action)          # action: the model's turn as text
+        -> (observation: str | None, reward: float, done: bool[, info: dict])
+
+`config.env.name` names it: a built-in (`BUILT_IN`) or `module.path:ClassName`. A turn
+ends at one of the model's end tokens or at one of `env.stop_strings` (tokenized, matched
+on the model's ids); `Episodes` then decodes the turn, calls `step` on a worker thread of
+the rollout engine, and hands back the observation's token ids, which the engine
+prefills into the sample's own slot. With the tokenizer's chat template the observation
+is a message of role `tool`, and only the template's text for that message (from the end
+of the model's turn to the next assistant prompt) is tokenized; otherwise it is plain
+text after the turn. Model tokens never go through the tokenizer again.
+
+A sample's reward is the sum of its step rewards (plus the configured reward on the
+whole transcript, if one is set: the RL loop's part). It ends when `step` says done, at
+`env.max_turns` turns (finish reason "max_turns"), or when its tokens reach
+`env.max_total_tokens` ("max_tokens"). An environment that raises or answers in the
+wrong shape ends its sample with reward 0, counted and shown once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import threading
+import warnings
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from tlt_jax.data import prompts as prompts_lib
+from tlt_jax.data import rewards, sandbox, tasks
+
+
+class Env(Protocol):
+    def __init__(self, example: dict): ...
+
+    def reset(self) -> str | list[dict] | None: ...
+
+    def step(self, action: str) -> tuple: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """config.env: name ("": single-turn rollouts), max_turns (model turns per sample),
+    max_total_tokens (tokens after the prompt, the model's and the observations'; 0: the
+    rollout's max_tokens), stop_strings (text that ends a turn besides the end tokens;
+    empty: the environment's own `stop_strings`, if it has them)."""
+
+    name: str = ""
+    max_turns: int = 1
+    max_total_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config) -> EnvConfig:
+        env = config.get("env") or {}
+        return cls(name=env.get("name", "") or "", max_turns=int(env.get("max_turns", 1)),
+                   max_total_tokens=int(env.get("max_total_tokens", 0)),
+                   stop_strings=tuple(env.get("stop_strings", ()) or ()))
+
+    def check(self, max_tokens: int) -> None:
+        """Raises ValueError naming the field; max_tokens: what the engine's slots hold after a prompt."""
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns={self.max_turns} must be >= 1 (the model's turns per sample).")
+        if self.max_total_tokens < 0 or self.max_total_tokens > max_tokens:
+            raise ValueError(f"env.max_total_tokens={self.max_total_tokens} is beyond what the engine's slots hold "
+                             f"after a prompt (rollout.max_tokens={max_tokens}); lower it or raise "
+                             "rollout.max_tokens (0: rollout.max_tokens).")
+        if self.name:
+            env_class(self.name)
+
+    def total_tokens(self, max_tokens: int) -> int:
+        return self.max_total_tokens or max_tokens
+
+
+def env_class(name: str) -> type:
+    """The class config.env.name names: a built-in or `module.path:ClassName`."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    module, _, attribute = name.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"config.env.name={name!r} is neither a built-in environment ({', '.join(BUILT_IN)}) nor "
+                         "module.path:ClassName.")
+    try:
+        cls = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"config.env.name={name!r} cannot be imported ({e}); check the module path and the class "
+                         "name, and that the module is on PYTHONPATH.") from e
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"config.env.name={name!r} has no {' or '.join(missing)} method; an environment needs "
+                         "reset() -> first message and step(action) -> (observation, reward, done[, info]).")
+    return cls
+
+
+def example_dict(example: tasks.Example) -> dict:
+    """What an environment is built from: the row's fields, with its prompt, answer and task."""
+    return {**dict(example.fields), "prompt": example.prompt, "answer": example.answer, "task": example.task}
+
+
+def _stop_ids(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class Episodes:
+    """The environments of one multi-turn rollout: one per sample (request i is sample
+    i % num_samples of example i // num_samples), driven by the engine's `Episodes`
+    protocol. After the rollout: `turns[i]` (a list of {action, observation, reward}),
+    `rewards()` and `failures`."""
+
+    def __init__(self, env_cls: type, examples: Sequence[tasks.Example], num_samples: int, tokenizer,
+                 prompt_format: prompts_lib.PromptFormat, end_token_ids: Sequence[int], config: EnvConfig):
+        self.tokenizer, self.prompt_format, self.config = tokenizer, prompt_format, config
+        self.end_token_ids = set(end_token_ids)
+        self.examples, self.num_samples = list(examples), num_samples
+        self.envs = [env_cls(example_dict(e)) for e in self.examples for _ in range(num_samples)]
+        self.turns: list[list[dict]] = [[] for _ in self.envs]
+        self.failed = [False] * len(self.envs)
+        self._lock, self._shown = threading.Lock(), False
+        self.first_messages = []
+        for p, example in enumerate(self.examples):
+            firsts = [self._reset(p * num_samples + s) for s in range(num_samples)]
+            if any(f != firsts[0] for f in firsts):
+                raise ValueError(f"{env_cls.__name__}.reset() gave different first messages for the samples of one "
+                                 "example; make reset depend on the example alone (the samples share a prompt).")
+            self.first_messages.append(example.prompt if firsts[0] is None else firsts[0])
+        stop_strings = config.stop_strings or tuple(getattr(env_cls, "stop_strings", ()))
+        self.stop_sequences = tuple(_stop_ids(tokenizer, s) for s in stop_strings)
+        self._after_turn = self._template_after_turn() if prompt_format.chat_template else ""
+
+    def _reset(self, request: int):
+        first = self.envs[request].reset()
+        if first is not None and not isinstance(first, str) and not prompts_lib.is_conversation(first):
+            raise ValueError(f"{type(self.envs[request]).__name__}.reset() returned {type(first).__name__}; return "
+                             "the first user message as a str, a list of {role, content} messages, or None.")
+        return tuple(dict(m) for m in first) if prompts_lib.is_conversation(first) else first
+
+    def prompt_ids(self) -> list[list[int]]:
+        """Each example's prompt as the engine receives it: the first message, formatted."""
+        return [self.prompt_format.ids(self.tokenizer, first, e.fields)
+                for first, e in zip(self.first_messages, self.examples)]
+
+    def prompt_texts(self) -> list[str]:
+        return [self.prompt_format.text(self.tokenizer, first, e.fields)
+                for first, e in zip(self.first_messages, self.examples)]
+
+    def sampling_params(self, sp):
+        """sp with the environment's stop sequences and the transcript's token budget."""
+        return dataclasses.replace(sp, stop_sequences=self.stop_sequences,
+                                   max_tokens=self.config.total_tokens(sp.max_tokens))
+
+    # -- the engine's side -------------------------------------------------------------------
+
+    def step(self, request: int, action: np.ndarray, finish_reason: str):
+        """rollout.engine.Episodes.step: the observation's ids, or the finish reason at the end."""
+        text = self.tokenizer.decode([int(t) for t in action if int(t) not in self.end_token_ids])
+        env = self.envs[request]
+        try:
+            answer = env.step(text)
+            if not isinstance(answer, tuple) or len(answer) not in (3, 4) or \
+                    not (answer[0] is None or isinstance(answer[0], str)):
+                raise TypeError(f"step returned {answer!r:.80}; return (observation: str | None, reward: float, "
+                                "done: bool) or with a fourth element, an info dict")
+            observation, reward, done = answer[0], float(answer[1]), bool(answer[2])
+        except Exception as e:  # noqa: BLE001 - any failure of the environment ends its sample alone
+            self._fail(request, text, e)
+            return ""
+        record = {"action": text, "observation": observation, "reward": reward}
+        if len(answer) == 4 and answer[3]:
+            record["info"] = answer[3]
+        self.turns[request].append(record)
+        if done or observation is None:
+            return ""
+        if len(self.turns[request]) >= self.config.max_turns:
+            return "max_turns"
+        return self.observation_ids(observation, ended_on_end_token=finish_reason == "eos")
+
+    def _fail(self, request: int, action: str, error: Exception) -> None:
+        with self._lock:
+            self.failed[request] = True
+            self.turns[request].append({"action": action, "observation": None, "reward": 0.0,
+                                        "error": f"{type(error).__name__}: {error}"[:300]})
+            if not self._shown:
+                self._shown = True
+                warnings.warn(f"The environment {type(self.envs[request]).__name__} failed on a step ({error}); that "
+                              "sample ends and scores 0 (counted in env_failures; shown once).", stacklevel=2)
+
+    # -- observations as tokens --------------------------------------------------------------
+
+    def _template_after_turn(self) -> str:
+        """The chat template's text from the end of an assistant turn's content to the end of
+        that message (e.g. "<|im_end|>\\n"), found by rendering a stand-in turn."""
+        mark = "\x00TURN\x00"
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": "u"},
+                                                   {"role": "assistant", "content": mark}], tokenize=False)
+        return text[text.index(mark) + len(mark):] if mark in text else ""
+
+    def observation_text(self, observation: str, ended_on_end_token: bool) -> str:
+        """The text that follows the model's turn: with the chat template, the rest of the
+        assistant message (less the end token the model wrote), the `tool` message and the
+        next assistant prompt; otherwise the observation itself."""
+        if not self.prompt_format.chat_template:
+            return observation
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        after = self.tokenizer.apply_chat_template(base + [{"role": "tool", "content": observation}], tokenize=False,
+                                                   add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError("The tokenizer's chat template renders a conversation's start differently once a tool "
+                             "message follows; set data.chat_template=False for this environment (observations as "
+                             "plain text).")
+        rest = self._after_turn
+        if ended_on_end_token:
+            for end in sorted(self.end_token_ids):
+                end_text = self.tokenizer.decode([end])
+                if end_text and rest.startswith(end_text):
+                    rest = rest[len(end_text):]
+                    break
+        return rest + after[len(before):]
+
+    def observation_ids(self, observation: str, ended_on_end_token: bool) -> list[int]:
+        return list(self.tokenizer(self.observation_text(observation, ended_on_end_token),
+                                   add_special_tokens=False)["input_ids"])
+
+    # -- after the rollout -------------------------------------------------------------------
+
+    def rewards(self) -> np.ndarray:
+        """float32 [n]: each sample's summed step rewards (0 where its environment failed)."""
+        return np.asarray([0.0 if failed else sum(t["reward"] for t in turns)
+                           for turns, failed in zip(self.turns, self.failed)], np.float32)
+
+    @property
+    def failures(self) -> int:
+        return int(sum(self.failed))
+
+
+# -- built-in environments -------------------------------------------------------------------
+
+_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+
+
+def _cell_program(earlier: Sequence[str], cell: str) -> str:
+    """A program that replays the earlier cells silently (the interpreter's state, kept
+    across a sample's blocks), then runs `cell`, printing its error's last line if it raises."""
+    return "\n".join([
+        "import contextlib as _c, io as _io, traceback as _tb",
+        "_g = {'__name__': '__main__'}",
+        f"for _src in {list(earlier)!r}:",
+        "    with _c.redirect_stdout(_io.StringIO()), _c.redirect_stderr(_io.StringIO()):",
+        "        try:",
+        "            exec(compile(_src, '<cell>', 'exec'), _g)",
+        "        except BaseException:",
+        "            pass",
+        "try:",
+        f"    exec(compile({cell!r}, '<cell>', 'exec'), _g)",
+        "except BaseException as _e:",
+        "    print(_tb.format_exception_only(type(_e), _e)[-1].strip())",
+    ])
+
+
+class PythonTool:
+    """Tool-integrated reasoning (ToRL): the model writes a ```python block and then
+    ```output; the block runs in the `code` reward's sandbox (sandbox.execute), the
+    interpreter's state kept across the sample's blocks, and its output comes back,
+    closing the ```output block. A turn with no python block is the final answer, scored
+    by the math reward against the example's answer (1 or 0); the episode ends there."""
+
+    stop_strings = ("```output",)
+    limits = sandbox.Limits(timeout_s=5.0, memory_mb=512, output_bytes=1 << 14)
+    mode = "auto"
+    max_output_chars = 1000
+
+    def __init__(self, example: dict):
+        self.prompt, self.answer = example["prompt"], str(example["answer"])
+        self.cells: list[str] = []
+
+    def reset(self):
+        return None
+
+    def step(self, action: str):
+        blocks = _PYTHON_BLOCK.findall(action)
+        if not blocks or not action.rstrip().endswith("```output"):
+            score = rewards.math_correctness([self.prompt], [action], answer=[self.answer])[0]
+            return None, float(score), True
+        stdout, outcome = sandbox.execute(_cell_program(self.cells, blocks[-1]), self.limits, self.mode)
+        if outcome.failure is None:
+            self.cells.append(blocks[-1])
+        else:
+            stdout += f"{outcome.failure}: {outcome.detail}\n"
+        stdout = stdout[-self.max_output_chars:]
+        return "\n" + stdout + ("" if stdout.endswith("\n") else "\n") + "```\n", 0.0, False
+
+
+class TowerOfHanoi:
+    """A planning environment, one move a turn: move every disk from peg A to peg C,
+    never a larger disk onto a smaller one. The example's `num_disks` field sets the size
+    (default 3). The model writes a move as "A->C"; the observation is the new state, or
+    why the move was illegal. Solved: reward 1, done; an illegal or unreadable move:
+    reward 0, the state unchanged."""
+
+    stop_strings = ()
+    _MOVE = re.compile(r"\b([ABC])\s*->\s*([ABC])\b")
+
+    def __init__(self, example: dict):
+        self.num_disks = int(example.get("num_disks") or 3)
+        self.pegs = {"A": list(range(self.num_disks, 0, -1)), "B": [], "C": []}
+
+    def describe(self) -> str:
+        return " ".join(f"{peg}:{self.pegs[peg]}" for peg in "ABC")
+
+    def reset(self):
+        return (f"Tower of Hanoi with {self.num_disks} disks, largest 1st: {self.describe()}. Move all disks to C, "
+                "one move a turn, written as A->C. Never put a larger disk on a smaller one.")
+
+    def step(self, action: str):
+        move = self._MOVE.findall(action)
+        if not move:
+            return f"No move read; write one as A->C. State: {self.describe()}", 0.0, False
+        source, target = move[-1]
+        why = illegal_move(self.pegs, source, target)
+        if why:
+            return f"Illegal move {source}->{target}: {why}. State: {self.describe()}", 0.0, False
+        self.pegs[target].append(self.pegs[source].pop())
+        if solved(self.pegs, self.num_disks):
+            return None, 1.0, True
+        return f"State: {self.describe()}", 0.0, False
+
+
+def illegal_move(pegs: Mapping[str, list[int]], source: str, target: str) -> str:
+    """Why moving the top disk of `source` onto `target` is illegal ("" when it is legal)."""
+    if source == target:
+        return "source and target are the same peg"
+    if not pegs[source]:
+        return f"peg {source} is empty"
+    if pegs[target] and pegs[target][-1] < pegs[source][-1]:
+        return f"disk {pegs[source][-1]} is larger than disk {pegs[target][-1]} on {target}"
+    return ""
+
+
+def solved(pegs: Mapping[str, list[int]], num_disks: int) -> bool:
+    return pegs["C"] == list(range(num_disks, 0, -1))
+
+
+def hanoi_solution(num_disks: int, source: str = "A", spare: str = "B", target: str = "C") -> list[str]:
+    """The optimal moves (2^n - 1 of them) as "A->C" strings: the generator's solutions."""
+    if num_disks == 0:
+        return []
+    return (hanoi_solution(num_disks - 1, source, target, spare) + [f"{source}->{target}"]
+            + hanoi_solution(num_disks - 1, spare, source, target))
+
+
+def score_moves(num_disks: int, moves: Sequence[str]) -> float:
+    """1.0 when `moves` (one "X->Y" each), played from the start, are all legal and solve
+    the puzzle; else 0.0: the environment's own scorer, outside any rollout."""
+    env = TowerOfHanoi({"num_disks": num_disks})
+    for move in moves:
+        observation, reward, done = env.step(move)
+        if observation is not None and observation.startswith(("Illegal", "No move")):
+            return 0.0
+        if done:
+            return reward
+    return 0.0
+
+
+BUILT_IN: dict[str, Any] = {"python_tool": PythonTool, "tower_of_hanoi": TowerOfHanoi}
