@@ -10,7 +10,7 @@ from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import speculative as spec_lib
-from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine, Rollouts
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
@@ -124,3 +124,22 @@ def test_stop_sequence_of_two_tokens_cuts_speculative_tokens_past_it(params):
         for want, got in zip(expected, r.tokens):
             np.testing.assert_array_equal(got, want, err_msg=str(strategy))
         assert r.finish_reason[0] == "stop"
+
+
+def test_observation_tokens_are_context_never_actions():
+    """build_batch puts observation tokens off the loss mask with advantage 0, so neither
+    the GRPO loss, the ratios nor the KL read them; the model's tokens keep their advantage."""
+    from tlt_jax.rl.loop import build_batch
+    from tlt_jax.rollout.timeline import RolloutTimeline
+
+    tokens = [np.asarray([5, 6, 41, 42, 7], np.int32)]
+    observed = [np.asarray([False, False, True, True, False])]
+    rollouts = lambda mask: Rollouts(
+        np.zeros(1, np.int32), np.zeros(1, np.int32), tokens, [np.full(5, -1.0, np.float32)], ["eos"],
+        np.zeros(1, np.int32), RolloutTimeline([]), mask)
+    batch, _ = build_batch([[1, 2]], rollouts(observed), np.asarray([0.5]), seq_len=8, pad_id=0)
+    # Position t predicts token t + 1: the prompt's 2 tokens, then the transcript.
+    np.testing.assert_array_equal(batch["loss_mask"][0, :7], [False, True, True, False, False, True, False])
+    np.testing.assert_array_equal(batch["advantages"][0, :7], [0, 0.5, 0.5, 0, 0, 0.5, 0])
+    single, _ = build_batch([[1, 2]], rollouts(None), np.asarray([0.5]), seq_len=8, pad_id=0)
+    assert single["loss_mask"][0, 1:6].all() and not single["loss_mask"][0, 0]

@@ -99,6 +99,12 @@ def env_class(name: str) -> type:
     return cls
 
 
+def no_reward(prompts: Sequence, completions: Sequence[str], **_) -> list[float]:
+    """The reward on the whole transcript when config.reward is "" with an environment:
+    none, the environment's step rewards alone."""
+    return [0.0] * len(completions)
+
+
 def example_dict(example: tasks.Example) -> dict:
     """What an environment is built from: the row's fields, with its prompt, answer and task."""
     return {**dict(example.fields), "prompt": example.prompt, "answer": example.answer, "task": example.task}

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax import evaluation, faults, multihost, sampling, sharding
-from tlt_jax.data import rewards, tasks
+from tlt_jax.data import agents, rewards, tasks
 from tlt_jax.data.packing import Packing, pack_spans
 from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.drafter_training.online import DrafterData
@@ -76,6 +76,8 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advanta
     that the compiled shapes stay few). The batch has num_minibatches * R rows, and the
     learner's minibatch i holds exactly the samples of part i. Returns (batch, packing):
     packing places sample i (in rollout order) in the batch's rows (`unpack_samples`).
+    Multi-turn samples (`rollouts.observation_mask`): observation tokens are context, never
+    actions: off the loss mask, with advantage 0.
     """
     n, k = len(rollouts), num_minibatches
     if n % k:
@@ -91,8 +93,10 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advanta
     packing = Packing(seq_len, lengths, np.concatenate([p.row_N + m * rows for m, p in enumerate(parts)]),
                       np.concatenate([p.offset_N for p in parts]), np.concatenate([p.segment_N for p in parts]),
                       k * rows)
+    actions = [np.ones(len(a), bool) for a in rollouts.tokens] if rollouts.observation_mask is None else \
+        [~np.asarray(m, bool) for m in rollouts.observation_mask]
     fields = packing.rows([np.concatenate([p, a]) for p, a in zip(prompts, rollouts.tokens)],
-                          [np.arange(len(p) + len(a)) >= len(p) for p, a in zip(prompts, rollouts.tokens)],
+                          [np.concatenate([np.zeros(len(p), bool), act]) for p, act in zip(prompts, actions)],
                           pad_id=pad_id)
     # Per-token values, shifted by one: position t carries those of the token it predicts.
     per_token = lambda values: packing.scatter(
@@ -100,8 +104,8 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advanta
     advantages_n = np.asarray(advantages_n, np.float32)
     batch = dict(tokens=fields["tokens"], positions=fields["positions"], segment_ids=fields["segment_ids"],
                  loss_mask=fields["mask"], rollout_logp=per_token(rollouts.logprobs),
-                 advantages=per_token([np.full(len(a), adv, np.float32)
-                                       for a, adv in zip(rollouts.tokens, advantages_n)]))
+                 advantages=per_token([np.where(act, adv, 0.0).astype(np.float32)
+                                       for act, adv in zip(actions, advantages_n)]))
     return batch, packing
 
 
@@ -139,16 +143,20 @@ class RLLoop:
                  step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None,
                  prompt_format: PromptFormat | None = None,
                  correctness_reward: str | rewards.RewardFn = "answer_correctness",
-                 end_token_ids: Sequence[int] | None = None):
+                 end_token_ids: Sequence[int] | None = None, env: agents.EnvConfig | None = None):
         """train_examples / eval_examples: any sequences (a dataset from disk makes its
         examples on access); prompt_format: how a prompt becomes the engine's tokens;
         correctness_reward: the reward whose mean is `accuracy` and `eval_accuracy`;
-        end_token_ids: the model's end tokens (default the tokenizer's eos)."""
+        end_token_ids: the model's end tokens (default the tokenizer's eos); env: with a
+        name, multi-turn rollouts (`data.agents`): each sample's reward is its environment's
+        step rewards summed plus the step's reward on the whole transcript."""
         self.engine, self.learner, self.tokenizer = engine, learner, tokenizer
         self.tlt = tlt  # None: the baseline (plain rollouts, no drafter)
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.prompt_format, self.correctness_reward = prompt_format or PromptFormat(), correctness_reward
         self.end_token_ids = tuple(end_token_ids) if end_token_ids is not None else (tokenizer.eos_token_id,)
+        self.env = env if env is not None and env.name else None
+        self.env_class = agents.env_class(self.env.name) if self.env is not None else None
         self.last_eval_samples: list[dict] = []  # the records of the latest `evaluate`
         self._epoch_order: tuple[int, np.ndarray] | None = None
         self.sampling_params, self.config, self.seq_len, self.seed = sampling_params, step_config, seq_len, seed
@@ -197,7 +205,13 @@ class RLLoop:
         cfg, tlt = self.config, self.tlt
         t0 = time.perf_counter()
         examples = self.prompts_for(data_position)
-        prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
+        episodes, sp = None, self.sampling_params
+        if self.env is not None:
+            episodes = agents.Episodes(self.env_class, examples, cfg.num_samples, self.tokenizer, self.prompt_format,
+                                       self.end_token_ids, self.env)
+            prompt_ids, sp = episodes.prompt_ids(), episodes.sampling_params(sp)
+        else:
+            prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
         key = jax.random.fold_in(self.key, step)
         speculation = None
         if tlt is not None:
@@ -221,9 +235,10 @@ class RLLoop:
             completions_by_sample[i] = completion
             scoring.submit(i, examples[p].prompt, completion, {k: v[p] for k, v in example_fields.items()})
 
-        rollouts = self.engine.generate(prompt_ids, cfg.num_samples, self.sampling_params, key,
+        rollouts = self.engine.generate(prompt_ids, cfg.num_samples, sp, key,
                                         on_group_done=group_done, speculation=speculation,
-                                        on_sample_done=sample_done if scoring is not None else None)
+                                        on_sample_done=sample_done if scoring is not None else None,
+                                        episodes=episodes)
         if tlt is not None:
             tlt.after_rollout()
         t_rollout = time.perf_counter()
@@ -247,9 +262,14 @@ class RLLoop:
             t_scored = time.perf_counter()
             # Process 0's scores everywhere: a reward that times out, or draws, on one process only
             # must not split the learner's batch between processes.
+            if episodes is not None:  # a sample's reward: its steps' plus the reward on its transcript
+                scored = dataclasses.replace(scored, scores=scored.scores + episodes.rewards(),
+                                             failures=scored.failures + episodes.failures)
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
             faults.maybe_kill("reward", step)
-            correct = (reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
+            # With an environment, a sample is correct where its total reward is positive.
+            correct = (reward > 0).astype(np.float32) if episodes is not None else (
+                reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
                 rewards.get_reward(self.correctness_reward) if isinstance(self.correctness_reward, str)
                 else self.correctness_reward, prompts, completions, **fields)[0])
             self.reward_failures += failures

@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, sampling, sharding
-from tlt_jax.data import environments, rewards, sources
+from tlt_jax.data import agents, environments, rewards, sources
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
@@ -150,6 +150,13 @@ def _wandb_config(config) -> metrics.WandbConfig:
     return metrics.WandbConfig(**config.get("wandb", {}))
 
 
+def _step_reward(config):
+    """The reward on each whole completion: config.reward, or none with an environment and reward=""."""
+    if agents.EnvConfig.from_config(config).name and not config.reward:
+        return agents.no_reward
+    return rewards.reward_from_config(config)
+
+
 def check_config(config) -> None:
     """Raises ValueError naming the field for settings that cannot run, and
     FileNotFoundError naming the flag for a given path that does not exist, before
@@ -167,8 +174,11 @@ def check_config(config) -> None:
                          f"{samples} samples.")
     if config.advantage not in grpo.ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage={config.advantage!r}; choose from {sorted(grpo.ADVANTAGE_ESTIMATORS)}.")
-    rewards.reward_from_config(config)  # a registered name or an importable module.path:function
-    sources.check_reward(config.data, config.reward)
+    env = agents.EnvConfig.from_config(config)
+    env.check(r.max_tokens)
+    if not (env.name and not config.reward):
+        rewards.reward_from_config(config)  # a registered name or an importable module.path:function
+        sources.check_reward(config.data, config.reward)
     if sources.kind(config.data) == "reasoning_gym":
         environments.parse_source(config.data.source)
     mesh = _check_mesh(config.mesh)
@@ -259,7 +269,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     keep_reference = config.grpo.kl_coef > 0 or config.track_kl
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
     step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
-                            advantage=config.advantage, reward=rewards.reward_from_config(config),
+                            advantage=config.advantage, reward=_step_reward(config),
                             reward_workers=config.reward_workers,
                             reward_timeout_s=config.reward_timeout_s, reward_overlap=config.reward_overlap,
                             max_consecutive_skips=config.max_consecutive_skips,
@@ -281,9 +291,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt, prompt_format=problems.prompt_format,
-                  correctness_reward=rewards.reward_from_config(config, sources.correctness_reward(config.data,
-                                                                                                    config.reward)),
-                  end_token_ids=end_ids)
+                  correctness_reward=_step_reward(config) if agents.EnvConfig.from_config(config).name else
+                  rewards.reward_from_config(config, sources.correctness_reward(config.data, config.reward)),
+                  end_token_ids=end_ids, env=agents.EnvConfig.from_config(config))
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
     # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
