@@ -1,4 +1,6 @@
-"""Environments: the built-ins, loading one by name, observations through the chat template."""
+"""Environments: the built-ins, loading one by name, observations through the chat template;
+a scripted policy evaluated through an environment."""
+import numpy as np
 import pytest
 
 from tlt_jax.data import agents
@@ -49,3 +51,88 @@ def test_python_tool_keeps_the_interpreters_state_and_scores_the_final_answer():
     observation, _, _ = env.step("```python\nprint(x * 2)\n1 / 0\n```\n```output")
     assert observation == "\n10\nZeroDivisionError: division by zero\n```\n"
     assert env.step("So the answer is \\boxed{5}.") == (None, 1.0, True)
+
+
+class _Guess:
+    """A scripted environment: guess the example's answer; a wrong guess costs 0.1 and is
+    told so, an unreadable one breaks the environment."""
+
+    def __init__(self, example):
+        self.answer = int(example["answer"])
+
+    def reset(self):
+        return f"guess {self.answer % 3}:"  # depends on the example alone
+
+    def step(self, action):
+        if int(action) == self.answer:  # raises on a turn that is no number
+            return None, 1.0, True
+        return "\nno\n", -0.1, False, {"guess": int(action)}
+
+
+class _ScriptedPolicy:
+    """A rollout engine whose samples say fixed turns (request i: SCRIPT[i]) through the
+    episodes, each turn ending on the end token: transcript and observation mask as the
+    engine builds them."""
+
+    SCRIPT = (["3", "7"], ["7"], ["1", "2", "3", "4"], ["zz"])
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, num_samples, sampling_params, key, episodes):
+        from tlt_jax.rollout.engine import Rollouts
+        from tlt_jax.rollout.timeline import RolloutTimeline
+
+        tokens, observed, reasons = [], [], []
+        for request, script in enumerate(self.SCRIPT):
+            ids, mask, reason = [], [], "eos"
+            for action in script:
+                turn = self.tokenizer(action, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+                ids, mask = ids + turn, mask + [False] * len(turn)
+                answer = episodes.step(request, np.asarray(turn, np.int32), "eos")
+                if isinstance(answer, str):
+                    reason = answer or reason
+                    break
+                ids, mask = ids + list(answer), mask + [True] * len(answer)
+            tokens.append(np.asarray(ids, np.int32))
+            observed.append(np.asarray(mask, bool))
+            reasons.append(reason)
+        n = len(tokens)
+        return Rollouts(np.arange(n, dtype=np.int32) // num_samples, np.arange(n, dtype=np.int32) % num_samples,
+                        tokens, [np.zeros(len(t), np.float32) for t in tokens], reasons, np.zeros(n, np.int32),
+                        RolloutTimeline([]), observed)
+
+
+def test_scripted_policy_turns_and_rewards_read_back_from_eval_samples(tmp_path):
+    """A fixed policy through a scripted environment, evaluated and written as a run
+    writes it: each sample's turns (action, observation, step reward), its transcript and
+    its total reward (step rewards plus the reward on the transcript) come back from
+    eval_samples.jsonl; max_turns ends a sample; a failing step ends it with reward 0 (the
+    transcript's reward too), counted."""
+    import json
+
+    from tlt_jax import evaluation, metrics, sampling
+    from tlt_jax.data import tasks
+
+    tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tok"))
+    examples = [tasks.Example("7?", "", "7", "t"), tasks.Example("12?", "", "12", "t")]
+    env = agents.EnvConfig(name="tests.test_agents:_Guess", max_turns=3)
+    half = lambda prompts, completions, **_: [0.5] * len(completions)
+    with pytest.warns(UserWarning, match="_Guess failed on a step"):
+        out, samples = evaluation.evaluate_samples(_ScriptedPolicy(tokenizer), tokenizer, examples,
+                                                   sampling.SamplingParams(max_tokens=32), None, 2, reward=half,
+                                                   env=env)
+    with metrics.MetricsWriter(str(tmp_path / "run"), use_tensorboard=False) as writer:
+        writer.write_samples(4, samples)
+    with open(tmp_path / "run" / metrics.EVAL_SAMPLES_FILENAME) as f:
+        back = [json.loads(line) for line in f]
+    assert [r["step"] for r in back] == [4] * 4
+    assert [r["prompt"] for r in back] == ["guess 1:"] * 2 + ["guess 0:"] * 2
+    assert back[0]["turns"] == [{"action": "3", "observation": "\nno\n", "reward": -0.1, "info": {"guess": 3}},
+                                {"action": "7", "observation": None, "reward": 1.0}]
+    assert back[0]["completion"] == "3\nno\n7" and back[1]["completion"] == "7"
+    assert [t["action"] for t in back[2]["turns"]] == ["1", "2", "3"] and back[2]["finish_reason"] == "max_turns"
+    assert back[3]["turns"][0]["error"].startswith("ValueError") and back[3]["turns"][0]["reward"] == 0.0
+    np.testing.assert_allclose([r["reward"] for r in back], [1.4, 1.5, 0.2, 0.0], atol=1e-6)
+    assert out["accuracy"] == 3 / 4 and out["env_failures"] == 1 and out["env_turns_mean"] == 7 / 4
+    assert out["reward_mean"] == pytest.approx(3.1 / 4)

@@ -241,6 +241,11 @@ class Episodes:
         return np.asarray([0.0 if failed else sum(t["reward"] for t in turns)
                            for turns, failed in zip(self.turns, self.failed)], np.float32)
 
+    def total_rewards(self, transcript_scores) -> np.ndarray:
+        """float32 [n]: each sample's reward, its step rewards plus `transcript_scores` (the
+        configured reward on its whole transcript); 0 where its environment failed."""
+        return np.where(self.failed, 0.0, np.asarray(transcript_scores, np.float32) + self.rewards()).astype(np.float32)
+
     @property
     def failures(self) -> int:
         return int(sum(self.failed))

@@ -263,7 +263,7 @@ class RLLoop:
             # Process 0's scores everywhere: a reward that times out, or draws, on one process only
             # must not split the learner's batch between processes.
             if episodes is not None:  # a sample's reward: its steps' plus the reward on its transcript
-                scored = dataclasses.replace(scored, scores=scored.scores + episodes.rewards(),
+                scored = dataclasses.replace(scored, scores=episodes.total_rewards(scored.scores),
                                              failures=scored.failures + episodes.failures)
             reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
             faults.maybe_kill("reward", step)
@@ -376,5 +376,5 @@ class RLLoop:
         result, self.last_eval_samples = evaluation.evaluate_samples(
             self.engine, self.tokenizer, self.eval_examples, greedy,
             jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step), reward=self.correctness_reward,
-            prompt_format=self.prompt_format, end_token_ids=self.end_token_ids)
+            prompt_format=self.prompt_format, end_token_ids=self.end_token_ids, env=self.env)
         return {f"eval_{k}": v for k, v in result.items()}
