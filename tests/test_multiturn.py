@@ -143,3 +143,34 @@ def test_observation_tokens_are_context_never_actions():
     np.testing.assert_array_equal(batch["advantages"][0, :7], [0, 0.5, 0.5, 0, 0, 0.5, 0])
     single, _ = build_batch([[1, 2]], rollouts(None), np.asarray([0.5]), seq_len=8, pad_id=0)
     assert single["loss_mask"][0, 1:6].all() and not single["loss_mask"][0, 0]
+
+
+def test_gradient_is_unchanged_when_observation_tokens_change(params):
+    """Observation tokens carry no loss: a transcript that ends in an observation (cut at
+    its token budget) gives the same GRPO loss and gradient whatever the observation's
+    tokens and whatever log-probs the engine put there; no later token reads them, so only
+    a loss on them could tell them apart."""
+    from tlt_jax.rl.learner import Learner, LearnerConfig
+    from tlt_jax.rl.loop import build_batch
+    from tlt_jax.rollout.timeline import RolloutTimeline
+
+    learner = Learner(CFG, LearnerConfig(micro_batch_size=2), sharding.make_mesh({"data": 1}, jax.devices()[:1]))
+    observed = [np.asarray([0, 0, 1, 1, 1, 0, 0, 1, 1], bool), np.asarray([0, 0, 0, 1, 1], bool)]
+
+    def loss_and_grads(observation, logp_at_observations):
+        tokens = [np.asarray([5, 6, 41, 42, 43, 7, 8, *observation[:2]], np.int32),
+                  np.asarray([9, 10, 11, *observation[2:]], np.int32)]
+        logp = [np.where(m, logp_at_observations, -1.0).astype(np.float32) for m in observed]
+        rollouts = Rollouts(np.asarray([0, 0], np.int32), np.asarray([0, 1], np.int32), tokens, logp,
+                            ["max_tokens"] * 2, np.zeros(2, np.int32), RolloutTimeline([]), observed)
+        batch, _ = build_batch([[1, 2, 3]], rollouts, np.asarray([1.0, -1.0]), seq_len=16, pad_id=0)
+        batch["old_logp"] = np.asarray(learner.logprobs(params, batch["tokens"], batch["positions"],
+                                                        batch["segment_ids"])) - 0.05
+        loss, _, grads = learner.loss_and_grads(params, batch)
+        return float(loss), jax.device_get(grads)
+
+    loss_a, grads_a = loss_and_grads([44, 45, 46, 47], 0.0)
+    loss_b, grads_b = loss_and_grads([12, 3, 49, 20], -3.0)
+    assert loss_a == loss_b
+    jax.tree.map(np.testing.assert_array_equal, grads_a, grads_b)
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(grads_a))
