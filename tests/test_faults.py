@@ -18,7 +18,6 @@ import pytest
 
 from tests import _rewards as test_rewards
 from tests import _teacher_cache_writer as fake
-from tests.conftest import fast_compile_env
 from tests.test_rl_train import OVERRIDES, _learning_records
 from tests.test_tlt import TLT
 from tlt_jax import checkpoint, faults, metrics
@@ -103,7 +102,7 @@ def run(tmp_path_factory, worker_id):
     """run(run_dir, overrides, fault=None): the RL run in a process of its own, killed by
     SIGKILL at `fault` (asserted) or else to its end; returns its record (`_spy`'s calls
     and the summary) when it ends."""
-    env = fast_compile_env(JAX_COMPILATION_CACHE_DIR=str(_shared_dir(tmp_path_factory, worker_id, "jax_cache")),
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(_shared_dir(tmp_path_factory, worker_id, "jax_cache")),
                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
     def run_rl(run_dir: str, overrides: dict, fault: str | None = None) -> dict | None:

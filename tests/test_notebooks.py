@@ -7,8 +7,6 @@ import sys
 import nbformat
 import pytest
 
-from tests.conftest import FAST_COMPILE
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLAB = os.path.join(REPO, "colab")
 NOTEBOOKS = sorted(f for f in os.listdir(COLAB) if f.endswith(".ipynb"))
@@ -27,9 +25,9 @@ def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     # The kernel is a fresh process: one CPU device (not the test process's 8), smoke sizes,
-    # runs written under tmp_path, compiled fast.
+    # runs written under tmp_path, compiled fast (conftest's JAX_DISABLE_MOST_OPTIMIZATIONS).
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    monkeypatch.setenv("XLA_FLAGS", f"{flags} {FAST_COMPILE}".strip())
+    monkeypatch.setenv("XLA_FLAGS", flags.strip())
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("TLT_NOTEBOOK_SMOKE", "1")
     monkeypatch.setenv("TLT_NOTEBOOK_RUNS", str(tmp_path))

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from configs import distill, drafter, rl, sft
-from tests.conftest import fast_compile_env
 from tests.test_rl_train import OVERRIDES, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, launch, metrics
 from tlt_jax.distill import train as distill_train
@@ -322,7 +321,7 @@ def _rl_launcher(warm_start, run_dir, *args):  # noqa: F811
                                                   "mesh.fsdp": 8}.items()]
     return subprocess.run([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
                            f"--config.model_dir={warm_start}", f"--config.run_dir={run_dir}", *overrides, *args],
-                          capture_output=True, text=True, timeout=600, env=fast_compile_env())
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_the_rl_launcher_refuses_a_changed_resume_and_records_an_accepted_one(warm_start, tmp_path):  # noqa: F811

@@ -61,7 +61,9 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
         other = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)
-            np.testing.assert_allclose(la, lb, atol=1e-5)
+            # Float32 sums in another order (another slot count, the stacked layout): the tests
+            # compile at XLA's lowest effort (conftest), which reorders them more than the default.
+            np.testing.assert_allclose(la, lb, rtol=2e-5, atol=1e-5)
     # Named by its id, a prompt run alone (or beside another, in another order) gives the
     # answers it gave in the full batch; unnamed, it is request 0 and draws other tokens.
     for prompts, ids in (([PROMPTS[2]], [2]), ([PROMPTS[4], PROMPTS[2]], [4, 2])):
