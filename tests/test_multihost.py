@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from tests.conftest import FAST_COMPILE
 from tests.test_rl_train import warm_start  # noqa: F401 (a fixture: a small random policy)
 from tlt_jax import metrics
 from tlt_jax.rl.train import learning_metrics
@@ -30,7 +29,7 @@ def _free_port() -> int:
 def _launch(processes: int, *args: str) -> list[subprocess.Popen]:
     """`experiments.train_rl` as one process of 8 devices or `processes` of 8 / processes."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} {FAST_COMPILE}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
     common = [sys.executable, "-m", "experiments.train_rl", *args]
     if processes == 1:
         return [subprocess.Popen(common, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -88,27 +87,31 @@ def _assert_same_learning(a: dict, b: dict, skip=()):
 
 
 def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_start, tmp_path):  # noqa: F811
-    # Four launches share the launchers' compilation cache: the resumed runs reuse the
-    # programs the first two compiled.
+    """Steps 1-2 with two updates a step (an old-policy pass first), from the start; step 3
+    resumed across the process count with one update (on-policy: no old-policy pass, the
+    update's own forward gives the old log-probs and the drafter's data, gathered from both
+    processes to process 0's buffer)."""
+    # The launches share the launchers' compilation cache: the resumed runs reuse the
+    # rollout and drafter programs the first two compiled.
     config = (CONFIG, f"--config.model_dir={warm_start}")
+    on_policy = ("--config.steps=3", "--config.learner.num_minibatches=1",
+                 "--config.resume_changes=learner.num_minibatches")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    # One process, 3 steps; two processes, 2 steps (their last step also evaluates).
-    first = _finish(_launch(1, *config, f"--config.run_dir={one}"),
+    first = _finish(_launch(1, *config, f"--config.run_dir={one}", "--config.steps=2"),
                     _launch(2, *config, f"--config.run_dir={two}", "--config.steps=2"))
     for results in first:
         _check_ok(results)
     summaries = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in first[1]]
     assert summaries[0] == summaries[1]  # every process reports process 0's summary
 
-    # Crossing over: one process takes the two processes' step 2 to step 3, two processes
-    # take a copy of the one process's run from its step 2 to step 3.
+    # Crossing over: one process takes the two processes' run from step 2 to step 3, two
+    # processes a copy of the one process's; the one process's own run goes on alone (the
+    # reference). The one-process runs one after the other: the second loads the first's programs.
     crossed = str(tmp_path / "one_then_two")
     shutil.copytree(one, crossed)
-    for sub in ("checkpoints", "drafter_checkpoints"):
-        shutil.rmtree(os.path.join(crossed, sub, "3"))
-    os.remove(os.path.join(crossed, "result.json"))
-    second = _finish(_launch(1, *config, f"--config.run_dir={two}"),
-                     _launch(2, *config, f"--config.run_dir={crossed}"))
+    second = _finish(_launch(1, *config, f"--config.run_dir={one}", *on_policy),
+                     _launch(2, *config, f"--config.run_dir={crossed}", *on_policy))
+    second += _finish(_launch(1, *config, f"--config.run_dir={two}", *on_policy))
     for results in second:
         _check_ok(results)
         assert "Resumed" in results[0][2]  # process 0 reports
@@ -118,34 +121,19 @@ def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_star
     for key in ("eval_accuracy", "eval_length_mean"):  # the warm start's evaluation
         assert reference[0][key] == two_then_one[0][key]
     for step in (1, 2):  # two processes from the start
+        assert reference[step]["time_old_logp_s"] > 0 and two_then_one[step]["time_old_logp_s"] > 0
         _assert_same_learning(reference[step], two_then_one[step],
                               skip=[k for k in two_then_one[step] if k.startswith("eval_")])
-    for records in (two_then_one, one_then_two):  # resumed across the process count
+    for records in (two_then_one, one_then_two):  # resumed across the process count, on-policy
         _assert_same_learning(reference[3], records[3])
+        assert reference[3]["time_old_logp_s"] == records[3]["time_old_logp_s"] == 0
+        assert records[3]["buffer_rows"] == reference[3]["buffer_rows"] > 0
     assert [reference[s]["drafter_version"] for s in (1, 2, 3)] == [1, 2, 3]
     assert all(reference[s]["speculative_token_share"] > 0 and reference[s]["loss"] != 0 for s in (1, 2, 3))
     # Process 0 alone wrote the plots and exports.
     for run_dir in (two, crossed):
         for name in ("reward.png", "tlt.png", "rollout_timeline.png", "result.json", "drafter"):
             assert os.path.exists(os.path.join(run_dir, name)), name
-
-
-def test_two_processes_update_on_policy_as_one(warm_start, tmp_path):  # noqa: F811
-    """One update per step: no old-policy pass, the update's own forward gives the
-    old log-probs and the drafter's data (gathered from both processes to process 0's
-    buffer); two processes learn as one."""
-    config = (CONFIG, f"--config.model_dir={warm_start}", "--config.learner.num_minibatches=1",
-              "--config.steps=2")
-    one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    for results in _finish(_launch(1, *config, f"--config.run_dir={one}"),
-                           _launch(2, *config, f"--config.run_dir={two}")):
-        _check_ok(results)
-    reference, records = _records(one), _records(two)
-    for step in (1, 2):
-        assert reference[step]["time_old_logp_s"] == records[step]["time_old_logp_s"] == 0  # on-policy
-        _assert_same_learning(reference[step], records[step],
-                              skip=[k for k in records[step] if k.startswith("eval_")])
-        assert records[step]["buffer_rows"] == reference[step]["buffer_rows"] > 0
 
 
 def _one_line_error(result, *expected):
