@@ -384,3 +384,31 @@ def test_replay_keeps_a_uniform_sample_of_evicted_rows_and_draws_its_share_from_
     for step in range(3):
         _add(plain, step, [1] * 4, [7] * 4, 8, first=4 * step)
     assert plain.num_replay_rows == 0 and all(f >= 800 for f in plain.sample(4)["tokens"][:, 0])
+
+
+def test_observation_tokens_are_context_never_targets():
+    """Multi-turn samples: the environment's observation tokens stay in the rows, in place
+    with their outputs (the drafter reads them, as when it drafts the next turn), but no
+    entry learns to predict one; with no observation the rows are those of a single-turn
+    add, bit for bit."""
+    prompts, responses, t = np.array([3, 2, 4]), np.array([6, 5, 3]), 10
+    observed = np.zeros((3, t), bool)
+    observed[0, 5:7] = True  # after a 2-token turn, a 2-token observation, then the next turn
+    observed[1, 3:7] = True  # a turn of one token, then an observation that ends the transcript
+    b = _learner_batch(prompts, responses, t)
+    fields = (b["tokens"], prompts, responses, b["hidden"], b["ids"], b["logp"])
+    single, none_observed, multi = (DrafterBuffer(16, 3, 2, max_bytes=10 ** 6) for _ in range(3))
+    single.add(0, *fields)
+    none_observed.add(0, *fields, observed_nT=np.zeros((3, t), bool))
+    multi.add(0, *fields, observed_nT=observed)
+    jax.tree.map(np.testing.assert_array_equal, single.state_dict(), none_observed.state_dict())
+    rows, plain = multi.state_dict()["rows"], single.state_dict()["rows"]
+    for k in ("tokens", "positions", "segment_ids", "hidden", "ids", "logp"):
+        np.testing.assert_array_equal(rows[k], plain[k], err_msg=k)
+    segments = _segments(rows)
+    for i in range(3):
+        tokens, positions, targets, _, _ = segments[100 * (i + 1) + prompts[i] - 1]
+        np.testing.assert_array_equal(targets, (positions >= prompts[i]) & ~observed[i, positions])
+    assert rows["mask"].sum() == plain["mask"].sum() - observed.sum()
+    with pytest.raises(ValueError, match="observed_nT is"):
+        multi.add(1, *fields, observed_nT=observed[:, :5])

@@ -11,7 +11,9 @@ Span rule. Of a sample with prompt length p and response length r the buffer kee
 `prompt_tail` prompt tokens before it. The last prompt token is always kept because
 drafting starts from it: after the prompt, the drafter's first entry reads (x_p, f_{p-1}),
 the target's feature at the last prompt position. Only response tokens are targets (mask);
-prompt tokens are context; padding never enters a row. A span longer than seq_len first
+prompt tokens are context; padding never enters a row. In a multi-turn transcript the
+environment's observations (`observed_nT`) are context too: the drafter reads them, as
+it does when drafting the turn after, but never learns to predict them. A span longer than seq_len first
 loses prompt context (down to the last prompt token), then the end of its response
 (counted as truncated): the kept tokens keep their true prefix, as at drafting time,
 whereas a later chunk of the response without its prefix would teach attention over a
@@ -25,8 +27,8 @@ are; R rows, S = seq_len:
     positions    int32 [R, S]      the token's position in its original sequence (RoPE sees
                                    the positions of the target's forward)
     segment_ids  int32 [R, S]      1, 2, ... per sample within a row; 0 is padding
-    mask         bool  [R, S-1]    entry t: token t+1 is a target (a response token) of its
-                                   own segment
+    mask         bool  [R, S-1]    entry t: token t+1 is a target (a response token the model
+                                   sampled, not an observation) of its own segment
     hidden       [R, S, D]         h_t, in the dtype given (bf16 stays bf16)
     ids, logp    int32 / f32 [R, S, K]   top-K of the distribution of token t+1
     layers       [R, S, n, D]      fused drafters only: the feature layers' outputs at t
@@ -122,13 +124,15 @@ class DrafterBuffer:
     # -- adding
 
     def add(self, rl_step: int, tokens_nT, prompt_lengths_n, response_lengths_n, hidden_nTD, ids_nTK, logp_nTK,
-            layers_nTLD=None) -> None:
+            layers_nTLD=None, observed_nT=None) -> None:
         """Packs the samples of a learner batch of RL step `rl_step` into rows and evicts.
 
         tokens_nT: prompt then response, right-padded to T. prompt_lengths_n (>= 1),
         response_lengths_n: per sample. hidden_nTD, ids_nTK / logp_nTK, layers_nTLD: the
         target's outputs at every token t (ids / logp: top-K of the distribution of token
-        t+1), as `trainer.target_outputs` gives them; layers only for a fused drafter. Any
+        t+1), as `trainer.target_outputs` gives them; layers only for a fused drafter.
+        observed_nT: bool [n, T], True at the tokens of an environment's observations
+        (multi-turn; context, never targets); None: every response token is a target. Any
         array type numpy can read (device arrays are copied to host).
         """
         tokens_nT = np.asarray(tokens_nT)
@@ -137,6 +141,8 @@ class DrafterBuffer:
         if p_n.shape != (n,) or r_n.shape != (n,) or np.any(p_n < 1) or np.any(r_n < 0) or np.any(p_n + r_n > t):
             raise ValueError(f"Need prompt lengths >= 1 and response lengths >= 0 for each of the {n} samples, "
                              f"fitting T={t}; got {p_n.tolist()} and {r_n.tolist()}.")
+        if observed_nT is not None and np.shape(observed_nT) != (n, t):
+            raise ValueError(f"add: observed_nT is {np.shape(observed_nT)}; this batch is {(n, t)}.")
         if (layers_nTLD is None) != (not self.num_feature_layers):
             raise ValueError(f"add: layers {'missing' if layers_nTLD is None else 'given'}; this buffer was built "
                              f"with num_feature_layers={self.num_feature_layers}.")
@@ -159,8 +165,11 @@ class DrafterBuffer:
         self._truncated += int(np.sum(stop_n < end_n))
         spans = [(i, slice(a, b)) for i, a, b in zip(keep, start_n, stop_n)]
         packing = pack_spans(stop_n - start_n, self.seq_len)
-        rows = packing.rows([tokens_nT[i, s] for i, s in spans],
-                            [np.arange(s.start, s.stop) >= p for (_, s), p in zip(spans, p_n)],
+        targets = [np.arange(s.start, s.stop) >= p for (_, s), p in zip(spans, p_n)]
+        if observed_nT is not None:
+            observed_nT = np.asarray(observed_nT, bool)
+            targets = [target & ~observed_nT[i, s] for target, (i, s) in zip(targets, spans)]
+        rows = packing.rows([tokens_nT[i, s] for i, s in spans], targets,
                             positions=[np.arange(s.start, s.stop) for _, s in spans])
         for name, x in outputs.items():
             rows[name] = packing.scatter([x[i, s] for i, s in spans], self._fields[name][1])

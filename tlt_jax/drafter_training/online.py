@@ -127,16 +127,18 @@ class OnlineDrafter:
     # -- data
 
     def add(self, rl_step: int, tokens_nT: np.ndarray, prompt_lengths_n, response_lengths_n,
-            data: DrafterData, tasks_n=None) -> None:
+            data: DrafterData, tasks_n=None, observed_nT=None) -> None:
         """Stores an RL step's samples: the learner batch's rows and the learner forward's
         DrafterData ([n, T-1] positions; the last position predicts nothing and is padded).
         tasks_n: each sample's task; with two or more, `served_metrics` also scores the
-        step's rows of each task on their own."""
+        step's rows of each task on their own. observed_nT: bool [n, T], True at the
+        environment's observation tokens (multi-turn): context, never targets
+        (`DrafterBuffer.add`); None for single-turn samples."""
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
         fields = (pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers))
-        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields)
+        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields, observed_nT=observed_nT)
         self._rows_by_task = {}
         if tasks_n is not None and len(set(tasks_n)) > 1 and self.config.eval_rows:
             for task in sorted(set(tasks_n)):
@@ -146,7 +148,8 @@ class OnlineDrafter:
                                       num_feature_layers=self.buffer.num_feature_layers,
                                       feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
                 alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
-                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields))
+                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields),
+                          observed_nT=None if observed_nT is None else np.asarray(observed_nT)[pick])
                 held = alone.num_rows_of_step(rl_step)
                 if held:
                     self._rows_by_task[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))

@@ -85,9 +85,13 @@ class TLT:
         with self.spot.gap(name, ALL):
             yield
 
-    def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n=None) -> None:
+    def add(self, rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n=None,
+            observed_nT=None) -> None:
+        """observed_nT: bool [n, T], the environment's observation tokens (multi-turn), which
+        the drafter reads as context and never learns to predict; None: single-turn."""
         if self.spot is not None:
-            self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n)
+            self.drafter.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, drafter_data, tasks_n,
+                             observed_nT=observed_nT)
             self._served = self.drafter.served_metrics(rl_step)  # the engine's drafter: the one that drafted it
             self.spot.notify_data()
 
