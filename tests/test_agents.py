@@ -136,3 +136,4 @@ def test_scripted_policy_turns_and_rewards_read_back_from_eval_samples(tmp_path)
     np.testing.assert_allclose([r["reward"] for r in back], [1.4, 1.5, 0.2, 0.0], atol=1e-6)
     assert out["accuracy"] == 3 / 4 and out["env_failures"] == 1 and out["env_turns_mean"] == 7 / 4
     assert out["reward_mean"] == pytest.approx(3.1 / 4)
+    assert (out["env_steps"], out["env_turns_max"]) == (7, 3) and 0 < out["env_step_max_s"] <= out["env_step_s"]

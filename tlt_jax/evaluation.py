@@ -57,8 +57,8 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
     """(metrics, samples): the mean of `reward` over the samples (accuracy: pass@1 averaged
     over samples for a 0/1 reward), the answer lengths, the share of samples cut off before
     an end token; and a record per sample (see the module doc). env: with a name, one
-    environment per sample (multi-turn; metrics then add reward_mean, env_failures and
-    env_turns_mean)."""
+    environment per sample (multi-turn; metrics then add reward_mean and
+    `agents.Episodes.metrics`: environment time, failures, turns per sample)."""
     examples = list(examples)
     episodes = None
     if env is not None and env.name:
@@ -88,8 +88,7 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
                "truncated_share": float(1.0 - ended.mean()) if len(ended) else 0.0,
                **accuracy_by_task([e.task for e in chosen], correct)}
     if episodes is not None:
-        metrics.update(reward_mean=float(np.mean(scores)) if len(scores) else 0.0, env_failures=episodes.failures,
-                       env_turns_mean=float(np.mean([len(t) for t in episodes.turns])) if episodes.turns else 0.0)
+        metrics.update(reward_mean=float(np.mean(scores)) if len(scores) else 0.0, **episodes.metrics())
     texts = {}
     samples = []
     for i, example_index in enumerate(out.prompt_index.tolist()):

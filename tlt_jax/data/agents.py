@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 import re
 import threading
+import time
 import warnings
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -118,7 +119,7 @@ class Episodes:
     """The environments of one multi-turn rollout: one per sample (request i is sample
     i % num_samples of example i // num_samples), driven by the engine's `Episodes`
     protocol. After the rollout: `turns[i]` (a list of {action, observation, reward}),
-    `rewards()` and `failures`."""
+    `rewards()`, `failures` and `metrics()`."""
 
     def __init__(self, env_cls: type, examples: Sequence[tasks.Example], num_samples: int, tokenizer,
                  prompt_format: prompts_lib.PromptFormat, end_token_ids: Sequence[int], config: EnvConfig):
@@ -129,6 +130,7 @@ class Episodes:
         self.turns: list[list[dict]] = [[] for _ in self.envs]
         self.failed = [False] * len(self.envs)
         self._lock, self._shown = threading.Lock(), False
+        self.step_seconds: list[float] = []  # each `step` call's wall time (on the engine's worker threads)
         self.first_messages = []
         for p, example in enumerate(self.examples):
             firsts = [self._reset(p * num_samples + s) for s in range(num_samples)]
@@ -167,8 +169,9 @@ class Episodes:
         """rollout.engine.Episodes.step: the observation's ids, or the finish reason at the end."""
         text = self.tokenizer.decode([int(t) for t in action if int(t) not in self.end_token_ids])
         env = self.envs[request]
+        t0 = time.perf_counter()
         try:
-            answer = env.step(text)
+            answer = self._timed_step(env, text, t0)
             if not isinstance(answer, tuple) or len(answer) not in (3, 4) or \
                     not (answer[0] is None or isinstance(answer[0], str)):
                 raise TypeError(f"step returned {answer!r:.80}; return (observation: str | None, reward: float, "
@@ -186,6 +189,13 @@ class Episodes:
         if len(self.turns[request]) >= self.config.max_turns:
             return "max_turns"
         return self.observation_ids(observation, ended_on_end_token=finish_reason == "eos")
+
+    def _timed_step(self, env, text: str, t0: float):
+        try:
+            return env.step(text)
+        finally:
+            with self._lock:
+                self.step_seconds.append(time.perf_counter() - t0)
 
     def _fail(self, request: int, action: str, error: Exception) -> None:
         with self._lock:
@@ -249,6 +259,16 @@ class Episodes:
     @property
     def failures(self) -> int:
         return int(sum(self.failed))
+
+    def metrics(self) -> dict[str, float]:
+        """The rollout's environment figures: env_steps (calls of `step`), env_step_s (their
+        seconds summed; each ran while other samples decoded, and its sample waited that
+        long in its slot), env_step_max_s, env_failures, env_turns_mean and env_turns_max
+        (model turns per sample)."""
+        turns = [len(t) for t in self.turns]
+        return {"env_steps": len(self.step_seconds), "env_step_s": float(sum(self.step_seconds)),
+                "env_step_max_s": float(max(self.step_seconds, default=0.0)), "env_failures": self.failures,
+                "env_turns_mean": float(np.mean(turns)) if turns else 0.0, "env_turns_max": int(max(turns, default=0))}
 
 
 # -- built-in environments -------------------------------------------------------------------

@@ -109,6 +109,17 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advanta
     return batch, packing
 
 
+def observed_tokens(rollouts: Rollouts, prompt_lengths_n, width: int) -> np.ndarray | None:
+    """bool [n, width]: True at each sample's observation tokens, in the layout of
+    `unpack_samples` (prompt then transcript from column 0); None for single-turn rollouts."""
+    if rollouts.observation_mask is None:
+        return None
+    out = np.zeros((len(rollouts), width), bool)
+    for i, (p, observed) in enumerate(zip(prompt_lengths_n, rollouts.observation_mask)):
+        out[i, p:p + len(observed)] = observed
+    return out
+
+
 def unpack_samples(packing: Packing, x_R, width: int, fill=0) -> np.ndarray:
     """The inverse of `Packing.scatter`: [n, width, ...] numpy, row i sample i's entries
     x_R[row_i, offset_i : offset_i + length_i] from column 0, as many as x_R's columns and
@@ -304,9 +315,10 @@ class RLLoop:
             t_old_end = time.perf_counter()
             state, updates = self.learner.update(state, batch)
         if drafter is not None:  # the drafter's buffer reads one sample per row
+            prompt_lengths = np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index])
             tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
-                    np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index]), rollouts.lengths,
-                    unpack_drafter_data(packing, drafter_data), [e.task for e in chosen])
+                    prompt_lengths, rollouts.lengths, unpack_drafter_data(packing, drafter_data),
+                    [e.task for e in chosen], observed_nT=observed_tokens(rollouts, prompt_lengths, self.seq_len))
         faults.maybe_kill("learner", step)
         skipped = int(sum(u["skipped"] for u in updates))
         t_learner = time.perf_counter()
@@ -359,6 +371,9 @@ class RLLoop:
                if rate is not None},
             **tlt_metrics,
         }
+        if episodes is not None:  # environment time, failures, turns per sample; observations' share
+            observed = sum(int(np.sum(m)) for m in rollouts.observation_mask)
+            metrics.update(episodes.metrics(), observation_token_share=observed / max(int(lengths.sum()), 1))
         for g in rollouts.timeline.groups:
             metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
         return state, metrics, data_position + cfg.prompts_per_step, rollouts
