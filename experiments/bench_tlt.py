@@ -340,8 +340,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.tlt.tuner.max_active = preset["max_active"]
     pin_arm = preset.get("pin_arm", "") if _PIN_ARM.value is None else _PIN_ARM.value
     if pin_arm and mode in ("tlt", "frozen", "scratch"):  # one arm at every batch: drafters compared, not arms
-        c.tlt.tuner.arms = [[pin_arm] for _ in c.tlt.tuner.buckets]
-        c.tlt.tuner.max_active = preset["num_slots"]
+        c.tlt.tuner.update(buckets=[1], arms=[[pin_arm]], max_active=preset["num_slots"])
     if mode == "frozen":
         c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     if mode == "scratch":  # a drafter from nothing, with the preset's recipe for one (`scratch`)

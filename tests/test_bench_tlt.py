@@ -367,6 +367,9 @@ flags.FLAGS(["bench_tlt", *sys.argv[1:]])
 preset = bench_tlt.PRESETS["cpu_drift_shift"]
 modes = ("baseline", "tlt", "frozen", "scratch")
 configs = {m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False) for m in modes}
+from tlt_jax.rollout import tuner
+for c in configs.values():
+    tuner.from_config(c.tlt.tuner)  # what the run checks first
 print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks, sorted(c.data.tasks),
                       c.data.tasks.countdown.weight, c.tlt.drafter.init, c.tlt.drafter.optimizer.learning_rate,
                       c.tlt.spot.catch_up_max_share] for m, c in configs.items()}))
@@ -379,8 +382,8 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
                           capture_output=True, text=True, check=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
     for mode in ("tlt", "frozen", "scratch"):
-        assert out[mode][:5] == [[[arm]] * 4, 8, True, ["addition", "countdown"], 1.0]
-    assert out["baseline"][0] != [[arm]] * 4 and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
+        assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
+    assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
     # The warm start at 1e-4 with catch-up capped at 2%; a drafter from nothing at 1e-3, up to 10%.
     assert out["tlt"][5] == "d" and out["tlt"][6:] == [1e-4, 0.02]
     assert out["scratch"][5:] == ["", 1e-3, 0.1]
