@@ -248,7 +248,7 @@ def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
     _add_three_rows(online, 0)
     seen = []
     step = trainer.step
-    trainer.step = lambda state, target, batch, key: seen.append(batch) or step(state, target, batch, key)
+    trainer.step = lambda state, target, batch, key, **kw: seen.append(batch) or step(state, target, batch, key, **kw)
     out = online.train_step(spot.ALL)
     assert [len(b["tokens"]) for b in seen] == [4] and seen[0]["mask"][:3].any(axis=1).all()
     assert not seen[0]["mask"][3].any() and out["count"] > 0
