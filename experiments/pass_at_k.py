@@ -1,0 +1,67 @@
+r"""pass@k of a checkpoint on each task of a synthetic mix, sampled at temperature 1.
+
+  python -m experiments.pass_at_k --model_dir=runs/bench_tlt_cache/sft_drift_shift/hf --tasks=drift_shift
+
+Whether GRPO has signal on a task: with G samples a prompt, a task whose pass@G is 0 gives
+every sample the same reward and so no advantage. bench_tlt's cpu_drift_shift wants its
+warm start's countdowns at pass@4 of about 5-15%. Held-out prompts (the eval split) of each
+task alone; pass@k by the unbiased estimator over n >= k samples (Chen et al. 2021).
+"""
+import json
+import math
+
+import jax
+import numpy as np
+from absl import flags
+
+from configs import common
+from tlt_jax import evaluation, launch, sampling, sharding
+from tlt_jax.data import tasks
+from tlt_jax.models.hf_io import load_hf
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
+from tlt_jax.tokenizer import load_tokenizer
+
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "A Hugging Face checkpoint with its tokenizer.", required=True)
+_TASKS = flags.DEFINE_enum("tasks", "drift_shift", ["drift_shift", "long_tail", "tiny"],
+                           "The task mix of configs/common.py whose tasks are scored, each alone.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 64, "Held-out prompts per task.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt (n).")
+_K = flags.DEFINE_list("k", ["1", "4"], "The k of pass@k (each <= num_samples).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 224, "New tokens per sample.")
+_SEED = flags.DEFINE_integer("seed", 1, "Seed of the eval split (bench_tlt's RL data uses 1) and of sampling.")
+
+
+def pass_at_k(correct_per_prompt: np.ndarray, n: int, k: int) -> float:
+    """Mean over prompts of 1 - C(n - c, k) / C(n, k), c the prompt's correct samples of n."""
+    if not 1 <= k <= n:
+        raise ValueError(f"--k={k} must be between 1 and --num_samples={n}.")
+    return float(np.mean([1.0 - math.comb(n - int(c), k) / math.comb(n, k) for c in correct_per_prompt]))
+
+
+def main(argv):
+    del argv
+    cfg, params = load_hf(_MODEL_DIR.value)
+    tokenizer = load_tokenizer(_MODEL_DIR.value)
+    mix = {"drift_shift": common.tasks_drift_shift, "long_tail": common.tasks_long_tail,
+           "tiny": common.tasks_tiny}[_TASKS.value]()
+    n, ks = _NUM_SAMPLES.value, [int(k) for k in _K.value]
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    out = {}
+    for name in sorted(mix):
+        examples = tasks.make_split(tasks.from_spec({name: mix[name]}), "eval", _NUM_PROMPTS.value, seed=_SEED.value,
+                                    unique=True)
+        prompt_length = max(len(tokenizer(e.prompt)["input_ids"]) for e in examples)
+        engine = RolloutEngine(cfg, params, mesh, RolloutConfig(
+            num_slots=min(64, len(examples) * n), max_prompt_length=prompt_length,
+            max_length=prompt_length + _MAX_TOKENS.value + 1, eos_token_id=tokenizer.eos_token_id))
+        sp = sampling.SamplingParams(temperature=1.0, max_tokens=_MAX_TOKENS.value)
+        _, samples = evaluation.evaluate_samples(engine, tokenizer, examples, sp, jax.random.PRNGKey(_SEED.value),
+                                                 num_samples=n)
+        correct = (np.asarray([s["reward"] for s in samples]) >= 1.0).reshape(len(examples), n).sum(axis=1)
+        out[name] = {f"pass@{k}": pass_at_k(correct, n, k) for k in ks}
+        print(f"{name}: " + ", ".join(f"{key} {v:.3f}" for key, v in out[name].items()), flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    launch.run(main)
