@@ -203,16 +203,17 @@ class DrafterBuffer:
         if not capacity:
             return
         rng = np.random.default_rng([self.seed, 1, self._evicted])
-        for r in range(len(rows["tokens"])):
+        # Until the reservoir is full every row is kept: one copy of them all, not one a row.
+        fill = min(capacity - self.num_replay_rows, len(rows["tokens"]))
+        if fill:
+            self._replay = {k: np.concatenate([v, rows[k][:fill]]) for k, v in self._replay.items()}
+            self._evicted += fill
+        for r in range(fill, len(rows["tokens"])):
             self._evicted += 1
-            held = len(self._replay["tokens"])
-            if held < capacity:
-                self._replay = {k: np.concatenate([v, rows[k][r:r + 1]]) for k, v in self._replay.items()}
-            else:
-                slot = int(rng.integers(self._evicted))
-                if slot < capacity:
-                    for k, v in self._replay.items():
-                        v[slot] = rows[k][r]
+            slot = int(rng.integers(self._evicted))
+            if slot < capacity:
+                for k, v in self._replay.items():
+                    v[slot] = rows[k][r]
 
     @property
     def num_replay_rows(self) -> int:
