@@ -109,9 +109,9 @@ _DRAFTER = flags.DEFINE_string("drafter", "", "A drafter export for --target (ex
 _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", None, "Override the preset's rollout.decode_mlp_size (both "
                                         "modes): decode's MLP width (the wide presets size it from this machine's "
                                         "last-level cache, `machine.mlp_size_for_cache`).")
-_PIN_ARM = flags.DEFINE_string("pin_arm", None, "Pin the tuner of the tlt and frozen modes to this one arm at every "
-                               "batch (e.g. eagle-d6; '': the preset's arms), so that their live acceptance "
-                               "compares drafters, not arm choices.")
+_PIN_ARM = flags.DEFINE_string("pin_arm", None, "Pin the tuner of the drafter modes (tlt, frozen, scratch) to this "
+                               "one arm at every batch (e.g. eagle-d6; '': the preset's arms), so that their live "
+                               "acceptance compares drafters, not arm choices.")
 _REGIME_CHECK = flags.DEFINE_bool("regime_check", True, "Before the runs of a CPU preset, time the target's padded "
                                   "decode step at batch 1, 2 and 4 (`machine.regime_check`: within 15% of each "
                                   "other where a step is bound by reading the weights, as on a GPU) and record it "
@@ -414,17 +414,21 @@ def summarise(records: list[dict], warmup: int) -> dict:
     steady = steps[warmup:] or steps
     med = {k: statistics.median(r[k] for r in steady) for k in _TIMES}
     first = sum(r["time_step_s"] for r in steps[:warmup])
+    # The drafter that served each step, teacher-forced on that step's sequences (None: no
+    # drafter); the run's starting drafter on the same rows (staleness, whatever the arms);
+    # how far the policy has moved from its start; rollout tokens/s.
+    series = {name: [r.get(key) for r in steps] for name, key in (
+        ("served_accept_rate", "drafter/served_accept_rate"), ("initial_accept_rate", "drafter/initial_accept_rate"),
+        ("policy_kl_from_start", "policy_kl_from_start"), ("rollout_tokens_per_s", "rollout_tokens_per_s"))}
+    acceptance = [r["acceptance_length"] for r in steps]
     return dict(median=med, compile_s=max(0.0, first - warmup * med["time_step_s"]),
                 steady_steps=[r["step"] for r in steady],
                 steady_times={k: [r[k] for r in steady] for k in ("time_rollout_s", "time_step_s")},
-                acceptance_length=[r["acceptance_length"] for r in steps],
-                # The drafter that served each step, teacher-forced on that step's sequences
-                # (None: no drafter), and live acceptance per draft position (whatever arms ran).
-                served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
-                # The run's starting drafter on the same rows (staleness, whatever the arms), and
-                # how far the policy has moved from its start.
-                initial_accept_rate=[r.get("drafter/initial_accept_rate") for r in steps],
-                policy_kl_from_start=[r.get("policy_kl_from_start") for r in steps],
+                acceptance_length=acceptance,
+                served_accept_rate=series["served_accept_rate"],
+                initial_accept_rate=series["initial_accept_rate"],
+                policy_kl_from_start=series["policy_kl_from_start"],
+                # Live acceptance per draft position (whatever arms ran).
                 acceptance_by_depth=[_by_depth(r) for r in steps],
                 speculative_token_share=[r["speculative_token_share"] for r in steps],
                 drafter_version=[r.get("drafter_version", 0) for r in steps],
@@ -436,15 +440,12 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
                 reward_scoring_s=statistics.median(r.get("time_reward_scoring_s", 0.0) for r in steady),
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady),
-                rollout_tokens_per_s_steps=[r["rollout_tokens_per_s"] for r in steps],
+                rollout_tokens_per_s_steps=series["rollout_tokens_per_s"],
                 eval_accuracy=[r.get("eval_accuracy") for r in records if "eval_accuracy" in r],
-                # Over the first and the last third of the steps: staleness and recovery.
-                thirds={k: thirds(v) for k, v in dict(
-                    acceptance_length=[a if a > 0 else None for a in (r["acceptance_length"] for r in steps)],
-                    served_accept_rate=[r.get("drafter/served_accept_rate") for r in steps],
-                    initial_accept_rate=[r.get("drafter/initial_accept_rate") for r in steps],
-                    rollout_tokens_per_s=[r["rollout_tokens_per_s"] for r in steps],
-                    policy_kl_from_start=[r.get("policy_kl_from_start") for r in steps]).items()},
+                # Over the first and the last third of the steps: staleness and recovery (a step
+                # with no speculative chunk has no acceptance length: skipped, not 0).
+                thirds={"acceptance_length": thirds([a if a > 0 else None for a in acceptance]),
+                        **{name: thirds(values) for name, values in series.items()}},
                 # With several tasks a step: each task's rows scored apart, served and starting drafter.
                 by_task=_by_task(steps),
                 # Where the rollout's wall went (medians; metrics of `RLLoop.step`).
@@ -471,7 +472,7 @@ def main(argv):
                          f"steps after its {preset['warmup_steps']} warm-up steps, so it needs at least "
                          f"{preset['warmup_steps'] + 6}.")
     for mode in modes:  # a bad --set or --tlt_set fails here, before any run starts
-        mode_config(mode, PRESETS[_PRESET.value], "target", "drafter", SEED.value, 1, built=False)
+        mode_config(mode, preset, "target", "drafter", SEED.value, 1, built=False)
     if _SINGLE_MODE.value or _REPEATS.value == 0:
         print_in_process(run_in_process([_SINGLE_MODE.value] if _SINGLE_MODE.value else _MODES.value))
     else:
@@ -866,11 +867,11 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
 
 
 def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
-    """Each trained drafter's mode ("tlt", and any other with a drafter) against the `stale`
-    one of the same pair, over the last third of the steps: acceptance length and rollout
-    tokens/s (the modes sample different tokens once their drafters differ, so their
-    steps' times compare unlike work; tokens/s does not). `<mode>_versus_<stale>`: per pair
-    and the geometric mean over pairs of each ratio."""
+    """Each trained drafter's mode ("tlt", "scratch") against the `stale` one of the same
+    pair, over the last third of the steps: acceptance length and rollout tokens/s (the
+    modes sample different tokens once their drafters differ, so their steps' times compare
+    unlike work; tokens/s does not). `<mode>_versus_<stale>`: per pair and the geometric
+    mean over pairs of each ratio."""
     out = {}
     last = lambda r, key: (r["result"]["modes"][r["mode"]].get("thirds", {}).get(key) or {}).get("last")
     for mode in sorted({r["mode"] for r in done} & {"tlt", "scratch"}):
