@@ -1,5 +1,7 @@
 """Reward functions of the tests that score in worker processes: a module the workers
 import fast (no JAX), as they unpickle a reward function by importing its module."""
+import os
+import signal
 import time
 
 
@@ -7,6 +9,13 @@ def hang_on_marker(prompts, completions, **_):
     """A reward that never returns for a batch holding the completion "hang"."""
     if "hang" in completions:
         time.sleep(3600)
+    return [1.0] * len(completions)
+
+
+def die_on_marker(prompts, completions, **_):
+    """A reward whose process is killed (SIGKILL) by the completion "die": only in workers."""
+    if "die" in completions:
+        os.kill(os.getpid(), signal.SIGKILL)
     return [1.0] * len(completions)
 
 

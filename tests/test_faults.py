@@ -250,6 +250,34 @@ def test_a_hanging_reward_scores_zero_by_the_deadline_and_the_next_batch_is_scor
         scorer.close()
 
 
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_dead_reward_worker_scores_its_sample_zero_at_once_and_is_replaced(per_sample, caplog):
+    """A worker killed while it scores: its sample scores 0, counted and shown once, the
+    others score as usual, and the batch does not wait for reward_timeout_s."""
+    scorer = rewards.Scorer(test_rewards.die_on_marker, workers=2, timeout_s=60.0)
+
+    def score(completions):
+        if not per_sample:
+            return scorer(["p"] * len(completions), completions, {})
+        scoring = scorer.begin()
+        for i, completion in enumerate(completions):
+            scoring.submit(i, "p", completion, {})
+        return scoring.result(len(completions))
+
+    try:
+        t0 = time.monotonic()
+        died = score(["a", "die", "c", "d"])
+        assert time.monotonic() - t0 < 15  # the deadline is 60 s
+        assert died.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+        assert (died.failures, died.died, died.timed_out) == (1, 1, 0)
+        shown = [r.message for r in caplog.records if "died" in r.message]
+        assert len(shown) == 1 and "killed by SIGKILL" in shown[0] and "'die'" in shown[0], shown
+        again = score(["a", "b", "c", "d"])  # on the replacements
+        assert again.scores.tolist() == [1.0] * 4 and (again.failures, again.died) == (0, 0)
+    finally:
+        scorer.close()
+
+
 def test_a_run_whose_reward_hangs_goes_on(run, reference, tmp_path):
     """The second batch's reward never returns (tests/_rewards.py): it scores 0 by
     reward_timeout_s and is counted, and the run trains on to its end."""

@@ -25,12 +25,14 @@ float, whose `info` (why it scored so) `safe_rewards_with_info` hands on.
 finite scores 0 and is counted, without zeroing the rest of the batch, and the warning
 shows one such sample (`FailedSample`). `Scorer` runs it for the loop, in this process or
 in worker processes, under a per-batch deadline: a reward that hangs scores 0 and is
-counted too, and the run goes on. `Scorer.begin` scores a batch sample by sample as each
+counted too, as does a sample whose worker process dies (replaced at once), and the run
+goes on. `Scorer.begin` scores a batch sample by sample as each
 sample finishes decoding (`Scoring`), so a slow verifier runs while the rest decode.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -38,9 +40,11 @@ import importlib.util
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import re
+import signal
 import threading
 import time
 from fractions import Fraction
@@ -484,15 +488,7 @@ def safe_rewards_with_info(fn: RewardFn, prompts: Sequence[str], completions: Se
     return scores, failures, infos
 
 
-_START_TIMEOUT_S = 300.0  # for the workers of a new pool to be up
-
-
-def _wait_for_all(barrier, timeout_s: float) -> None:
-    """Where the workers of a new pool and the process that started it meet."""
-    try:
-        barrier.wait(timeout_s)
-    except threading.BrokenBarrierError:  # a worker that replaced a dead one meets no one
-        pass
+_START_TIMEOUT_S = 300.0  # for a new worker process to be up
 
 
 def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float]:
@@ -505,6 +501,183 @@ def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float]:
     t0 = time.perf_counter()
     scores, failures, first, _ = _checked_rewards(fn, prompts, completions, fields, warn)
     return scores, failures, first, time.perf_counter() - t0
+
+
+def _sample_job(job, i: int):
+    """Sample `i` of a job, as a job of its own."""
+    reward, prompts, completions, fields, warn = job
+    return reward, [prompts[i]], [completions[i]], {k: v[i:i + 1] for k, v in fields.items()}, warn
+
+
+def _worker_main(connection) -> None:
+    """A reward worker process: scores the jobs `connection` brings, one at a time, until
+    None (or until the training process is gone)."""
+    connection.send("ready")
+    while True:
+        try:
+            job = connection.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            reply = (True, _score_job(job))
+        except Exception as error:  # noqa: BLE001 - the waiting side raises it
+            reply = (False, error)
+        try:
+            connection.send(reply)
+        except Exception as error:  # noqa: BLE001 - a result or exception that does not pickle
+            connection.send((False, RuntimeError(f"a reward worker could not send back {reply[1]!r:.200}: {error!r}")))
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Died:
+    """A job's result when its worker process died while scoring it."""
+
+    sample: FailedSample  # the job's first sample
+    exitcode: int | None
+
+    @classmethod
+    def of(cls, job, exitcode: int | None) -> _Died:
+        _, prompts, completions, _, _ = job
+        return cls(FailedSample(str(prompts[0]), str(completions[0]),
+                                f"its reward worker died ({_exit_text(exitcode)})"), exitcode)
+
+
+class _Workers:
+    """`count` spawned worker processes, each scoring one job at a time, fed in order of
+    submission by one thread of this process per worker.
+
+    A multiprocessing.Pool replaces a worker that dies but loses the job it held, which
+    then waits out the batch's deadline (or forever, without one). Here the job's future
+    gets `_Died` at once, and a fresh process takes the dead one's place. `terminate` kills
+    every worker (a deadline passed); `close` lets them finish what they were given."""
+
+    def __init__(self, count: int):
+        # Spawned, not forked: forking a process that runs JAX threads can deadlock.
+        self._context = multiprocessing.get_context("spawn")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live: set = set()
+        self._closing = False
+        started = [self._spawn() for _ in range(count)]  # side by side: they start in parallel
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        workers = [self._await_ready(*w, deadline) for w in started]
+        self._threads = [threading.Thread(target=self._serve, args=w, name="reward-worker", daemon=True)
+                         for w in workers]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._jobs.put((future, job))
+        return future
+
+    def _spawn(self):
+        parent_end, child_end = self._context.Pipe()
+        process = self._context.Process(target=_worker_main, args=(child_end,), name="reward-worker", daemon=True)
+        process.start()
+        child_end.close()  # so that the worker's death reads as the end of the pipe
+        with self._lock:
+            self._live.add(process)
+            if self._closing:  # terminate ran meanwhile
+                process.kill()
+        return process, parent_end
+
+    @staticmethod
+    def _await_ready(process, connection, deadline: float):
+        if connection.poll(max(deadline - time.monotonic(), 0.0)):
+            try:
+                if connection.recv() == "ready":
+                    return process, connection
+            except EOFError:  # it died on the way up
+                process.join(5.0)
+        connection.close()
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise RuntimeError(f"A reward worker did not start within {_START_TIMEOUT_S:g} s.")
+        raise RuntimeError(f"A reward worker died as it started ({_exit_text(process.exitcode)}).")
+
+    def _start(self):
+        return self._await_ready(*self._spawn(), time.monotonic() + _START_TIMEOUT_S)
+
+    @staticmethod
+    def _exchange(process, connection, job):
+        """The worker's reply to `job`, or None if the worker died first."""
+        try:
+            connection.send(job)
+            # Its sentinel too: a program the reward started may hold the pipe open past its death.
+            if connection in multiprocessing.connection.wait([connection, process.sentinel]):
+                return connection.recv()
+        except (EOFError, OSError):
+            pass
+        return None
+
+    def _serve(self, process, connection) -> None:
+        while (item := self._jobs.get()) is not None and not self._closing:
+            future, job = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if process is None:  # the last replacement failed to start: try again, for this job
+                try:
+                    process, connection = self._start()
+                except RuntimeError as error:
+                    future.set_exception(error)
+                    continue
+            reply = self._exchange(process, connection, job)
+            if reply is not None:
+                ok, value = reply
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+                continue
+            process.join()
+            connection.close()
+            with self._lock:
+                self._live.discard(process)
+            if self._closing:  # terminated: killed, not dead
+                return
+            future.set_result(_Died.of(job, process.exitcode))
+            try:
+                process, connection = self._start()
+            except RuntimeError as error:
+                if self._closing:
+                    return
+                logger.error("%s The next job tries again.", error)
+                process = connection = None
+        if process is not None:
+            with contextlib.suppress(OSError):
+                connection.send(None)
+            process.join()
+            connection.close()
+
+    def terminate(self) -> None:
+        """Kills every worker, and what they hold with them; for a pool no one uses again."""
+        with self._lock:
+            self._closing = True
+            live = list(self._live)
+        for process in live:
+            process.kill()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for process in live:
+            process.join()
+
+    def close(self) -> None:
+        """Waits for the jobs given, then for every worker to exit."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
 
 
 class _ScoringThread:
@@ -542,10 +715,11 @@ class Scores:
     """A batch's rewards as the RL loop gets them from `Scorer`."""
 
     scores: np.ndarray  # [B] float32; 0 where a sample failed
-    failures: int  # samples scored 0: their reward raised, was not finite, or not in time
+    failures: int  # samples scored 0: their reward raised, was not finite, not in time, or its worker died
     timed_out: int  # of those, the samples whose scoring passed the batch's deadline
     failed_sample: FailedSample | None = None  # the first whose reward raised or was not finite, to show
     scoring_s: float = 0.0  # seconds the reward ran, summed over its calls (workers run them side by side)
+    died: int = 0  # of the failures, the samples whose worker process died while scoring them
 
 
 class Scorer:
@@ -556,9 +730,14 @@ class Scorer:
     scores 0 and is counted (`Scores.timed_out`), and the next batch is scored as usual.
     Worker processes past the deadline are terminated and a fresh pool serves the next
     batch; a pool starts at once and waits for its workers to be up, so the deadline
-    counts scoring, not start-up. Inline, the call is left running on a daemon thread
-    (Python cannot stop a thread), which is enough for a reward that waits (on I/O, a
-    lock, a sleep); a reward that can hang while it computes belongs in workers.
+    counts scoring, not start-up. A worker that dies (killed, or a reward that exits its
+    process) is replaced at once: the sample it was scoring scores 0 and is counted
+    (`Scores.died`, among the failures) and shown in one warning, and the rest of the
+    batch does not wait for the deadline. A worker's part of a batch is then scored again
+    sample by sample, so that only a sample that kills its worker scores 0. Inline, the
+    call is left running on a daemon thread (Python cannot stop a thread), which is enough
+    for a reward that waits (on I/O, a lock, a sleep); a reward that can hang while it
+    computes, or that can take its process down, belongs in workers.
 
     `begin` scores a batch sample by sample instead, as its samples come (`Scoring`): the
     RL loop hands each sample over as it finishes decoding, so the reward runs while the
@@ -576,7 +755,7 @@ class Scorer:
         if not timeout_s >= 0:
             raise ValueError(f"reward_timeout_s={timeout_s} must be >= 0 (0: no deadline).")
         self.reward, self.workers, self.timeout_s = reward, workers, timeout_s
-        self._pool = self._start_pool() if workers else None  # replaced after a deadline passes
+        self._pool = _Workers(workers) if workers else None  # replaced after a deadline passes
         self._thread: _ScoringThread | None = None  # Scoring's, with workers=0; started at the first
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], fields: dict) -> Scores:
@@ -585,8 +764,11 @@ class Scorer:
         parts = np.array_split(np.arange(len(completions)), max(self.workers, 1))
         jobs = [(self.reward, [prompts[i] for i in part], [completions[i] for i in part],
                  {k: [v[i] for i in part] for k, v in fields.items()}, True) for part in parts if len(part)]
-        results = self._in_workers(jobs, deadline) if self.workers else [self._inline(job, deadline) for job in jobs]
-        return self._gather([len(job[2]) for job in jobs], results, len(completions))
+        if self.workers:
+            scored = self._in_workers(jobs, deadline)
+        else:
+            scored = [(job, self._inline(job, deadline)) for job in jobs]
+        return self._gather([len(job[2]) for job, _ in scored], [result for _, result in scored], len(completions))
 
     def begin(self) -> Scoring:
         """A batch to score sample by sample as its samples come (see `Scoring`)."""
@@ -594,12 +776,17 @@ class Scorer:
 
     def _gather(self, sizes: list[int], results: list, batch: int) -> Scores:
         """The Scores of consecutive parts of `sizes` samples each, from their results
-        (`_score_job`'s, or None for a part not scored by the deadline)."""
+        (`_score_job`'s, None for a part not scored by the deadline, or `_Died`)."""
         scores, failures, timed_out, failed_sample, seconds = [np.zeros((0,), np.float32)], 0, 0, None, 0.0
+        deaths: list[tuple[int, _Died]] = []
         for n, result in zip(sizes, results, strict=True):
-            if result is None:
+            if result is None or isinstance(result, _Died):
                 scores.append(np.zeros((n,), np.float32))
-                failures, timed_out = failures + n, timed_out + n
+                failures += n
+                if result is None:
+                    timed_out += n
+                else:
+                    deaths.append((n, result))
             else:
                 scores.append(result[0])
                 failures += result[1]
@@ -608,7 +795,14 @@ class Scorer:
         if timed_out:
             logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
                            getattr(self.reward, "__name__", self.reward), timed_out, batch, self.timeout_s)
-        return Scores(np.concatenate(scores), failures, timed_out, failed_sample, seconds)
+        died = sum(n for n, _ in deaths)
+        if died:
+            logger.warning("reward %s: %d worker process(es) died (%s) while scoring %d of %d samples; they score 0, "
+                           "and fresh workers took their places. The first: %s",
+                           getattr(self.reward, "__name__", self.reward), len(deaths),
+                           ", ".join(sorted({_exit_text(d.exitcode) for _, d in deaths})), died, batch,
+                           deaths[0][1].sample)
+        return Scores(np.concatenate(scores), failures, timed_out, failed_sample, seconds, died)
 
     @staticmethod
     def _inline(job, deadline: float | None):
@@ -620,30 +814,32 @@ class Scorer:
         thread.join(max(deadline - time.monotonic(), 0.0))
         return out[0] if out else None
 
-    def _start_pool(self):
-        # Spawned, not forked: forking a process that runs JAX threads can deadlock.
-        context = multiprocessing.get_context("spawn")
-        ready = context.Barrier(self.workers + 1)
-        pool = context.Pool(self.workers, initializer=_wait_for_all, initargs=(ready, _START_TIMEOUT_S))
-        _wait_for_all(ready, _START_TIMEOUT_S)
-        return pool
-
     def _restart_pool(self) -> None:
         self._pool.terminate()  # the hung workers with it
-        self._pool.join()
-        self._pool = self._start_pool()
+        self._pool = _Workers(self.workers)
 
-    def _in_workers(self, jobs, deadline: float | None):
-        pending = [self._pool.apply_async(_score_job, (job,)) for job in jobs]
-        results = []
-        for p in pending:
-            try:
-                results.append(p.get(None if deadline is None else max(deadline - time.monotonic(), 0.0)))
-            except multiprocessing.TimeoutError:
-                results.append(None)
-        if any(r is None for r in results):
+    def _wait(self, jobs, deadline: float | None) -> list:
+        """`jobs` scored in workers: each one's result, None for one past the deadline."""
+        futures = [self._pool.submit(job) for job in jobs]
+        _, pending = concurrent.futures.wait(futures, None if deadline is None else
+                                             max(deadline - time.monotonic(), 0.0))
+        if pending:
             self._restart_pool()
-        return results
+        return [None if f in pending else f.result() for f in futures]
+
+    def _in_workers(self, jobs, deadline: float | None) -> list[tuple]:
+        """(job, result) for jobs that together hold `jobs`' samples in order: a job whose
+        worker died is scored again sample by sample, as jobs of one sample each, unless the
+        deadline passed."""
+        results = self._wait(jobs, deadline)
+        again = {} if any(r is None for r in results) else {
+            i: [_sample_job(job, k) for k in range(len(job[2]))] for i, (job, result) in enumerate(zip(jobs, results))
+            if isinstance(result, _Died) and len(job[2]) > 1}
+        retried = iter(self._wait([single for singles in again.values() for single in singles], deadline))
+        scored = []
+        for i, (job, result) in enumerate(zip(jobs, results)):
+            scored += [(single, next(retried)) for single in again[i]] if i in again else [(job, result)]
+        return scored
 
     def _submit(self, job) -> concurrent.futures.Future:
         """Starts scoring `job` in a worker or on the scoring thread; its future result."""
@@ -652,10 +848,7 @@ class Scorer:
                 fn = get_reward(self.reward) if isinstance(self.reward, str) else self.reward
                 self._thread = _ScoringThread(getattr(fn, "parallel", 1))
             return self._thread.submit(job)
-        future = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        self._pool.apply_async(_score_job, (job,), callback=future.set_result, error_callback=future.set_exception)
-        return future
+        return self._pool.submit(job)
 
     def _abandon(self, pending: Sequence[concurrent.futures.Future]) -> None:
         """After a deadline passed with `pending` unfinished: the next batch gets fresh
@@ -672,7 +865,6 @@ class Scorer:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
-            self._pool.join()
             self._pool = None
         if self._thread is not None:
             self._thread.close()
@@ -723,7 +915,7 @@ class Scoring:
         if pending:
             self._scorer._abandon(list(pending))
         scores = self._scorer._gather([1] * batch, results, batch)
-        failed = [i for i, r in enumerate(results) if r is not None and r[1]]
+        failed = [i for i, r in enumerate(results) if isinstance(r, tuple) and r[1]]
         if failed:
             _warn_failures(self._scorer.reward, len(failed), batch, scores.failed_sample)
         return scores
