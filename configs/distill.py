@@ -61,7 +61,13 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.temperature = 1.0  # of teacher and student alike
     c.eval_top_k = 0  # ids per held-out position (>= top_k); 0: the whole vocabulary (exact eval_kl)
     c.cache_dir = ""  # "": <run_dir>/teacher_cache; another run's (existing) cache can be shared
-    c.cache_dtype = "float32"  # of the cached log-probs: "float32" or "bfloat16"
+    c.cache_dtype = "float32"  # of the cached log-probs: "float32" or "bfloat16" (a sampled cache's counts: as wide)
+    # "topk": the teacher's top_k ids and log-probs (the paper's; biased, the mass outside them is
+    # never learned); "sampled": cache_samples draws per position at the temperature, stored as
+    # distinct ids with counts (unbiased; cache_samples = top_k takes a top-K cache's bytes). The
+    # held-out targets stay top-K (eval_top_k). docs/losses.md says which to use when.
+    c.cache_kind = "topk"
+    c.cache_samples = 8
     # Rows per teacher call while caching. Equal to batch_size, the teacher computes with the
     # shapes of the online loop and both modes' curves are bitwise identical (CPU); other sizes
     # agree to f32 rounding (XLA rounds matmuls by shape), which training amplifies after ~50 steps.
@@ -69,6 +75,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.cache_rows_per_shard = 0  # resume granularity of the cache writer; 0: ~256 MiB shards
     c.loss_impl = "auto"
     c.remat = False
+    # True: the final student also answers the held-out prompts greedily, scored by the source's
+    # verifier (eval_accuracy in the summary; tens of seconds of rollouts on the CPU).
+    c.eval_accuracy = False
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=3e-3, warmup_steps=20, schedule="cosine",
                                                  decay_steps=600, weight_decay=0.01, b1=0.9, b2=0.98,
                                                  max_grad_norm=1.0))
@@ -95,6 +104,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # row's [32768, 128256] (plan_memory --steps=teacher_topk: 0.41 GB temp at 32k).
         c.batch_size, c.eval_batch_size, c.cache_batch_size = 4, 1, 1
         c.remat, c.loss_impl = True, "auto"
+        c.cache_samples = 100
         c.optimizer.update(learning_rate=1e-4, warmup_steps=50, decay_steps=2000)
         c.steps, c.eval_every, c.checkpoint_every = 2000, 200, 100
         c.run_dir = "runs/distill_llama3-8b-to-3b-32k"

@@ -114,9 +114,38 @@ def test_bad_settings_are_refused(offline_run):
     root, _, offline, _ = offline_run
     for overrides, message in ((dict(top_k=99), r"top_k=99 must lie in \[1, 37\]"),
                                (dict(eval_top_k=2), "eval_top_k=2 must be >= top_k=4"),
-                               (dict(mode="sideways"), "mode must be one of")):
+                               (dict(mode="sideways"), "mode must be one of"),
+                               (dict(cache_kind="dense"), "cache_kind='dense' is not a cache kind; set "
+                                                          "--config.cache_kind to one of topk, sampled"),
+                               (dict(cache_kind="sampled", cache_samples=0),
+                                "cache_samples=0 must be >= 1 .*; set --config.cache_samples to 1 or more")):
         with pytest.raises(ValueError, match=message):
             train.train_distill(_config(offline.teacher_dir, root / "bad", **overrides), progress=False)
+
+
+def test_a_sampled_cache_trains_as_the_online_sampler_and_is_refused_where_a_top_k_one_was_made(offline_run):
+    """cache_kind="sampled": the cache holds each position's draws as distinct ids with counts,
+    and the student's curves equal those of the same draws made online (each row's draws
+    depend on its index alone); the held-out targets stay the teacher's top-K, so the final
+    student is scored like a top-K run's, its answers included. A sampled run pointed at a
+    top-K cache is refused naming cache_kind."""
+    root, _, offline, _ = offline_run
+    kind = dict(cache_kind="sampled", cache_samples=4)
+    cached = train.train_distill(_config(offline.teacher_dir, root / "sampled", eval_accuracy=True, **kind),
+                                 progress=False)
+    assert (cached["cache_kind"], cached["cache_samples"], cached["top_k"]) == ("sampled", 4, 4)
+    meta = tc.read_cache_meta(os.path.join(root, "sampled", "teacher_cache", "train"))
+    assert (meta.cache_kind, meta.samples, meta.top_k) == ("sampled", 4, 4)
+    assert tc.read_cache_meta(os.path.join(root, "sampled", "teacher_cache", "eval")).cache_kind == "topk"
+    assert 0 <= cached["eval_accuracy"] <= 1 and 0 <= cached["eval_ece"] <= 1
+    train.train_distill(_config(offline.teacher_dir, root / "sampled_online", mode="online", **kind), progress=False)
+    a, b = _records(root / "sampled"), _records(root / "sampled_online")
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_array_equal([a[s][key] for s in sorted(a)], [b[s][key] for s in sorted(b)], err_msg=key)
+    assert a[STEPS]["loss"] != _records(offline.run_dir)[STEPS]["loss"]  # not the top-K run's targets
+    with pytest.raises(tc.MetadataMismatchError, match="cache_kind is 'topk' on disk, 'sampled' expected"):
+        train.train_distill(_config(offline.teacher_dir, root / "sampled_shared", **kind,
+                                    cache_dir=os.path.join(offline.run_dir, "teacher_cache")), progress=False)
 
 
 def test_a_run_stopped_midway_resumes_exactly_from_a_shared_cache(offline_run, tmp_path, monkeypatch):

@@ -1,9 +1,19 @@
-"""Teacher top-K cache: a teacher's top-K token ids and log-probs per position, on disk.
+"""Teacher cache: what a teacher predicts at each position, on disk, in one of two kinds.
 
 Offline distillation runs the teacher once over a token dataset and keeps, for every
-position, the K most likely next tokens and their full-vocabulary log-probabilities at
-the sampling temperature; the student then trains from the cache with the fused top-K
-KL (see DESIGN.md, "Fused chunked KL distillation").
+position, a sparse view of its next-token distribution at the sampling temperature; the
+student then trains from the cache with the fused top-K KL (see DESIGN.md, "Fused chunked
+KL distillation"). `CacheMeta.cache_kind` says which view:
+
+* "topk" (the paper's): the K most likely next tokens and their full-vocabulary
+  log-probabilities (fields `ids`, `logp`). A biased estimate of the teacher: the mass
+  outside the K is dropped, so the student is never pushed towards it.
+* "sampled" (Random-Sampling KD): `samples` tokens drawn from the teacher with
+  replacement, stored as their distinct ids with counts (fields `ids`, `counts`; width
+  K = the most distinct ids a position can have). The draws' empirical distribution
+  counts / samples is an unbiased estimate of the teacher: the expected gradient of the
+  KL against it is the full-vocabulary KL's. A reader hands it out as log-probs
+  (`empirical_logp`), so the student's loss is the same for both kinds.
 
 Two layers:
 
@@ -59,8 +69,14 @@ from tlt_jax.fingerprint import fingerprint_tokens
 # a <bos> or whose <pad> is also an end token.
 FORMAT_VERSION = 2
 STORE_VERSION = 1  # of the generic store layout
-CACHE_KIND = "teacher_topk_cache"
+CACHE_KIND = "teacher_topk_cache"  # the store's kind (a teacher cache of either cache_kind)
+CACHE_KINDS = ("topk", "sampled")
 LOGP_DTYPES = ("bfloat16", "float32")
+# A sampled cache's counts take the bytes of the log-probs they replace, so that a top-K and a
+# sampled cache of the same width and logp_dtype are the same size.
+_COUNTS_DTYPE = {"float32": "int32", "bfloat16": "uint16"}
+# Caches written before cache_kind existed are top-K caches: what their metadata lacks.
+_TOPK_DEFAULTS = {"cache_kind": "topk", "samples": 0, "sample_seed": 0}
 
 _STORE_FILE = "store.json"
 _DONE_DIR = "done"
@@ -406,8 +422,13 @@ class CacheMeta:
     `fingerprint_path` (tokenizer directory), `fingerprint_tokens` (dataset) and
     `layout_fingerprint` (the rows' positions and segment ids; "" when the teacher sees
     the tokens alone, each row one sequence from position 0).
-    `temperature` divides the teacher logits before the log-softmax; `logp_dtype` is the
-    on-disk dtype of the log-probs ("bfloat16" or "float32").
+    `temperature` divides the teacher logits before the log-softmax (and the sampling);
+    `logp_dtype` is the on-disk dtype of the log-probs ("bfloat16" or "float32"; a sampled
+    cache stores its counts in an integer of the same width).
+    `cache_kind`: "topk" or "sampled" (module docstring). `top_k` is the width K of each
+    position's row: the K most likely ids, or for a sampled cache the most distinct ids its
+    `samples` draws can give (<= samples). `sample_seed`: the draws' seed (row r, position t
+    draws with key fold_in(fold_in(key(sample_seed), r), t)). Both 0 for a top-K cache.
     """
     teacher_fingerprint: str
     tokenizer_fingerprint: str
@@ -417,14 +438,27 @@ class CacheMeta:
     logp_dtype: str = "bfloat16"
     layout_fingerprint: str = ""
     format_version: int = FORMAT_VERSION
+    cache_kind: str = "topk"
+    samples: int = 0
+    sample_seed: int = 0
 
     def __post_init__(self):
         # Coerce numpy scalars and the like so that the JSON round trip is exact.
         object.__setattr__(self, "top_k", int(self.top_k))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "format_version", int(self.format_version))
+        object.__setattr__(self, "samples", int(self.samples))
+        object.__setattr__(self, "sample_seed", int(self.sample_seed))
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.cache_kind not in CACHE_KINDS:
+            raise ValueError(f"cache_kind={self.cache_kind!r} is not one of {', '.join(CACHE_KINDS)}; set cache_kind "
+                             "to 'topk' or 'sampled'")
+        if self.cache_kind == "sampled" and not 1 <= self.top_k <= self.samples:
+            raise ValueError(f"a sampled cache needs 1 <= top_k <= samples (its rows hold at most `samples` distinct "
+                             f"ids), got top_k={self.top_k}, samples={self.samples}; set samples >= 1 and top_k <= it")
+        if self.cache_kind == "topk" and (self.samples, self.sample_seed) != (0, 0):
+            raise ValueError("samples and sample_seed are a sampled cache's; leave them 0 for cache_kind='topk'")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.logp_dtype not in LOGP_DTYPES:
@@ -434,8 +468,23 @@ class CacheMeta:
         return {"kind": CACHE_KIND, **dataclasses.asdict(self)}
 
     def fields(self, seq_len: int) -> dict[str, FieldSpec]:
-        return {"ids": FieldSpec("int32", (seq_len, self.top_k)),
-                "logp": FieldSpec(self.logp_dtype, (seq_len, self.top_k))}
+        """ids, then the values: logp (top-K) or counts (sampled), each [seq_len, top_k]."""
+        name, dtype = ("logp", self.logp_dtype) if self.cache_kind == "topk" else ("counts",
+                                                                                 _COUNTS_DTYPE[self.logp_dtype])
+        return {"ids": FieldSpec("int32", (seq_len, self.top_k)), name: FieldSpec(dtype, (seq_len, self.top_k))}
+
+
+def empirical_logp(counts, samples: int) -> np.ndarray:
+    """log(counts / samples) as float32, -inf where a slot holds no id (count 0): a sampled
+    cache's teacher side, the log of the draws' empirical distribution."""
+    counts = np.asarray(counts, np.float64)
+    with np.errstate(divide="ignore"):
+        return np.log(counts / samples).astype(np.float32)
+
+
+def _with_topk_defaults(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Store metadata as this code writes it: a cache from before cache_kind is a top-K one."""
+    return {**_TOPK_DEFAULTS, **metadata} if metadata.get("kind") == CACHE_KIND else dict(metadata)
 
 
 def layout_fingerprint(positions_NT, segment_ids_NT) -> str:
@@ -464,7 +513,7 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
                         meta: CacheMeta, *, batch_size: int, layout=None,
                         rows_per_shard: int | None = None,
                         progress: bool = True) -> TeacherCacheReader:
-    """Runs `teacher_fn` over `tokens_NT` and stores its top-K ids and log-probs at `path`.
+    """Runs `teacher_fn` over `tokens_NT` and stores what it gives at `path`.
 
     Resumable: if `path` already holds a cache with the same `meta` and shape, complete
     shards are kept and only the missing ones are computed; a different `meta` raises
@@ -475,9 +524,11 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
       tokens_NT: [N sequences, T positions] integer tokens (numpy array or memmap).
       teacher_fn: tokens_BT int32 [batch_size, T] -> (ids_BTK, logp_BTK), numpy or jax,
         with K = meta.top_k and log-probs at meta.temperature (see `topk_from_logits`);
-        with a `layout`, (tokens_BT, positions_BT, segment_ids_BT) -> the same. Always
-        called with exactly `batch_size` rows (the last batch is padded by repeating a
-        row) so a jitted teacher compiles once.
+        with a `layout`, (tokens_BT, positions_BT, segment_ids_BT) -> the same. A sampled
+        cache's teacher also takes the rows' indices int64 [batch_size] last and gives
+        (ids_BTK, counts_BTK): distinct ids (-1 in empty slots) and their counts among
+        meta.samples draws. Always called with exactly `batch_size` rows (the last batch
+        is padded by repeating a row) so a jitted teacher compiles once.
       meta: what the cache is made from; `meta.dataset_fingerprint` must equal
         `fingerprint_tokens(tokens_NT)` and `meta.layout_fingerprint`
         `layout_fingerprint(*layout)` ("" without a layout) (both checked).
@@ -509,8 +560,12 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
     if meta.layout_fingerprint != layout_fp:
         raise MetadataMismatchError(
             f"meta.layout_fingerprint is {meta.layout_fingerprint!r} but the layout given hashes to {layout_fp!r}")
+    metadata = meta.store_metadata()
     if os.path.isfile(os.path.join(os.fspath(path), _STORE_FILE)):
-        _check_format(os.fspath(path), _load_store_json(os.fspath(path))["metadata"], meta)
+        found = _load_store_json(os.fspath(path))["metadata"]
+        _check_format(os.fspath(path), found, meta)
+        if "cache_kind" not in found and _with_topk_defaults(found) == _json_normal(metadata):
+            metadata = {k: v for k, v in metadata.items() if k not in _TOPK_DEFAULTS}  # resumed as written
     store = None
 
     def disk_full() -> str:
@@ -522,7 +577,8 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
     with faults.explain_disk_full(disk_full):
         store = ShardedArrayStore.open_or_create(
             path, fields=meta.fields(seq_len), num_rows=num_rows,
-            metadata=meta.store_metadata(), rows_per_shard=rows_per_shard)
+            metadata=metadata, rows_per_shard=rows_per_shard)
+        field_specs = meta.fields(seq_len)
 
         rows_M = np.concatenate([np.arange(*store.shard_bounds(s))
                                  for s in store.missing_shards] or [np.zeros((0,), np.int64)])
@@ -538,9 +594,10 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
                 padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
                 inputs = [np.asarray(x_NT[padded_B], dtype=np.int32)
                           for x_NT in (tokens_NT, *(layout or ()))]
-                ids_BTK, logp_BTK = teacher_fn(*inputs)
-                ids_BTK, logp_BTK = np.asarray(ids_BTK), np.asarray(logp_BTK)
-                for name, x in (("ids", ids_BTK), ("logp", logp_BTK)):
+                if meta.cache_kind == "sampled":  # each row's draws depend on its index alone
+                    inputs.append(padded_B)
+                outputs = dict(zip(field_specs, (np.asarray(x) for x in teacher_fn(*inputs))))
+                for name, x in outputs.items():
                     if x.shape != (batch_size, *shape_TK):
                         raise ValueError(f"teacher_fn returned {name} of shape {x.shape}, expected "
                                          f"{(batch_size, *shape_TK)} (batch_size, T, top_k)")
@@ -548,13 +605,12 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
                 for shard in np.unique(shard_B):
                     start, stop = store.shard_bounds(shard)
                     if shard not in buffers:
-                        buffers[shard] = {"ids": np.empty((stop - start, *shape_TK), np.int32),
-                                          "logp": np.empty((stop - start, *shape_TK),
-                                                           _np_dtype(meta.logp_dtype))}
+                        buffers[shard] = {name: np.empty((stop - start, *shape_TK), spec.np_dtype)
+                                          for name, spec in field_specs.items()}
                     in_shard_B = shard_B == shard
                     local = rows_B[in_shard_B] - start
-                    buffers[shard]["ids"][local] = ids_BTK[:len(rows_B)][in_shard_B]
-                    buffers[shard]["logp"][local] = logp_BTK[:len(rows_B)][in_shard_B]
+                    for name, x in outputs.items():
+                        buffers[shard][name][local] = x[:len(rows_B)][in_shard_B]
                     filled[shard] += len(local)
                     if filled[shard] == stop - start:
                         # Writes run in tensorstore's threads while the teacher computes the next
@@ -572,8 +628,9 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
 class TeacherBatch(NamedTuple):
     """A batch from `TeacherCacheReader.iter_batches`."""
     indices_B: np.ndarray  # int64 [B], sequence indices into the dataset's tokens_NT
-    ids_BTK: np.ndarray  # int32 [B, T, K], most likely first
-    logp_BTK: np.ndarray  # logp_dtype [B, T, K], full-vocabulary teacher log-probs
+    ids_BTK: np.ndarray  # int32 [B, T, K], most likely (top-K) or most drawn (sampled) first
+    logp_BTK: np.ndarray  # [B, T, K] teacher log-probs: top-K: full-vocabulary, logp_dtype; sampled:
+    # the draws' empirical distribution, float32 (`empirical_logp`), -inf at empty slots (id -1)
 
 
 class TeacherCacheReader:
@@ -594,7 +651,7 @@ class TeacherCacheReader:
             raise NotAStoreError(f"{self.path} is a store of kind "
                                  f"{self._store.metadata.get('kind')!r}, not a teacher cache")
         _check_format(self.path, self._store.metadata, expected)
-        problems = _differences(self._store.metadata, _json_normal(expected.store_metadata()))
+        problems = _differences(_with_topk_defaults(self._store.metadata), _json_normal(expected.store_metadata()))
         if problems:
             raise MetadataMismatchError(
                 f"teacher cache at {self.path} does not match what is expected: "
@@ -614,8 +671,12 @@ class TeacherCacheReader:
         return len(self.indices_N)
 
     def read(self, indices_B) -> tuple[np.ndarray, np.ndarray]:
-        """(ids_BTK int32, logp_BTK) for sequence indices `indices_B` (any order)."""
-        out = self._store.read_rows(indices_B)
+        """(ids_BTK int32, logp_BTK) for sequence indices `indices_B` (any order); see TeacherBatch."""
+        return self._teacher_side(self._store.read_rows(indices_B))
+
+    def _teacher_side(self, out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        if self.meta.cache_kind == "sampled":
+            return out["ids"], empirical_logp(out["counts"], self.meta.samples)
         return out["ids"], out["logp"]
 
     def iter_batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0,
@@ -631,14 +692,13 @@ class TeacherCacheReader:
             current = pending
             if i + 1 < len(batches):
                 pending = self._store.start_read_rows(batches[i + 1])
-            out = current.result()
-            yield TeacherBatch(indices_B, out["ids"], out["logp"])
+            yield TeacherBatch(indices_B, *self._teacher_side(current.result()))
 
 
 def read_cache_meta(path: str | os.PathLike) -> CacheMeta:
     """The CacheMeta a cache was written with (for inspection; readers should expect)."""
     store = ShardedArrayStore.open(path)
-    metadata = dict(store.metadata)
+    metadata = _with_topk_defaults(store.metadata)
     if metadata.pop("kind", None) != CACHE_KIND:
         raise NotAStoreError(f"{store.path} is not a teacher cache")
     return CacheMeta(**metadata)

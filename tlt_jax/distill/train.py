@@ -21,6 +21,14 @@ where an SFT teacher was trained; its distribution over prompt tokens was never 
 is not worth copying. The teacher attends with the rows' own layout (positions, segment
 ids), which the cache records beside the tokens.
 
+Cache (`config.cache_kind`): "topk", the teacher's top_k most likely ids with their log-probs
+(the paper's; biased: the student is never pushed towards the mass outside them), or
+"sampled", `cache_samples` draws from the teacher per position stored as distinct ids with
+counts (Random-Sampling KD; unbiased: the loss against the draws' empirical distribution has
+the full-vocabulary KL's expected gradient). A sampled cache with cache_samples = top_k
+takes the bytes of a top-K cache. The held-out targets are a top-K cache either way (the
+exact full vocabulary in the tiny config), so both kinds are evaluated against the teacher.
+
 Loss (`config.tail`): False is the paper's top-K loss sum_S p (log p - log q); True adds the
 bucket of the mass outside the top-K, a true KL of the two distributions coarsened to K + 1
 outcomes (see `tlt_jax/losses.py`).
@@ -28,8 +36,12 @@ outcomes (see `tlt_jax/losses.py`).
 Evaluation on held-out rows, at the same positions: `eval_loss` (the training objective),
 `eval_kl` (KL of teacher and student coarsened to the teacher's top `eval_top_k` ids plus a
 rest bucket: the full-vocabulary KL when eval_top_k is the vocabulary size, as in the tiny
-config), `eval_top1_agree` (student argmax == teacher argmax) and `eval_teacher_tail_mass`
-(teacher mass outside its top-K: how much the tail bucket has to carry).
+config), `eval_top1_agree` (student argmax == teacher argmax), `eval_teacher_tail_mass`
+(teacher mass outside its top-K: how much the tail bucket has to carry), `eval_ece` (the
+student's expected calibration error against the data's next tokens: 15 equal bins of its
+top-1 probability) and `eval_token_accuracy` (student argmax == the data's next token). With
+`config.eval_accuracy`, the final student also answers the held-out prompts greedily and is
+scored by the source's verifier: `eval_accuracy` in the summary.
 
 Run directory: teacher_cache/{train,eval} (unless `config.cache_dir` points elsewhere),
 checkpoints/ (orbax; a rerun resumes), metrics.jsonl + tensorboard/, distill_curves.png, and
@@ -48,13 +60,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, launch, logprobs, losses, metrics, sharding
+from tlt_jax import checkpoint, evaluation, fingerprint, launch, logprobs, losses, metrics, sampling, sharding
 from tlt_jax.data import sources
 from tlt_jax.data.packing import batch_indices, pack_examples, padded_batches
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, from_config_dict
 from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
+from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import end_token_ids, load_tokenizer
 from tlt_jax.train_state import (
     OptimizerConfig,
@@ -74,6 +87,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 # (tokens_BT, positions_BT, segment_ids_BT) -> (ids_BTK, logp_BTK): the teacher's top-K.
 TeacherTopK = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
 LAYOUT = ("positions", "segment_ids")  # what the teacher attends with, beside the tokens
+# Equal-width bins of the student's top-1 probability for eval_ece (the usual 15).
+ECE_BINS = 15
 
 
 # ----------------------------------------------------------------------------- data
@@ -121,13 +136,35 @@ def teacher_topk_step(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
         out_shardings=(out_sh, out_sh))
 
 
+def make_teacher_samples(model_cfg: ModelConfig, params, mesh, *, samples: int, width: int, temperature: float,
+                         seed: int):
+    """(tokens_BT, positions_BT, segment_ids_BT, rows_B) -> (ids_BTK int32, counts_BTK int32):
+    `samples` draws from the teacher at `temperature` at each position, as distinct ids with
+    counts (`logprobs.samples_of_hidden`, K = width), row r's with key fold_in(key(seed), r)
+    whatever batch it comes in. A sampled cache's teacher; beyond the forward it holds one token
+    block's logits, as the top-K teacher does."""
+    def fn(params, tokens_BT, positions_BT, segment_ids_BT, rows_B):
+        h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+        keys_B = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(rows_B)
+        return logprobs.samples_of_hidden(params, model_cfg, h_BTD, samples, keys_B, width=width,
+                                          temperature=temperature)
+
+    rows_sh, out_sh = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3)
+    jitted = sharding.jit_sharded(
+        fn, in_shardings=(tfm.param_shardings(model_cfg, params, mesh), rows_sh, rows_sh, rows_sh,
+                          sharding.batch_sharding(mesh, 1)), out_shardings=(out_sh, out_sh))
+    return lambda tokens_BT, positions_BT, segment_ids_BT, rows_B: jitted(
+        params, tokens_BT, positions_BT, segment_ids_BT, np.asarray(rows_B, np.int32))
+
+
 def cache_meta(rows: dict, *, teacher_fingerprint: str, tokenizer_fingerprint: str, top_k: int, temperature: float,
-               logp_dtype: str) -> tc.CacheMeta:
+               logp_dtype: str, cache_kind: str = "topk", samples: int = 0, sample_seed: int = 0) -> tc.CacheMeta:
     """What the cache of `rows` (`pack_examples`) is made from: its tokens and their layout."""
     return tc.CacheMeta(teacher_fingerprint=teacher_fingerprint, tokenizer_fingerprint=tokenizer_fingerprint,
                         dataset_fingerprint=fingerprint.fingerprint_tokens(rows["tokens"]),
                         layout_fingerprint=tc.layout_fingerprint(*(rows[name] for name in LAYOUT)),
-                        top_k=top_k, temperature=temperature, logp_dtype=logp_dtype)
+                        top_k=top_k, temperature=temperature, logp_dtype=logp_dtype, cache_kind=cache_kind,
+                        samples=samples, sample_seed=sample_seed)
 
 
 def open_or_build_cache(path: str, rows: dict, teacher: TeacherTopK, meta: tc.CacheMeta, *,
@@ -215,7 +252,9 @@ class DistillTrainer:
     def eval_sums(self, params, batch) -> dict:
         """Sums over the batch's target positions (its ids may hold more than top_k columns):
         "loss" (training objective at top_k), "kl" (tail KL at all columns), "top1_agree"
-        (student argmax == teacher argmax), "teacher_tail_mass" (outside its top_k), "count"."""
+        (student argmax == teacher argmax), "teacher_tail_mass" (outside its top_k),
+        "token_accuracy" (student argmax == the data's next token), "count", and per bin of
+        the student's top-1 probability "ece_count", "ece_confidence", "ece_correct" [ECE_BINS]."""
         if self._eval is None:
             def fn(params, batch):
                 h_ND, w_DV, ids_NK, logp_NK, mask_N = self._rows(params, batch)
@@ -224,13 +263,21 @@ class DistillTrainer:
                     reduction="sum", impl=self.loss_impl)
                 k = self.top_k
                 # One eval batch of logits at a time: the argmax needs the whole row.
-                argmax_N = jnp.argmax(tfm.logits_from_hidden(params, self.model_config, h_ND), axis=-1)
+                logits_NV = tfm.logits_from_hidden(params, self.model_config, h_ND).astype(jnp.float32)
+                argmax_N = jnp.argmax(logits_NV, axis=-1)
+                confidence_N = jnp.exp(jnp.max(logits_NV, -1) / self.temperature
+                                       - jax.nn.logsumexp(logits_NV / self.temperature, -1))
+                correct_N = (argmax_N == batch["tokens"][:, 1:].reshape(-1)) & mask_N
+                bin_N = jnp.minimum((confidence_N * ECE_BINS).astype(jnp.int32), ECE_BINS - 1)
+                per_bin = lambda x_N: jnp.zeros((ECE_BINS,), jnp.float32).at[bin_N].add(jnp.where(mask_N, x_N, 0.0))
                 logp_top = logp_NK[:, :k].astype(jnp.float32)
                 tail_mass_N = -jnp.expm1(jax.nn.logsumexp(logp_top, axis=-1))
                 return {"loss": kl(ids_NK[:, :k], logp_NK[:, :k], self.tail), "kl": kl(ids_NK, logp_NK, True),
                         "top1_agree": jnp.sum((argmax_N == ids_NK[:, 0]) & mask_N),
                         "teacher_tail_mass": jnp.sum(jnp.where(mask_N, tail_mass_N, 0.0)),
-                        "count": jnp.sum(mask_N)}
+                        "token_accuracy": jnp.sum(correct_N), "count": jnp.sum(mask_N),
+                        "ece_count": per_bin(jnp.ones_like(confidence_N)), "ece_confidence": per_bin(confidence_N),
+                        "ece_correct": per_bin(correct_N.astype(jnp.float32))}
 
             self._eval = sharding.jit_sharded(fn, in_shardings=(self._param_shardings(params),
                                                                 self._batch_shardings(batch)),
@@ -288,17 +335,28 @@ def _check_student(config, teacher_cfg: ModelConfig, student_cfg: ModelConfig, t
 
 
 def _check_config(config, vocab_size: int) -> tuple[int, int]:
+    """(K, eval_top_k): K the width of the training targets, top_k for a top-K cache and
+    min(cache_samples, vocabulary) for a sampled one (no more distinct ids can be drawn)."""
     if config.mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}")
+    kind = config.get("cache_kind", "topk")
+    if kind not in tc.CACHE_KINDS:
+        raise ValueError(f"cache_kind={kind!r} is not a cache kind; set --config.cache_kind to one of "
+                         f"{', '.join(tc.CACHE_KINDS)}")
+    if kind == "sampled" and not config.cache_samples >= 1:
+        raise ValueError(f"cache_samples={config.cache_samples} must be >= 1 (the teacher's draws per position of a "
+                         "sampled cache); set --config.cache_samples to 1 or more")
     eval_top_k = config.eval_top_k or vocab_size
     for name, k in (("top_k", config.top_k), ("eval_top_k", eval_top_k)):
         if not 1 <= k <= vocab_size:
             raise ValueError(f"{name}={k} must lie in [1, {vocab_size}] (the teacher's vocabulary); set "
                              f"--config.{name} to at most {vocab_size}")
-    if eval_top_k < config.top_k:
-        raise ValueError(f"eval_top_k={eval_top_k} must be >= top_k={config.top_k} (evaluation reads the top_k "
-                         "columns of the eval targets)")
-    return config.top_k, eval_top_k
+    width = config.top_k if kind == "topk" else min(config.cache_samples, vocab_size)
+    if eval_top_k < width:
+        what = "top_k" if kind == "topk" else "the sampled cache's width min(cache_samples, vocabulary)"
+        raise ValueError(f"eval_top_k={eval_top_k} must be >= {what}={width} (evaluation reads that many columns "
+                         "of the eval targets)")
+    return width, eval_top_k
 
 
 def train_distill(config, *, progress: bool = True) -> dict:
@@ -328,8 +386,17 @@ def train_distill(config, *, progress: bool = True) -> dict:
     # Placed (once for both splits) and compiled only if it runs: not for a complete cache.
     placed_teacher = functools.cache(lambda: tfm.shard_params(teacher_cfg, teacher_params, mesh))
 
+    # The held-out targets are a top-K cache of either kind of run: both are evaluated against the
+    # teacher itself (its whole vocabulary, at eval_top_k = 0).
+    kind = {"train": config.get("cache_kind", "topk"), "eval": "topk"}
+    sampled = dict(cache_kind="sampled", samples=config.get("cache_samples", 0), sample_seed=config.seed)
+    kind_meta = {split: sampled if kind[split] == "sampled" else {} for split in split_k}
+
     @functools.cache
-    def teacher(split) -> TeacherTopK:
+    def teacher(split):
+        if kind[split] == "sampled":
+            return make_teacher_samples(teacher_cfg, placed_teacher(), mesh, samples=config.cache_samples,
+                                        width=split_k[split], temperature=config.temperature, seed=config.seed)
         return make_teacher_topk(teacher_cfg, placed_teacher(), mesh, k=split_k[split],
                                  temperature=config.temperature, logp_dtype=config.cache_dtype)
 
@@ -341,7 +408,7 @@ def train_distill(config, *, progress: bool = True) -> dict:
         readers = {}
         for split, k in split_k.items():
             meta = cache_meta(rows[split], teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp, top_k=k,
-                              temperature=config.temperature, logp_dtype=config.cache_dtype)
+                              temperature=config.temperature, logp_dtype=config.cache_dtype, **kind_meta[split])
             readers[split], computed = open_or_build_cache(
                 os.path.join(cache_dir, split), rows[split],
                 lambda *inputs_BT, split=split: teacher(split)(*inputs_BT), meta,
@@ -357,7 +424,11 @@ def train_distill(config, *, progress: bool = True) -> dict:
             return {"ids": ids, "logp": logp}
     else:
         def targets(split, idx):
-            ids, logp = teacher(split)(*(rows[split][name][idx] for name in ("tokens", *LAYOUT)))
+            inputs = [rows[split][name][idx] for name in ("tokens", *LAYOUT)]
+            if kind[split] == "sampled":  # what a sampled cache's reader gives for these rows
+                ids, counts = teacher(split)(*inputs, idx)
+                return {"ids": ids, "logp": tc.empirical_logp(jax.device_get(counts), config.cache_samples)}
+            ids, logp = teacher(split)(*inputs)
             return {"ids": ids, "logp": logp}
     t_cache = time.time() - t_cache
 
@@ -382,7 +453,10 @@ def train_distill(config, *, progress: bool = True) -> dict:
             sums = jax.device_get(trainer.eval_sums(state.params, {**batch, **targets("eval", idx)}))
             totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
         count = max(float(totals.pop("count")), 1.0)
-        return {f"eval_{k}": float(v) / count for k, v in totals.items()}
+        bins = {name: np.asarray(totals.pop(name), np.float64) for name in ("ece_count", "ece_confidence",
+                                                                          "ece_correct")}
+        ece = float(np.sum(np.abs(bins["ece_confidence"] - bins["ece_correct"]))) / count
+        return {"eval_ece": ece, **{f"eval_{k}": float(v) / count for k, v in totals.items()}}
 
     n, b = len(rows["train"]["tokens"]), config.batch_size
     prefetched = (None, None)  # (step, its targets), read while the device ran the step before
@@ -403,10 +477,32 @@ def train_distill(config, *, progress: bool = True) -> dict:
                                        ckpt=ckpt, writer=writer, bar=bar)
     save_hf(os.path.join(run_dir, "hf"), student_cfg, jax.device_get(state.params), tokenizer=tokenizer,
             overwrite=True)
+    accuracy = {}
+    if config.get("eval_accuracy"):
+        accuracy = _answer_accuracy(config, student_cfg, state.params, mesh, tokenizer, problems,
+                                    end_token_ids(tokenizer, teacher_cfg.end_token_ids))
     records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
     metrics.plot_curves(records, ["loss", "grad_norm", "eval_kl", "eval_top1_agree"],
                         os.path.join(run_dir, "distill_curves.png"),
                         title=f"distill {config.mode}, tail={config.tail}, K={top_k}")
-    return {**record, "mode": config.mode, "tail": bool(config.tail), "top_k": top_k, "eval_top_k": eval_top_k,
+    return {**record, **accuracy, "mode": config.mode, "tail": bool(config.tail), "cache_kind": kind["train"],
+            "cache_samples": sampled["samples"] if kind["train"] == "sampled" else 0, "top_k": top_k,
+            "eval_top_k": eval_top_k,
             "steps": config.steps, "resumed_from": start, "teacher_rows_cached": cache_rows,
             "cache_seconds": t_cache, "train_seconds": t_train, "total_seconds": time.time() - t_start}
+
+
+def _answer_accuracy(config, model_cfg: ModelConfig, params, mesh, tokenizer, problems, end_ids) -> dict:
+    """{"eval_accuracy": share of held-out prompts the student answers right}: greedy answers
+    from the rollout engine, scored by the source's verifier (as SFT's eval)."""
+    data = config.data
+    max_prompt = max(len(ids) for ids in evaluation.encode_prompts(tokenizer, problems.eval, problems.prompt_format))
+    engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
+        num_slots=min(64, len(problems.eval)), max_prompt_length=max_prompt, max_length=data.seq_len,
+        steps_per_sync=16, eos_token_id=end_ids))
+    reward = sources.correctness_reward(data, sources.default_reward(data))
+    result = evaluation.evaluate(engine, tokenizer, problems.eval,
+                                 sampling.SamplingParams(temperature=0.0, max_tokens=data.seq_len - max_prompt),
+                                 jax.random.PRNGKey(config.seed), reward=reward,
+                                 prompt_format=problems.prompt_format, end_token_ids=end_ids)
+    return {"eval_accuracy": result["accuracy"]}
