@@ -49,7 +49,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # earlier predictions, as in drafting past the first token (1: none; each pass costs
     # about one more forward and loss).
     c.ttt_steps = 1
-    c.topk_block = 0  # positions per top-K block (bounds the [B, block, V] logits); 0: all at once
+    # Positions of every row per block of the target's blockwise top-K (its [B, block, V] float32
+    # logits are the pass's temporary memory); 0: the backend's default token block.
+    c.topk_block = 0
     c.loss_impl = "auto"
     c.remat = False
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=6e-3, warmup_steps=20, schedule="cosine",

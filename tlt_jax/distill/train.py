@@ -107,7 +107,7 @@ def tokenizer_fingerprint(path: str) -> str:
 
 
 def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float,
-                      logp_dtype: str) -> TeacherTopK:
+                      logp_dtype: str, impl: str = "chunked_xla") -> TeacherTopK:
     """(tokens_BT, positions_BT, segment_ids_BT) -> (ids_BTK int32, logp_BTK in `logp_dtype`):
     the teacher's top-k at `temperature`, attending within each packed segment.
 
@@ -115,19 +115,22 @@ def make_teacher_topk(model_cfg: ModelConfig, params, mesh, *, k: int, temperatu
     leave it already rounded to the cache's dtype, so the student sees the same values either way.
     The top-k comes from the blockwise projection (`logprobs.topk_of_hidden`): beyond the forward,
     the teacher's temporary memory is one token block's logits, never [B, T, V] (16.8 GB in
-    float32 for one row of 32,768 tokens at Llama-3's vocabulary).
+    float32 for one row of 32,768 tokens at Llama-3's vocabulary). impl: that projection's
+    (`logprobs.topk_of_hidden`).
     """
-    jitted = teacher_topk_step(model_cfg, params, mesh, k=k, temperature=temperature, logp_dtype=logp_dtype)
+    jitted = teacher_topk_step(model_cfg, params, mesh, k=k, temperature=temperature, logp_dtype=logp_dtype,
+                               impl=impl)
     return lambda tokens_BT, positions_BT, segment_ids_BT: jitted(params, tokens_BT, positions_BT, segment_ids_BT)
 
 
-def teacher_topk_step(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float, logp_dtype: str):
+def teacher_topk_step(model_cfg: ModelConfig, params, mesh, *, k: int, temperature: float, logp_dtype: str,
+                      impl: str = "chunked_xla"):
     """The jitted teacher of `make_teacher_topk`: (params, tokens_BT, positions_BT,
     segment_ids_BT) -> (ids_BTK, logp_BTK). params may be jax.ShapeDtypeStructs (`.lower`
     then compiles it abstractly, as plan_memory's teacher step does)."""
     def fn(params, tokens_BT, positions_BT, segment_ids_BT):
         h_BTD = tfm.forward(params, model_cfg, tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
-        ids_BTK, logp_BTK = logprobs.topk_of_hidden(params, model_cfg, h_BTD, k, temperature=temperature)
+        ids_BTK, logp_BTK = logprobs.topk_of_hidden(params, model_cfg, h_BTD, k, temperature=temperature, impl=impl)
         return ids_BTK, logp_BTK.astype(jnp.dtype(logp_dtype))
 
     rows_sh, out_sh = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3)

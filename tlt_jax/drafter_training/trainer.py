@@ -98,17 +98,19 @@ def draft_agreement(params, config: ModelConfig, g_BTD: jax.Array, ids_BTK: jax.
 
 
 def target_outputs(target_params, target_config: ModelConfig, drafter_config: drafter_lib.DrafterConfig,
-                   rows: dict, *, top_k: int, temperature: float = 1.0, topk_block: int = 0) -> dict:
+                   rows: dict, *, top_k: int, temperature: float = 1.0, topk_block: int = 0,
+                   impl: str = "chunked_xla") -> dict:
     """The target's by-products over `rows` (tokens / positions / segment_ids [B, T]) that
     drafter training reads: "hidden" h_BTD, "ids" / "logp" [B, T, K] (position t's top-K of
-    x_{t+1}) and, for a fused drafter, "layers" [B, T, n, D] (its feature_layers' outputs)."""
+    x_{t+1}, projected by `impl`: `logprobs.topk_of_hidden`) and, for a fused drafter,
+    "layers" [B, T, n, D] (its feature_layers' outputs)."""
     out = tfm.forward(target_params, target_config, rows["tokens"], positions_BT=rows["positions"],
                       segment_ids_BT=rows["segment_ids"], layer_ids=drafter_config.feature_layers)
     h_BTD, layers_nBTD = out if drafter_config.feature_layers else (out, None)
     # The target's top-K from the blockwise projection: one token block's logits at a time,
     # topk_block positions of every row (0: the backend's default block).
     ids_BTK, logp_BTK = logprobs.topk_of_hidden(target_params, target_config, h_BTD, top_k, temperature=temperature,
-                                                block_tokens=topk_block * h_BTD.shape[0])
+                                                block_tokens=topk_block * h_BTD.shape[0], impl=impl)
     outputs = {"hidden": h_BTD, "ids": ids_BTK, "logp": logp_BTK}
     if layers_nBTD is not None:
         outputs["layers"] = jnp.moveaxis(layers_nBTD, 0, 2)  # batch-major, like every batch field
