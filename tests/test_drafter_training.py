@@ -206,6 +206,21 @@ def test_served_metrics_report_each_training_time_test_pass(target, rows):
     assert "drafter/served_accept_rate_pass2" not in served({**out, "count_pass2": 0.0})
 
 
+def test_the_version_moves_only_when_the_drafter_has_stepped():
+    """A drafter that took no step since its last publish (bench_tlt's frozen mode: no steps
+    at all) is not handed to the engine again, and its version stays; one that stepped is,
+    once."""
+    handed = []
+    drafter = types.SimpleNamespace(steps=0, _published_steps=0, version=0, _finite=lambda: True,
+                                    to_engine=lambda: handed.append(drafter.steps))
+    for _ in range(3):
+        assert not OnlineDrafter.publish(drafter)
+    assert (drafter.version, handed) == (0, [])
+    drafter.steps = 2
+    assert OnlineDrafter.publish(drafter) and not OnlineDrafter.publish(drafter)
+    assert (drafter.version, handed) == (1, [2])
+
+
 def test_masked_entries_contribute_nothing(target, rows):
     """Changing what masked entries are scored against, or a whole row with no targets,
     changes neither the loss nor its gradient."""

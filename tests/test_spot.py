@@ -212,6 +212,23 @@ def test_budget_stops_training_and_end_rl_step_renews_it():
         assert spot.end_rl_step()["steps"] == 3
 
 
+def test_a_budget_of_zero_never_trains_in_gaps_or_catch_up():
+    """bench_tlt's frozen mode (max_steps_per_rl_step=0, catch_up_steps=0): RL step after RL
+    step, with gaps open and catch-up asked for, no drafter step starts."""
+    clock = FakeClock()
+    dev = FakeDevices(clock, gated=False)
+    with SpotTrainer(dev, SpotConfig(max_steps_per_rl_step=0, catch_up_steps=0), clock=clock) as spot:
+        for rl_step in range(3):
+            spot.begin_rl_step(rl_step)
+            spot.open_gap("group0", 0)
+            with spot.gap("reward"):
+                dev.assert_starts(0)
+            spot.close_gap("group0")
+            assert spot.catch_up() == 0
+            assert spot.end_rl_step()["steps"] == 0
+        dev.assert_starts(0)
+
+
 def test_without_data_nothing_trains_until_notified():
     clock = FakeClock()
     dev = FakeDevices(clock, gated=False)
