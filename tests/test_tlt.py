@@ -83,6 +83,12 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     # The drafter that served each rollout, scored teacher-forced on its own sequences; and
     # live acceptance per draft position (eagle-d3 drafts 3 deep).
     assert all(0 < r["drafter/served_accept_rate"] <= 1 for r in steps)
+    # The shadow measure scores the run's starting drafter on the same rows: the served one's
+    # figures while the engine still drafts with it (steps 1 and 2, version 0), apart once a
+    # trained version serves (step 3).
+    shadow = lambda r, who: [r[f"drafter/{who}_{k}"] for k in ("accept_rate", "top1_agree", "kl")]
+    assert all(shadow(r, "initial") == shadow(r, "served") for r in steps[:2])
+    assert steps[2]["drafter/initial_kl"] != steps[2]["drafter/served_kl"]
     # Which depths a rollout reaches depends on the drafter and the tuner's picks: each step
     # reports a prefix of positions 1..3, every rate a probability, and some step position 1.
     for r in steps:
