@@ -3,6 +3,15 @@
   python -m experiments.bench_kl --preset=cpu --out=/tmp/bench_kl.json
   python -m experiments.bench_kl --preset=gpu --out=$OUT/bench_kl.json --time_budget_s=210
   python -m experiments.bench_kl --memory_only --out=/tmp/bench_kl_memory.json
+  python -m experiments.bench_kl --preset=cpu --only=chunked_xla,dense,anchor_dense --table=tlt_jax/impl_table.json
+
+--table=PATH: after the run, the fastest candidate per (dtype, N x V shape class) goes into the
+impl table at PATH (`tlt_jax.impl_table`, what impl="auto" reads), beside the candidates'
+geometric-mean times over the cases all of them ran. Candidates are the fused engines this
+backend runs natively: chunked_xla, and pallas on a GPU (on a CPU it is an interpreter; dense
+materialises [N, V] logits, and is recorded as reference_ms, never chosen). --ns=8192,32768
+keeps only those token counts (the table's run in device_check.sh: pallas beside chunked_xla
+at the same N).
 
 --memory_only: no run and no allocation. Every implementation is compiled at the GPU
 shapes from jax.ShapeDtypeStruct arguments on whatever backend runs it (top-K KL at
@@ -667,6 +676,8 @@ def main(argv=None):
     ap.add_argument(
         "--memory_only", action="store_true", help="compile at the GPU shapes and report XLA's memory sizes; no runs"
     )
+    ap.add_argument("--ns", default=None, help="comma list of token counts N to keep (default: the preset's)")
+    ap.add_argument("--table", default=None, help="impl table to write the fastest candidates into")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # child mode
     args = ap.parse_args(argv)
 
@@ -690,6 +701,9 @@ def main(argv=None):
     if args.only:
         keep = set(args.only.split(","))
         cases = [c for c in cases if c["impl"] in keep]
+    if args.ns:
+        ns = {int(n) for n in args.ns.split(",")}
+        cases = [c for c in cases if c["n"] in ns]
     start, results = time.perf_counter(), []
     for case in cases:
         elapsed = time.perf_counter() - start
@@ -713,6 +727,58 @@ def main(argv=None):
     _add_ratios(results)
     print_table(results)
     _write(args, results, start, final=True)
+    if args.table:
+        write_table(args.table, results, " ".join(["python -m experiments.bench_kl", *(argv or sys.argv[1:])]))
+
+
+def table_rows(results, command: str):
+    """Impl-table rows (`tlt_jax.impl_table`) from a run's results: per (dtype, shape class)
+    of the timed kl and logprob cases, the candidate with the least geometric-mean time over
+    the cases every candidate ran."""
+    import datetime
+
+    import jax
+
+    from experiments import machine
+    from pallas_kernels import fused_linear_kl as fk
+    from tlt_jax import impl_table
+
+    backend = jax.default_backend()
+    candidates = [e for e in fk.engines_on(backend) if not (e == "pallas" and backend == "cpu")]
+    groups = {}
+    for r in results:
+        if r["status"] != "ok" or r["kind"] not in ("kl", "logprob") or "[" in r["impl"]:
+            continue
+        key = ("bfloat16", impl_table.shape_class("losses", r["n"] * r["v"]), r["device"])
+        groups.setdefault(key, {}).setdefault(r["impl"], {})[f"{r['kind']}/{r['mode']}/N={r['n']}"] = r["ms"]
+    if backend == "cpu":
+        m = machine.machine_record()
+        where = (f"{m['cpu']}, {m['cpus']} cores, L3 {m['last_level_cache_bytes'] / 2**20:.0f} MiB "
+                 "(shared with other jobs)")
+    rows = []
+    for (dtype, shape, device), times in sorted(groups.items()):
+        impl, means = impl_table.fastest(times, candidates)
+        if impl is None:
+            continue
+        ref = {name: impl_table.fastest(times, [name])[1].get(name) for name in ("dense", "anchor_dense")
+               if name in times}
+        rows.append(dict(op="losses", backend=backend, device_kind=device, dtype=dtype, shape_class=shape, impl=impl,
+                         ms=means, reference_ms=ref, cases=sorted(set.intersection(*(set(times[c]) for c in means))),
+                         date=datetime.date.today().isoformat(), machine=where if backend == "cpu" else device,
+                         jax=jax.__version__, command=command))
+    return rows
+
+
+def write_table(path, results, command: str):
+    from tlt_jax import impl_table
+
+    rows = table_rows(results, command)
+    impl_table.merge(path, rows)
+    for r in rows:
+        print(f"impl table {path}: losses {r['device_kind']} {r['dtype']} {r['shape_class']} -> {r['impl']} "
+              f"({', '.join(f'{k} {v:.2f} ms' for k, v in r['ms'].items())})")
+    if not rows:
+        print(f"impl table {path}: no rows (no candidate ran every case of a class)")
 
 
 def _write(args, results, start, final):

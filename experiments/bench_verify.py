@@ -11,18 +11,28 @@ plus noise (mode "sampled": verified with them; "deterministic": without). For e
 implementation: median ms of `repeats` calls after a warm-up (compile excluded), and
 whether its outputs equal the reference's for the same keys. On the CPU the kernel
 runs in interpret mode (correctness only). Cases run until --time_budget_s is spent.
+
+--table=PATH: the fastest candidate per B x T x V shape class goes into the impl table at PATH
+(`tlt_jax.impl_table`, what spec_verify's impl="auto" reads), beside the candidates'
+geometric-mean times over the cases all of them ran: the reference, and the kernel on a GPU
+(in interpret mode on a CPU it is not a candidate). The tlt block's trees are chains of 9 and
+7 nodes (eagle-d8, eagle-d6):
+  python -m experiments.bench_verify --nodes=9,7,16,48 --batches=1,8 --table=$OUT/impl_table.json
 """
+import datetime
 import functools
 import json
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import flags
 
+from experiments import machine
 from pallas_kernels import spec_verify as sv
-from tlt_jax import launch, metrics
+from tlt_jax import impl_table, launch, metrics
 
 _VOCAB = flags.DEFINE_integer("vocab", 151936, "Vocabulary size V (Qwen2.5: 151936, Llama 3: 128256).")
 _NODES = flags.DEFINE_list("nodes", ["8", "16", "48"], "Tree sizes T (nodes, root included).")
@@ -33,6 +43,7 @@ _BLOCK_V = flags.DEFINE_integer("block_v", sv._BLOCK_V, "The kernel's V block (a
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed calls per case.")
 _TIME_BUDGET_S = flags.DEFINE_float("time_budget_s", 0.0, "No new case starts after this many seconds (0: no limit).")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
+_TABLE = flags.DEFINE_string("table", "", "Impl table to write the fastest candidate per shape class into.")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -109,6 +120,44 @@ def main(argv):
         print(f"{r['mode']:13} {r['batch']:3d} {r['nodes']:3d} {r.get('reference_ms', float('nan')):8.3f} "
               f"{r.get('pallas_ms', float('nan')):9.3f} {r.get('speedup', float('nan')):6.2f} "
               f"{str(r.get('pallas_equal', '-')):>6} {r.get('mean_accepted', float('nan')):8.2f}")
+    if _TABLE.value:
+        table = table_rows(rows, result, " ".join(["python -m experiments.bench_verify", *sys.argv[1:]]))
+        impl_table.merge(_TABLE.value, table)
+        for r in table:
+            print(f"impl table {_TABLE.value}: verify {r['device_kind']} {r['shape_class']} -> {r['impl']} "
+                  f"({', '.join(f'{k} {v:.3f} ms' for k, v in r['ms'].items())})")
+
+
+def table_rows(rows, result, command: str) -> list[dict]:
+    """Impl-table rows from the timed cases: per B x T x V shape class, the candidate with the
+    least geometric-mean time over the cases every candidate ran. A kernel whose outputs
+    differ from the reference's in some case is no candidate."""
+    backend = result["backend"]
+    candidates = [impl for impl in sv.impls_on(backend)
+                  if impl == "reference" or all(r.get(f"{impl}_equal", True) for r in rows)]
+    groups = {}
+    for r in rows:
+        shape = impl_table.shape_class("verify", r["batch"] * r["nodes"] * r["vocab"])
+        for impl in ("reference", "pallas"):
+            if f"{impl}_ms" in r:
+                groups.setdefault(shape, {}).setdefault(impl, {})[f"{r['mode']}/B={r['batch']}/T={r['nodes']}"] = (
+                    r[f"{impl}_ms"])
+    if backend == "cpu":
+        m = machine.machine_record()
+        where = (f"{m['cpu']}, {m['cpus']} cores, L3 {m['last_level_cache_bytes'] / 2**20:.0f} MiB "
+                 "(shared with other jobs)")
+    else:
+        where = result["device"]
+    out = []
+    for shape, times in sorted(groups.items()):
+        impl, means = impl_table.fastest(times, candidates)
+        if impl is not None:
+            out.append(dict(op="verify", backend=backend, device_kind=result["device"], dtype="float32",
+                            shape_class=shape, impl=impl, ms=means, vocab=result["vocab"],
+                            cases=sorted(set.intersection(*(set(times[c]) for c in means))),
+                            date=datetime.date.today().isoformat(), machine=where, jax=result["jax"],
+                            command=command))
+    return out
 
 
 if __name__ == "__main__":

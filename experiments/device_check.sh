@@ -7,7 +7,7 @@
 # fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: drift 300 s (after spec),
-# rollout 130 s, attention 115 s, verify 40 s, losses 85 s.
+# agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s.
 #
 # Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
 # stops at once) and must not stop the blocks after it (no `set -e`). Every benchmark
@@ -18,7 +18,9 @@
 # the blocks measured (experiments/device_summary.py; also $OUT/summary.json and summary.txt).
 # PYTHON names the interpreter every command runs under (default: python from PATH).
 # $OUT then holds summary.txt, summary.json, device_check.tgz (every log and JSON; PACK=0
-# keeps them loose too) and rollout_hlo.tgz: under the device machine's 8 files.
+# keeps them loose too), rollout_hlo.tgz and, from the verify and losses blocks,
+# impl_table.json (loose: the rows impl="auto" reads, merged into the shipped table with
+# `python -m tlt_jax.impl_table --merge impl_table.json`): under the device machine's 8 files.
 #
 # DRY=1 runs every block's commands on the CPU (the same launchers and flags at tiny sizes
 # and a few steps; all blocks unless BLOCKS says otherwise; OUT defaults to a new temporary
@@ -219,6 +221,38 @@ if want drift; then
   plan || rm -rf "$OUT/bench_tlt_drift_runs" "$OUT/bench_tlt_cache"
   block_end "$OUT/bench_tlt_drift.json"
 fi
+
+# ----- agents (by name: BLOCKS="spec agents"): TLT on multi-turn rollouts with environment steps
+# Budget: 400 s, beyond the default 8-minute plan. The spec block's target and drafter,
+# bench_tlt --preset=gpu_env: the gpu preset's shape, 3 turns a sample, each turn ended by an
+# environment step that sleeps 20 ms (experiments/scripted_env.py), one pair of baseline and
+# TLT runs with the environments overlapped with decoding, then one with decoding stopped for
+# them (--noenv_overlap); 6 steps a run. Bars (issue 45): decode_speedup (the decode chunks
+# alone: TLT cannot shorten an environment's latency) >= 1.5, step_of_allowed >= 0.95, eval
+# accuracy within seed noise. AGENTS_ARGS adds flags to both runs (e.g. --env_latency_ms=50).
+if want agents; then
+  block_start agents
+  AGENTS=(--preset=gpu_env --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
+          "--tlt_set=tlt.tuner.arms=[['eagle-d8','eagle-d6','plain']]" --steps=6)
+  if dry; then
+    note "agents: bench_tlt --preset=gpu_env as on the GPU, 1 step per run, 1 ms a step, on the spec block's" \
+      "tiny target"
+    AGENTS=(--preset=gpu_env --steps=1 --env_latency_ms=1)
+  fi
+  if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
+    BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
+  else
+    for overlap in env_overlap noenv_overlap; do
+      # shellcheck disable=SC2086  # AGENTS_ARGS is a list of flags
+      step "bench_tlt_$overlap" 200 "$OUT/bench_tlt_$overlap.log" "$PYTHON" -m experiments.bench_tlt "${AGENTS[@]}" \
+        "--$overlap" --repeats=1 ${AGENTS_ARGS:-} --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" \
+        --run_dir="$OUT/bench_tlt_agents_runs" --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_tlt_$overlap.json"
+      plan || tail -n 10 "$OUT/bench_tlt_$overlap.log"
+    done
+  fi
+  plan || rm -rf "$OUT/bench_tlt_agents_runs" "$OUT/bench_tlt_cache"
+  block_end "$OUT/bench_tlt_env_overlap.json" "$OUT/bench_tlt_noenv_overlap.json"
+fi
 plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 # ===== END tlt ================================================================================
 
@@ -277,33 +311,38 @@ fi
 # ===== END attention ================================================================================
 
 # ===== BEGIN verify: draft-tree verification, jnp reference vs V-tiled Pallas kernel (bench_verify.py) =====
-# Budget: 40 s. Qwen2.5's V = 151936, sampled drafts, T = 48, 16, 8 nodes at batch 1 and 8,
-# until the budget stops new cases (the deterministic mode and more block sizes:
-# BLOCKS=verify VERIFY_ARGS="--modes=deterministic --block_v=4096"). Each row says whether
-# the kernel's outputs equal the reference's; spec_verify's impl="auto" moves to the kernel
-# only where it is faster here.
+# Budget: 60 s. Qwen2.5's V = 151936, sampled drafts, first the tlt block's trees (chains of
+# 9 and 7 nodes: eagle-d8, eagle-d6), then T = 16 and 48, at batch 1 and 8, until the budget
+# stops new cases (the deterministic mode and more block sizes: BLOCKS=verify
+# VERIFY_ARGS="--modes=deterministic --block_v=4096"). Each row says whether the kernel's
+# outputs equal the reference's; the fastest of the two per B x T x V shape class goes to
+# $OUT/impl_table.json (a kernel that disagrees is never chosen), which spec_verify's
+# impl="auto" reads once merged into tlt_jax/impl_table.json.
 if want verify; then
   block_start verify
   if dry; then
     note "verify: the Pallas kernel in interpret mode (no Triton lowering on the CPU), V=1000"
-    VERIFY=(--vocab=1000 --nodes=16,8 --batches=1,8 --repeats=1 --time_budget_s=3)
+    VERIFY=(--vocab=1000 --nodes=9,7 --batches=1,8 --repeats=1 --time_budget_s=3)
   else
-    VERIFY=(--nodes=48,16,8 --batches=1,8 --repeats=5 --time_budget_s=25)
+    VERIFY=(--nodes=9,7,16,48 --batches=1,8 --repeats=5 --time_budget_s=40)
   fi
   # shellcheck disable=SC2086  # VERIFY_ARGS is a list of flags
-  step bench_verify 40 "$OUT/bench_verify.log" "$PYTHON" -m experiments.bench_verify "${VERIFY[@]}" \
-    ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json"
+  step bench_verify 60 "$OUT/bench_verify.log" "$PYTHON" -m experiments.bench_verify "${VERIFY[@]}" \
+    ${VERIFY_ARGS:---modes=sampled} --out="$OUT/bench_verify.json" --table="$OUT/impl_table.json"
   plan || tail -n 6 "$OUT/bench_verify.log"
   block_end "$OUT/bench_verify.json"
 fi
 # ===== END verify =================================================================================
 
 # ===== BEGIN losses: fused linear top-K KL / log-prob (experiments/bench_kl.py) ======
-# Budget: 85 s: the dense anchor (for the ratios), then the cases the first run did not
-# reach: bf16 dW accumulation at 32k and 256k tokens (the 7 GiB peak bar), the Pallas kernels
-# (one fresh process per case; bench_kl.json is rewritten after every case, so an outer kill
-# keeps what finished). `--only` dropped, the whole preset takes about 4 minutes; LOSSES_ARGS
-# adds flags (a later --only replaces the block's), e.g. BLOCKS=losses LOSSES_ARGS=--only=pallas.
+# Budget: 185 s. First 85 s: the dense anchor (for the ratios), then the cases the first run
+# did not reach: bf16 dW accumulation at 32k and 256k tokens (the 7 GiB peak bar), the Pallas
+# kernels (one fresh process per case; bench_kl.json is rewritten after every case, so an outer
+# kill keeps what finished). `--only` dropped, the whole preset takes about 4 minutes;
+# LOSSES_ARGS adds flags (a later --only replaces the block's), e.g. BLOCKS=losses
+# LOSSES_ARGS=--only=pallas. Then 100 s for impl="auto": chunked_xla and the Pallas kernels at
+# the same token counts (8k, 32k; scalar and per-token KL, the log-probs), the faster per shape
+# class into $OUT/impl_table.json (bench_kl_table.json has the cases).
 if want losses; then
   block_start losses
   if dry; then
@@ -312,14 +351,20 @@ if want losses; then
       "tests/test_losses.py checks them in interpret mode; no device memory stats on the CPU, so the 256k" \
       "peak bar reads n/a (XLA temp is measured)"
     LOSSES=(--preset=cpu --only="chunked_xla[dw_accum=param],anchor_dense")
+    # The CPU's only candidate is chunked_xla (the kernel is an interpreter there).
+    TABLE=(--preset=cpu --only=chunked_xla --ns=1024)
   else
     LOSSES=(--preset=gpu --only="chunked_xla[dw_accum=param],pallas,anchor_dense")
+    TABLE=(--preset=gpu --only=chunked_xla,pallas --ns=8192,32768)
   fi
   # shellcheck disable=SC2086  # LOSSES_ARGS is a list of flags
   step bench_kl 85 "$OUT/bench_kl.log" "$PYTHON" -m experiments.bench_kl "${LOSSES[@]}" --time_budget_s=55 \
     ${LOSSES_ARGS:-} --out="$OUT/bench_kl.json"
   plan || tail -n 12 "$OUT/bench_kl.log"
-  block_end "$OUT/bench_kl.json"
+  step bench_kl_table 100 "$OUT/bench_kl_table.log" "$PYTHON" -m experiments.bench_kl "${TABLE[@]}" \
+    --time_budget_s=70 --out="$OUT/bench_kl_table.json" --table="$OUT/impl_table.json"
+  plan || tail -n 6 "$OUT/bench_kl_table.log"
+  block_end "$OUT/bench_kl.json" "$OUT/bench_kl_table.json"
 fi
 # ===== END losses ====================================================================
 
@@ -336,7 +381,7 @@ timeout 5 "$PYTHON" -m experiments.device_summary --out_dir="$OUT" $(dry && echo
 cd "$OUT" || exit 1
 # Everything the blocks wrote at the top of $OUT, in one file (the device machine returns 8).
 mapfile -t LOOSE < <(find . -maxdepth 1 -type f \( -name '*.json' -o -name '*.log' -o -name '*.txt' -o -name '*.csv' \
-  -o -name '*.png' \) ! -name summary.txt ! -name summary.json -printf '%P\n' | sort)
+  -o -name '*.png' \) ! -name summary.txt ! -name summary.json ! -name impl_table.json -printf '%P\n' | sort)
 ((${#LOOSE[@]})) && tar czf device_check.tgz "${LOOSE[@]}"
 [[ $PACK != 0 ]] && ((${#LOOSE[@]})) && rm -f "${LOOSE[@]}"
 echo "device_check:${FAILED:- every block ok}${FAILED:+ failed}; results in $OUT"

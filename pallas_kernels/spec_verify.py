@@ -70,9 +70,10 @@ pallas     `pl.pallas_call`, one program per sequence, tiled over V: no [V] row 
            only where a uniform lies within rounding of an acceptance threshold).
            Triton lowering on the GPU: only the [B, T] node arrays are padded (to a
            power-of-two T), V only when below one block.
-auto       _AUTO_IMPL for the backend: the reference everywhere until a GPU timing
-           (`experiments/bench_verify.py`, in `experiments/device_check.sh`) says the
-           kernel is faster.
+auto       the implementation measured fastest on this device for the B x T x V shape
+           class (`tlt_jax.impl_table`, written by `experiments/bench_verify.py --table`,
+           the verify block of `experiments/device_check.sh`); _AUTO_IMPL's, the
+           reference, on a device never measured.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tlt_jax import impl_table
+
 try:  # Triton lowering parameters; absent in builds without the GPU Pallas backend.
     from jax.experimental.pallas import triton as _pltriton
 except ImportError:  # pragma: no cover
@@ -93,18 +96,38 @@ __all__ = ["IMPLS", "resolve_impl", "verify"]
 
 IMPLS = ("auto", "reference", "pallas")
 
-# impl="auto" per backend: the reference until the kernel has been timed on a GPU.
-# CPU: the kernel only runs in interpret mode there.
+# impl="auto" on a device the impl table never measured. CPU: the kernel only runs in
+# interpret mode there.
 _AUTO_IMPL = {"cpu": "reference", "gpu": "reference", "tpu": "reference"}
 # The kernel's V block (entries per vector it keeps live).
 _BLOCK_V = 2048
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """Maps "auto" to the implementation chosen for the backend."""
+def impls_on(backend: str) -> tuple[str, ...]:
+    """What runs natively on `backend`: the kernel lowers to Triton on a GPU whose jax has
+    the Pallas Triton backend; on a CPU it is an interpreter (tests), not a candidate."""
+    return ("reference", "pallas") if backend == "gpu" and _pltriton is not None else ("reference",)
+
+
+def resolve_impl(impl: str, backend: str | None = None, *, elements: int | None = None) -> str:
+    """Maps "auto" to the implementation measured fastest on this device for the shape class
+    of B x T x V `elements` (`tlt_jax.impl_table`; None: any), the reference where the device
+    was never measured."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return _AUTO_IMPL.get(backend or jax.default_backend(), "reference") if impl == "auto" else impl
+    backend = backend or jax.default_backend()
+    if impl == "pallas" and backend != "cpu" and "pallas" not in impls_on(backend):  # the CPU: the interpreter
+        raise ValueError(f"impl='pallas' has no lowering on the {backend} backend; pass one of auto, "
+                         f"{', '.join(impls_on(backend))}.")
+    if impl != "auto":
+        return impl
+    try:
+        kind = jax.devices(backend)[0].device_kind
+    except RuntimeError:
+        kind = None
+    measured = impl_table.lookup("verify", backend, kind, "float32",
+                                 None if elements is None else impl_table.shape_class("verify", elements))
+    return measured if measured in impls_on(backend) else _AUTO_IMPL.get(backend, "reference")
 
 
 # ------------------------------------------------------------------------------------
@@ -394,8 +417,8 @@ def verify(tokens_BT, parents_BT, target_logp_BTV, draft_logp_BTV, key, impl: st
     Emitted tokens: tokens along the path, then next_token.
     """
     _check_shapes(tokens_BT, parents_BT, target_logp_BTV, draft_logp_BTV)
-    impl = resolve_impl(impl)
     b, t, v = target_logp_BTV.shape
+    impl = resolve_impl(impl, elements=b * t * v)
     # Out-of-vocabulary drafts become padding here, before V is padded for a kernel.
     parents_BT = jnp.where((tokens_BT >= 0) & (tokens_BT < v), parents_BT, -1)
     k_u, k_g = jax.random.split(key)

@@ -42,8 +42,9 @@ Conventions:
   - Outputs are float32; gradients come back in the dtypes of h and w.
   - reduction "mean" divides by the number of unmasked rows (at least 1).
   - impl: "dense" (reference; materialises [N, V] f32 logits), "chunked_xla",
-    "pallas", or "auto" (the fastest measured implementation for the backend, from
-    _AUTO_IMPL).
+    "pallas", or "auto": the fastest implementation measured on this device for the
+    dtype and the N x V shape class (`tlt_jax.impl_table`, package data written by
+    experiments/bench_kl.py), _AUTO_IMPL's where the device was never measured.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from jax.scipy.special import xlogy
 
 from pallas_kernels import fused_linear_kl as fk
 from pallas_kernels.fused_linear_kl import BlockSizes
+from tlt_jax import impl_table
 
 __all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_logprob_topk", "linear_topk", "linear_topk_kl",
            "resolve_impl", "topk_from_logits"]
@@ -65,9 +67,7 @@ __all__ = ["BlockSizes", "IMPLS", "linear_logprob", "linear_logprob_topk", "line
 IMPLS = ("auto", "dense", "chunked_xla", "pallas")
 REDUCTIONS = ("none", "sum", "mean")
 
-# impl="auto" per backend. Source: experiments/bench_kl.py. CPU: chunked_xla is the
-# only non-dense path that is not an interpreter (pallas runs in interpret mode).
-# GPU/TPU: chunked_xla until an H200 run of `bench_kl --preset=gpu` says otherwise.
+# impl="auto" on a device the impl table (tlt_jax/impl_table.json) never measured.
 _AUTO_IMPL = {"cpu": "chunked_xla", "gpu": "chunked_xla", "tpu": "chunked_xla"}
 
 # Floor of 1 - Q in the tail term (see module docstring).
@@ -86,19 +86,36 @@ class _Config:
     top_k: int = 0  # the per-token log-prob pass also keeps each row's top-k
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """Maps "auto" to the implementation measured fastest on the backend; an impl with no
-    lowering on the backend (pallas on a TPU, or on a GPU without the Triton backend) is
-    refused, naming those it has."""
+def device_kind(backend: str) -> str | None:
+    """The backend's first device's kind ("cpu", "NVIDIA H200", ...); None if absent here."""
+    try:
+        return jax.devices(backend)[0].device_kind
+    except RuntimeError:
+        return None
+
+
+def resolve_impl(impl: str, backend: str | None = None, *, dtype=None, elements: int | None = None) -> str:
+    """Maps "auto" to the implementation measured fastest on this device (`impl_table`: for
+    the dtype of h and w and the shape class of N x V `elements`, each None for any), or to
+    _AUTO_IMPL's where the device was never measured; an impl with no lowering on the backend
+    (pallas on a TPU, or on a GPU without the Triton backend) is refused, naming those it
+    has."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = backend or jax.default_backend()
     if impl == "auto":
-        return _AUTO_IMPL.get(backend, "chunked_xla")
+        measured = impl_table.lookup(
+            "losses", backend, device_kind(backend), None if dtype is None else jnp.dtype(dtype).name,
+            None if elements is None else impl_table.shape_class("losses", elements))
+        return measured if measured in fk.engines_on(backend) else _AUTO_IMPL.get(backend, "chunked_xla")
     if impl in fk.ENGINES and impl not in fk.engines_on(backend):
         have = ", ".join(("auto", "dense") + fk.engines_on(backend))
         raise ValueError(f"impl={impl!r} has no lowering on the {backend} backend; pass one of {have}.")
     return impl
+
+
+def _resolve(impl, h_ND, w_DV):
+    return resolve_impl(impl, dtype=h_ND.dtype, elements=h_ND.shape[0] * w_DV.shape[1])
 
 
 def _as_blocks(block_sizes) -> BlockSizes | None:
@@ -282,7 +299,7 @@ def linear_topk_kl(
         raise ValueError(f"mask_N {mask_N.shape} {mask_N.dtype} must be bool [N] for h_ND {h_ND.shape}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), tail=bool(tail))
+    cfg = _Config(_resolve(impl, h_ND, w_DV), float(temperature), _as_blocks(block_sizes), tail=bool(tail))
 
     ids_NK, valid_NK = _in_vocab(teacher_ids_NK, v)
     valid_NK = valid_NK & mask_N[:, None]
@@ -381,7 +398,8 @@ def linear_logprob(
     """
     _check_projection(h_ND, w_DV, temperature)
     _check_ids("targets_N", targets_N, h_ND, trailing=())
-    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), with_entropy=bool(with_entropy))
+    cfg = _Config(_resolve(impl, h_ND, w_DV), float(temperature), _as_blocks(block_sizes),
+                  with_entropy=bool(with_entropy))
     ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
     if cfg.impl == "dense":
         return _dense_logprob(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
@@ -412,7 +430,8 @@ def linear_logprob_topk(
     _check_projection(h_ND, w_DV, temperature)
     _check_ids("targets_N", targets_N, h_ND, trailing=())
     _check_top_k("k", k, w_DV)
-    cfg = _Config(resolve_impl(impl), float(temperature), _as_blocks(block_sizes), with_entropy=True, top_k=int(k))
+    cfg = _Config(_resolve(impl, h_ND, w_DV), float(temperature), _as_blocks(block_sizes), with_entropy=True,
+                  top_k=int(k))
     ids_N, valid_N = _in_vocab(targets_N, w_DV.shape[1])
     forward = _dense_logprob if cfg.impl == "dense" else _logprob
     logp_N, entropy_N, ids_NK, logp_NK = forward(h_ND, w_DV, ids_N[:, None], valid_N, cfg)
@@ -438,7 +457,7 @@ def linear_topk(
     """
     _check_projection(h_ND, w_DV, temperature)
     _check_top_k("k", k, w_DV)
-    impl = resolve_impl(impl)
+    impl = _resolve(impl, h_ND, w_DV)
     h_ND, w_DV = jax.lax.stop_gradient(h_ND), jax.lax.stop_gradient(w_DV)
     if impl == "dense":
         return topk_from_logits(jnp.dot(h_ND, w_DV, preferred_element_type=jnp.float32), k, temperature)
