@@ -49,7 +49,7 @@ def code_config(**overrides) -> ml_collections.ConfigDict:
         output_bytes=1 << 20,  # stdout + stderr per program, and each stdin/stdout test's output
         file_bytes=16 << 20,  # the largest file a program may write
         processes=16,  # processes and threads per program at once
-        max_parallel=0,  # sandboxes at once (0: one per CPU)
+        max_parallel=0,  # sandboxes at once (0: four per CPU)
         python="",  # the interpreter programs run with ("": this one, or the system's python3)
     )
     unknown = sorted(set(overrides) - set(fields))

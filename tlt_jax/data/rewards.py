@@ -278,7 +278,8 @@ class CodeReward:
 
     partial_credit: see above; sandbox: a mode of `sandbox.MODES`; timeout_s (per test),
     memory_mb, output_bytes, file_bytes, processes: each program's `sandbox.Limits`;
-    max_parallel: sandboxes at once (0: one per CPU); python: the interpreter programs
+    max_parallel: sandboxes at once (0: four per CPU: a sandbox spends much of its life
+    starting and waiting, and the loops of a batch should time out side by side); python: the interpreter programs
     run with ("": `sandbox.default_python`).
     """
 
@@ -295,7 +296,7 @@ class CodeReward:
     def __post_init__(self):
         _ = self.limits  # whose checks name the bad field
         if self.max_parallel < 0:
-            raise ValueError(f"code.max_parallel={self.max_parallel} must be >= 0 (0: one per CPU).")
+            raise ValueError(f"code.max_parallel={self.max_parallel} must be >= 0 (0: four per CPU).")
         if self.sandbox not in sandbox.MODES:
             raise ValueError(f"code.sandbox={self.sandbox!r}; choose from {', '.join(sandbox.MODES)}.")
 
@@ -306,7 +307,7 @@ class CodeReward:
     @property
     def parallel(self) -> int:
         """Sandboxes at once: within a call, and the threads `Scorer` scores samples on."""
-        return self.max_parallel or os.cpu_count() or 1
+        return self.max_parallel or 4 * (os.cpu_count() or 1)
 
     def check(self) -> str:
         """The sandbox mode this machine runs ours as (ValueError, one line, if it cannot)."""
