@@ -46,3 +46,30 @@ def test_bad_inputs(tmp_path):
         tk.build_char_tokenizer(str(tmp_path / "x"), ["a", "bc"])
     with pytest.raises(FileNotFoundError):
         tk.load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_load_tokenizer_gives_what_auto_tokenizer_gives(tok, tmp_path):
+    """The project's tokenizers load by their own class, as AutoTokenizer would load them;
+    a directory whose tokenizer names another class goes through AutoTokenizer."""
+    bpe = tk.build_bpe_tokenizer(str(tmp_path / "bpe"), ["12 + 30 = 42, hello world"] * 8, vocab_size=280)
+    for path in (tok.name_or_path, bpe.name_or_path):
+        ours, auto = tk.load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert type(ours) is type(auto)
+        assert ours.init_kwargs == auto.init_kwargs and ours.chat_template == auto.chat_template
+        text = "<think>12 + 30 = 42</think> hello<|im_end|>"
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert tk._tokenizer_class(str(tmp_path)) is None  # no tokenizer_config.json: AutoTokenizer decides
+
+
+def test_a_launcher_s_tokenizer_and_metrics_import_no_torch(tok, tmp_path):
+    """torch (installed for the tests' reference models) costs 2-3 s of CPU in every process
+    that imports it: loading a tokenizer and writing TensorBoard metrics import none."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom tlt_jax import metrics, tokenizer\n"
+            f"tokenizer.load_tokenizer({tok.name_or_path!r})\n"
+            f"with metrics.MetricsWriter({str(tmp_path)!r}) as w:\n    w.write(1, {{'loss': 0.5}})\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "tensorboard").is_dir()

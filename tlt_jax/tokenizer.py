@@ -6,6 +6,7 @@ Face format) that `transformers.AutoTokenizer.from_pretrained(dir)` loads offlin
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
@@ -16,12 +17,31 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 BASE_SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
 
+# The class transformers 5 writes for a tokenizer with no model-specific class (every
+# tokenizer the project builds): loaded by that class directly. AutoTokenizer gives the
+# same object but first imports transformers' model configs, and with them torch where it
+# is installed: 3 s of CPU in every process that loads a tokenizer.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str):
     """A transformers tokenizer from a local directory (never the hub)."""
-    from transformers import AutoTokenizer
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Tokenizer directory {path!r} does not exist.")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    import transformers
+    cls = getattr(transformers, _tokenizer_class(path) or "", None)
+    if cls is None or cls.__name__ not in _GENERIC_CLASSES:
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(path, local_files_only=True)
+
+
+def _tokenizer_class(path: str) -> str | None:
+    """tokenizer_config.json's tokenizer_class, None without one."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def build_char_tokenizer(out_dir: str, alphabet: Sequence[str], extra_special_tokens: Sequence[str] = (),
