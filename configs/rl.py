@@ -100,9 +100,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # tower_of_hanoi) or module.path:ClassName; "" keeps rollouts single-turn. max_turns:
     # model turns per sample; max_total_tokens: the transcript after the prompt, model and
     # observation tokens (0: rollout.max_tokens); stop_strings: text that ends a turn
-    # besides the end tokens (empty: the environment's own). With a name, reward="" scores
-    # by the environment's step rewards alone.
-    c.env = ml_collections.ConfigDict(dict(name="", max_turns=1, max_total_tokens=0, stop_strings=()))
+    # besides the end tokens (empty: the environment's own); overlap: environments step
+    # while the other samples decode (False: decoding waits for them, to measure the gain).
+    # With a name, reward="" scores by the environment's step rewards alone.
+    c.env = ml_collections.ConfigDict(dict(name="", max_turns=1, max_total_tokens=0, stop_strings=(),
+                                           overlap=True))
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0

@@ -137,3 +137,21 @@ def test_scripted_policy_turns_and_rewards_read_back_from_eval_samples(tmp_path)
     assert out["accuracy"] == 3 / 4 and out["env_failures"] == 1 and out["env_turns_mean"] == 7 / 4
     assert out["reward_mean"] == pytest.approx(3.1 / 4)
     assert (out["env_steps"], out["env_turns_max"]) == (7, 3) and 0 < out["env_step_max_s"] <= out["env_step_s"]
+
+
+def test_a_stop_string_ends_a_turn_in_any_spelling_of_its_text(tmp_path):
+    """A model may spell "```output" in pieces its tokenizer would merge: every spelling
+    whose text is the string (up to the bound) is a stop sequence, the tokenizer's own first."""
+    from tlt_jax.tokenizer import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer(str(tmp_path / "tok"), ["```python\nprint(1)\n```\n```output\n1\n```\n"] * 50,
+                                    vocab_size=300)
+    text = "```output"
+    canonical = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    letters = tuple(tokenizer.convert_tokens_to_ids(list(text)))  # one token a character: a byte-level alphabet
+    assert len(canonical) < len(letters)  # the merges make the tokenizer's own spelling shorter
+    seqs = agents.stop_sequences(tokenizer, text, limit=64)
+    assert seqs[0] == canonical and letters in seqs and len(set(seqs)) == len(seqs)
+    assert all(tokenizer.decode(list(s)) == text for s in seqs)
+    assert [len(s) for s in seqs[1:]] == sorted(len(s) for s in seqs[1:])  # fewest tokens first
+    assert len(agents.stop_sequences(tokenizer, text, limit=2)) == 2

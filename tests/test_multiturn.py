@@ -1,5 +1,6 @@
 """Multi-turn rollouts in the engine: continuation in a sample's own slot, stop sequences."""
 import threading
+import time
 
 import jax
 import numpy as np
@@ -35,13 +36,18 @@ def _engine(params, num_slots=4, drafter_params=None):
 class Scripted:
     """Fixed observations, the same for every request; records each turn it is handed."""
 
-    def __init__(self):
-        self.turns, self.lock = {}, threading.Lock()
+    def __init__(self, overlap=True):
+        self.turns, self.lock, self.overlap = {}, threading.Lock(), overlap
+        self.threads, self.spans = set(), []  # where and when each step ran
 
     def step(self, request, action, finish_reason):
+        t0 = time.perf_counter()
+        time.sleep(0.002)
         with self.lock:
             self.turns.setdefault(request, []).append((action.tolist(), finish_reason))
             turn = len(self.turns[request])
+            self.threads.add(threading.current_thread().name)
+            self.spans.append((t0, time.perf_counter()))
         return OBSERVATIONS[turn - 1] if turn <= len(OBSERVATIONS) else ""
 
 
@@ -84,6 +90,30 @@ def test_continuation_equals_one_prefill_of_the_whole_transcript(params):
     again = _engine(params, num_slots=2).generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=Scripted())
     for a, b in zip(rollouts.tokens, again.tokens):
         np.testing.assert_array_equal(a, b)
+
+
+def test_warm_up_runs_the_multi_turn_chunks_and_serial_environments_change_no_sample(params):
+    """warm_up(..., turns=True) compiles and runs the chunks of the multi-turn slot layout:
+    a rollout with environments compiles no chunk and runs none for the first time. With
+    env.overlap False (`Episodes.overlap`) every step runs on the group's own thread while
+    no decode chunk runs, and the samples are those of the overlapped rollout, whose steps
+    ran on worker threads. One engine for both: its programs compile once."""
+    engine = _engine(params)
+    engine.warm_up(SP, turns=True)
+    group = engine.groups[0]
+    chunks = lambda: {k for k in group._compiled if isinstance(k[0], tuple) and k[0][0] == "chunk"}
+    warmed, has_run = chunks(), set(group._has_run)
+    assert warmed
+    overlapped, serial = Scripted(), Scripted(overlap=False)
+    a = engine.generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=overlapped)
+    assert chunks() == warmed and group._has_run == has_run
+    b = engine.generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=serial)
+    for x, y in zip(a.tokens, b.tokens):
+        np.testing.assert_array_equal(x, y)
+    assert serial.threads == {threading.current_thread().name} and len(serial.spans) >= len(b)
+    assert all(name.startswith("env") for name in overlapped.threads)
+    chunk_spans = [(c.start, c.end) for c in b.timeline.groups[0].chunks]
+    assert not [(s, c) for s in serial.spans for c in chunk_spans if s[0] < c[1] and c[0] < s[1]]
 
 
 @pytest.mark.parametrize("strategy", [spec_lib.Strategy("eagle", depth=3), spec_lib.Strategy("ngram", depth=3)],

@@ -51,19 +51,22 @@ class EnvConfig:
     """config.env: name ("": single-turn rollouts), max_turns (model turns per sample),
     max_total_tokens (tokens after the prompt, the model's and the observations'; 0: the
     rollout's max_tokens), stop_strings (text that ends a turn besides the end tokens;
-    empty: the environment's own `stop_strings`, if it has them)."""
+    empty: the environment's own `stop_strings`, if it has them), overlap (environments
+    step on worker threads while the other samples decode; False: on the rollout's own
+    thread, decoding stopped meanwhile, to measure what the overlap hides)."""
 
     name: str = ""
     max_turns: int = 1
     max_total_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
+    overlap: bool = True
 
     @classmethod
     def from_config(cls, config) -> EnvConfig:
         env = config.get("env") or {}
         return cls(name=env.get("name", "") or "", max_turns=int(env.get("max_turns", 1)),
                    max_total_tokens=int(env.get("max_total_tokens", 0)),
-                   stop_strings=tuple(env.get("stop_strings", ()) or ()))
+                   stop_strings=tuple(env.get("stop_strings", ()) or ()), overlap=bool(env.get("overlap", True)))
 
     def check(self, max_tokens: int) -> None:
         """Raises ValueError naming the field; max_tokens: what the engine's slots hold after a prompt."""
@@ -111,8 +114,66 @@ def example_dict(example: tasks.Example) -> dict:
     return {**dict(example.fields), "prompt": example.prompt, "answer": example.answer, "task": example.task}
 
 
-def _stop_ids(tokenizer, text: str) -> tuple[int, ...]:
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+# The tokenizations of one stop string that end a turn, the tokenizer's own first: a model
+# sampling at temperature 1 may spell a string in pieces the tokenizer would merge. Each
+# is matched on every step of the device loop, so their number is bounded.
+MAX_STOP_TOKENIZATIONS = 16
+
+
+def stop_sequences(tokenizer, text: str, limit: int = MAX_STOP_TOKENIZATIONS) -> tuple[tuple[int, ...], ...]:
+    """The token id sequences whose text is `text`: the tokenizer's own tokenization, then
+    others made of the vocabulary's pieces (each checked by decoding it whole), fewest
+    tokens first, at most `limit` in all. Not matched: a spelling beyond the limit, and one
+    whose token straddles the string's first or last character (say, one token for a
+    newline and "```" when the string is "```output"); give such a text, newline included,
+    as a stop string of its own."""
+    canonical = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    found, pieces = {canonical}, _pieces(tokenizer)
+    out, frontier = [canonical], [((), 0)]  # breadth first: fewer tokens first
+    while frontier and len(out) < limit:
+        nxt = []
+        for ids, at in frontier:
+            for piece, token in pieces.get(text[at], ()):
+                if not text.startswith(piece, at):
+                    continue
+                seq, end = ids + (token,), at + len(piece)
+                if end < len(text):
+                    nxt.append((seq, end))
+                elif seq not in found and tokenizer.decode(list(seq)) == text:
+                    found.add(seq)
+                    out.append(seq)
+                    if len(out) == limit:
+                        return tuple(out)
+        frontier = nxt[:limit * 64]  # bounded work for a long string of one-character pieces
+    return tuple(out)
+
+
+_PIECES: dict[int, tuple] = {}
+
+
+def _pieces(tokenizer) -> dict[str, list[tuple[str, int]]]:
+    """{first character: [(text, id), ...]}: each vocabulary entry's text alone, by its
+    first character (special tokens left out: they never spell text), once per tokenizer."""
+    cached = _PIECES.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    by_first: dict[str, list[tuple[str, int]]] = {}
+    for i, piece in zip(ids, tokenizer.batch_decode([[i] for i in ids])):
+        if piece and "\ufffd" not in piece:  # a partial UTF-8 character decodes to U+FFFD alone
+            by_first.setdefault(piece[0], []).append((piece, i))
+    _PIECES[id(tokenizer)] = (tokenizer, by_first)
+    return by_first
+
+
+def rollout_sampling_params(env_cls: type, config: EnvConfig, tokenizer, sp):
+    """sp as the rollouts of env_cls run it: the stop sequences of config.stop_strings (or
+    the class's own `stop_strings`) and the transcript's token budget. What the engine's
+    `warm_up(..., turns=True)` needs so that its chunks are the rollouts' own."""
+    stop_strings = config.stop_strings or tuple(getattr(env_cls, "stop_strings", ()))
+    sequences = tuple(seq for text in stop_strings for seq in stop_sequences(tokenizer, text))
+    return dataclasses.replace(sp, stop_sequences=sequences, max_tokens=config.total_tokens(sp.max_tokens))
 
 
 class Episodes:
@@ -124,6 +185,7 @@ class Episodes:
     def __init__(self, env_cls: type, examples: Sequence[tasks.Example], num_samples: int, tokenizer,
                  prompt_format: prompts_lib.PromptFormat, end_token_ids: Sequence[int], config: EnvConfig):
         self.tokenizer, self.prompt_format, self.config = tokenizer, prompt_format, config
+        self.env_cls, self.overlap = env_cls, config.overlap  # overlap: rollout.engine.Episodes'
         self.end_token_ids = set(end_token_ids)
         self.examples, self.num_samples = list(examples), num_samples
         self.envs = [env_cls(example_dict(e)) for e in self.examples for _ in range(num_samples)]
@@ -138,8 +200,6 @@ class Episodes:
                 raise ValueError(f"{env_cls.__name__}.reset() gave different first messages for the samples of one "
                                  "example; make reset depend on the example alone (the samples share a prompt).")
             self.first_messages.append(example.prompt if firsts[0] is None else firsts[0])
-        stop_strings = config.stop_strings or tuple(getattr(env_cls, "stop_strings", ()))
-        self.stop_sequences = tuple(_stop_ids(tokenizer, s) for s in stop_strings)
         self._after_turn = self._template_after_turn() if prompt_format.chat_template else ""
 
     def _reset(self, request: int):
@@ -160,8 +220,7 @@ class Episodes:
 
     def sampling_params(self, sp):
         """sp with the environment's stop sequences and the transcript's token budget."""
-        return dataclasses.replace(sp, stop_sequences=self.stop_sequences,
-                                   max_tokens=self.config.total_tokens(sp.max_tokens))
+        return rollout_sampling_params(self.env_cls, self.config, self.tokenizer, sp)
 
     # -- the engine's side -------------------------------------------------------------------
 

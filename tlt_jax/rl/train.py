@@ -252,6 +252,10 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     r = config.rollout
     sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
     seq_len = r.max_prompt_length + r.max_tokens
+    env = agents.EnvConfig.from_config(config)
+    # The chunks the rollouts run: with an environment, its stop sequences, its token budget
+    # and the multi-turn slots, so that warm_up compiles those and not others.
+    rollout_sp = agents.rollout_sampling_params(agents.env_class(env.name), env, tokenizer, sp) if env.name else sp
     tlt_on = config.tlt.enabled
     tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None
     spot_config = SpotConfig(**config.tlt.spot) if tlt_on else None
@@ -279,7 +283,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
-        decode_s = engine.warm_up(sp, tuner)
+        decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
         # Where the drafter trains; its buffer holds one row at most per sample of a step.
         drafter_s = online.warm_up(config.prompts_per_step * config.num_samples) if tlt.spot is not None else 0.0
         metrics.report(f"Compiled plain decode and {len(tuner.strategies)} drafting strategies in {decode_s:.1f} s, "
@@ -287,13 +291,13 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     else:
         # The baseline compiles its decode chunks before the first step too, so that neither
         # mode pays a kv bucket's first compile inside a timed rollout.
-        metrics.report(f"Compiled plain decode in {engine.warm_up(sp):.1f} s")
+        metrics.report(f"Compiled plain decode in {engine.warm_up(rollout_sp, turns=bool(env.name)):.1f} s")
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
                   seed=config.seed, ref_params=ref_params, tlt=tlt, prompt_format=problems.prompt_format,
-                  correctness_reward=_step_reward(config) if agents.EnvConfig.from_config(config).name else
+                  correctness_reward=_step_reward(config) if env.name else
                   rewards.reward_from_config(config, sources.correctness_reward(config.data, config.reward)),
-                  end_token_ids=end_ids, env=agents.EnvConfig.from_config(config))
+                  end_token_ids=end_ids, env=env)
 
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
     # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their

@@ -857,20 +857,27 @@ class Episodes(Protocol):
     """The environments of a multi-turn `generate`, one episode per request
     (`data.agents.Episodes` is one; sampling params then carry its stop sequences)."""
 
+    # Whether environments step on worker threads while the other slots decode (True), or
+    # on the group's host thread between device chunks, decoding stopped meanwhile (False:
+    # the serial schedule, to measure what the overlap hides). Optional; default True.
+    overlap: bool
+
     def step(self, request: int, action: np.ndarray, finish_reason: str) -> Sequence[int] | str:
-        """Called on a worker thread once request's turn ended (on an end token: "eos";
-        a stop token or sequence: "stop") with the turn's token ids: the observation's
-        token ids to prefill before the next turn, or, when the episode ends, the
-        sample's finish reason ("" keeps the turn's)."""
+        """Called once request's turn ended (on an end token: "eos"; a stop token or
+        sequence: "stop") with the turn's token ids: the observation's token ids to
+        prefill before the next turn, or, when the episode ends, the sample's finish
+        reason ("" keeps the turn's). On a worker thread unless `overlap` is False."""
         ...
 
 
 class _Turns:
     """A group's samples between turns: each waits in its own slot (inactive, so never
-    counted as running) while its environment steps on a worker thread."""
+    counted as running) while its environment steps on a worker thread (with
+    `episodes.overlap` False: at once on this thread, decoding stopped meanwhile)."""
 
     def __init__(self, group: _Group, episodes: Episodes, num_slots: int):
         self.group, self.episodes = group, episodes
+        self.overlap = bool(getattr(episodes, "overlap", True))
         self.pool = concurrent.futures.ThreadPoolExecutor(num_slots, thread_name_prefix="env")
         self.waiting: dict[int, concurrent.futures.Future] = {}  # slot -> its environment's step
         self.observed: dict[int, list[tuple[int, int]]] = {}  # request -> (offset, length) of each observation
@@ -894,8 +901,9 @@ class _Turns:
             n, reason = int(counts[i]), FINISH_REASONS[int(finish[i])]
             if reason in ("eos", "stop"):
                 self.ended_turn[s] = (toks[i, :n].copy(), logps[i, :n].copy(), reason, int(prompt_lengths[i]))
-                self.waiting[s] = self.pool.submit(self.episodes.step, slot_request[s],
-                                                   toks[i, int(turn_start[i]):n].copy(), reason)
+                args = (slot_request[s], toks[i, int(turn_start[i]):n].copy(), reason)
+                self.waiting[s] = self.pool.submit(self.episodes.step, *args) if self.overlap else _done(
+                    self.episodes.step, *args)
             else:
                 self._record(slot_request, s, results, on_sample_done, toks[i, :n].copy(), logps[i, :n].copy(),
                              reason)
@@ -939,6 +947,16 @@ class _Turns:
         for i, (slot, ids) in enumerate(going):
             observations[i, :len(ids)], lengths[i], slots[i] = ids, len(ids), slot
         return self.group.observe(state, observations, lengths, slots, key, sp), True
+
+
+def _done(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) run now, on this thread, as a finished future."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - raised where a worker's would be: at .result()
+        future.set_exception(e)
+    return future
 
 
 def _context_length(rc: RolloutConfig) -> int:
@@ -1046,12 +1064,16 @@ class RolloutEngine:
             group.drafter_params = jax.device_put(drafter_params, group.drafter_shardings)
 
     def warm_up(self, sampling_params: sampling.SamplingParams,
-                speculation: spec_lib.Speculation | None = None) -> float:
+                speculation: spec_lib.Speculation | None = None, turns: bool = False) -> float:
         """Compiles and runs once, on every group and for every kv bucket, the chunk of plain
         decode and of each of the policy's strategies (none without a policy: plain decode
         alone, as `generate` without one runs it) for these sampling parameters, on live
         slots of no request. No rollout then pays a chunk's first compile or first run, and
-        the policy hears every chunk from the first. Returns the seconds spent."""
+        the policy hears every chunk from the first. turns: the chunks of multi-turn
+        rollouts (`generate(..., episodes=)`, whose slots carry `TurnSlots`; pass the
+        sampling parameters those rollouts run, stop sequences and token budget included)
+        in place of single-turn ones. Prefills, the first and each continuation's, compile
+        at their first shape as before. Returns the seconds spent."""
         if speculation is not None:
             self._check_speculation(speculation)
         t0 = time.perf_counter()
@@ -1067,14 +1089,15 @@ class RolloutEngine:
                     # than later runs), which would land in a rollout and the tuner's rewards.
                     state = group.empty_state(sp, speculative=speculation is not None,
                                               history_width=history.max_tokens if history is not None else 0,
-                                              live=True)
+                                              live=True, turns=turns)
                     if strategy is not None and rc.time_spec_phases:
                         state, tree = group.spec_draft(state, key, strategy, sp, attended)
                         state, _ = group.spec_verify(state, tree, key, sp, attended)
                     else:
                         state = group.run_chunk(state, key, False, strategy, sp, 0, attended)[0]
                     jax.block_until_ready(state)  # one state at a time in memory
-                    group._has_run.add((rc.time_spec_phases and strategy is not None, strategy, sp, attended))
+                    group._has_run.add((rc.time_spec_phases and strategy is not None, strategy, sp, attended)
+                                       + (("turns",) if turns else ()))
         return time.perf_counter() - t0
 
     def _check(self, prompts, num_samples):
