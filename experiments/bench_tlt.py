@@ -50,11 +50,19 @@ Linux with transparent huge pages (unless GLIBC_TUNABLES already sets it), and r
 runs' command lines and starts nothing; `--repeats=0` runs the modes back to back in this
 process as before (its speed-ups, which depend on the order, are named `*_in_process`).
 
+Environment steps (`cpu_wide_env`, `gpu_env`): every sample takes two turns with one step
+of a scripted environment between them, sleeping `--env_latency_ms`
+(experiments/scripted_env.py); `--noenv_overlap` stops decoding while it sleeps (config
+env.overlap). TLT cannot shorten an environment's latency, so `decode_speedup` (the decode
+chunks alone, `rollout_split`'s `chunks`) is paired and reported beside the rollout's and
+the step's, as every preset's is.
+
 The speed-ups pair the same steps of the two modes (the same prompts): per pair of runs
 (the i-th baseline run with the i-th TLT run, by position in the ABBA order) the median over
 the timed steps of baseline / TLT per step (`paired_speedups`); `rollout_speedup` and
 `step_speedup` are the geometric means of these over the pairs, `*_speedup_min` / `_max`
-their range, `pairs` each pair's figures. `*_speedup_total` (the ratio of the summed times)
+their range, `pairs` each pair's figures (`decode_speedup` the same over the decode
+chunks). `*_speedup_total` (the ratio of the summed times)
 and `*_speedup_of_medians` (the ratio of each mode's median time, which can compare unlike
 steps: `paired_speedups` says why) are geometric means over the pairs as well. `modes` holds
 each mode's first run, `runs` every run ("run", "pair", "mode", "command", "rc", "wall_s",
@@ -82,7 +90,7 @@ from absl import flags
 
 from configs import rl as rl_configs
 from configs.common import tasks_drift_shift
-from experiments import machine, slow_reward
+from experiments import machine, scripted_env, slow_reward
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
@@ -92,8 +100,8 @@ from tlt_jax.rollout.timeline import ROLLOUT_PARTS
 from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
-                                                   "cpu_wide_tail", "cpu_wide_pair", "cpu_drift_rl",
-                                                   "cpu_drift_shift", "gpu"],
+                                                   "cpu_wide_tail", "cpu_wide_pair", "cpu_wide_env",
+                                                   "cpu_drift_rl", "cpu_drift_shift", "gpu", "gpu_env"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -131,6 +139,11 @@ _SLOW_REWARD_MS = flags.DEFINE_float("slow_reward_ms", 0.0, "A slow verifier: th
 _REWARD_OVERLAP = flags.DEFINE_bool("reward_overlap", True, "Score each sample as it finishes, while the rest "
                                     "decode (reward_overlap); False: the batch after the rollout.")
 _REWARD_WORKERS = flags.DEFINE_integer("reward_workers", 0, "Reward worker processes (0: a scoring thread).")
+_ENV_LATENCY_MS = flags.DEFINE_float("env_latency_ms", None, "A preset with environment steps (cpu_wide_env, "
+                                     "gpu_env): each step sleeps this many milliseconds (experiments/scripted_env.py); "
+                                     "default: the preset's.")
+_ENV_OVERLAP = flags.DEFINE_bool("env_overlap", True, "A preset with environment steps: environments step while the "
+                                 "other samples decode (env.overlap); False: decoding waits for each step.")
 MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
@@ -222,6 +235,15 @@ PRESETS = {
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                             drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
                             spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
+    # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
+    # environment step between them that sleeps a fixed time (`env`: latency_ms;
+    # --env_latency_ms): the worked answer up to "answer:", the step, then the answer
+    # (experiments/scripted_env.py). TLT cannot shorten an environment's latency:
+    # `decode_speedup` (the decode chunks alone) is its measure, beside the rollout's and
+    # the step's; --noenv_overlap runs the environments with decoding stopped meanwhile.
+    "cpu_wide_env": dict(layers=16, decode_mlp_size="llc", steps=12, warmup_steps=3, prompts_per_step=2,
+                         num_samples=8, max_tokens=288, num_slots=16, catch_up_steps=2, max_steps_per_rl_step=8,
+                         warm_start="long_tail", max_prompt_length=64, env=dict(latency_ms=20.0)),
     # The H200's, on the spec block's 16-layer 180M target (`--target`: used as it is; without
     # it, the shipped model deepened to 48 layers). 2 prompts x 8 samples, so
     # the rollout runs at TLT's batches (<= 32) and dominates the step: with 32 x 8 its
@@ -231,6 +253,12 @@ PRESETS = {
                 num_slots=16, catch_up_steps=4, max_steps_per_rl_step=16,
                 learner=dict(micro_batch_size=16, num_minibatches=1)),
 }
+# The gpu preset with environment steps (cpu_wide_env's scripted environment), for the
+# device machine's agents block.
+PRESETS["gpu_env"] = dict(PRESETS["gpu"], env=dict(latency_ms=20.0))
+# The per-step series the speed-ups pair: (metric, name of the speed-up).
+_PAIRED = ("time_rollout_chunks_s", "time_rollout_s", "time_step_s")
+_SPEEDUPS = (("time_rollout_chunks_s", "decode"), ("time_rollout_s", "rollout"), ("time_step_s", "step"))
 _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
 
@@ -329,6 +357,11 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c.track_kl = True
     if _SLOW_REWARD_MS.value:
         c.reward = slow_reward.name(c.reward, _SLOW_REWARD_MS.value)
+    env = env_settings(preset)
+    if env:  # the environment's reward alone (1 where the answer is right)
+        c.env.update(name=scripted_env.name(env["env_latency_ms"]), max_turns=scripted_env.TURNS,
+                     overlap=env["env_overlap"])
+        c.reward = ""
     c.reward_overlap, c.reward_workers = _REWARD_OVERLAP.value, _REWARD_WORKERS.value
     c.run_dir = os.path.join(_RUN_DIR.value, f"{mode}_s{seed}")
     c.tlt.enabled = mode != "baseline"
@@ -356,6 +389,15 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     if mode != "baseline":
         _override(c, _TLT_SET.value)
     return c
+
+
+def env_settings(preset: dict) -> dict:
+    """A preset's environment steps as the flags set them ({} without: a single-turn preset)."""
+    if "env" not in preset:
+        return {}
+    return dict(env_turns=scripted_env.TURNS,
+                env_latency_ms=preset["env"]["latency_ms"] if _ENV_LATENCY_MS.value is None else _ENV_LATENCY_MS.value,
+                env_overlap=_ENV_OVERLAP.value)
 
 
 def _override(config, items: list[str]) -> None:
@@ -412,7 +454,7 @@ def _by_task(steps: list[dict]) -> dict:
 def summarise(records: list[dict], warmup: int) -> dict:
     steps = [_without_reference(r) for r in records if "time_step_s" in r]
     steady = steps[warmup:] or steps
-    med = {k: statistics.median(r[k] for r in steady) for k in _TIMES}
+    med = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in (*_TIMES, "time_rollout_chunks_s")}
     first = sum(r["time_step_s"] for r in steps[:warmup])
     # The drafter that served each step, teacher-forced on that step's sequences (None: no
     # drafter); the run's starting drafter on the same rows (staleness, whatever the arms);
@@ -423,7 +465,9 @@ def summarise(records: list[dict], warmup: int) -> dict:
     acceptance = [r["acceptance_length"] for r in steps]
     return dict(median=med, compile_s=max(0.0, first - warmup * med["time_step_s"]),
                 steady_steps=[r["step"] for r in steady],
-                steady_times={k: [r[k] for r in steady] for k in ("time_rollout_s", "time_step_s")},
+                # The decode chunks alone (rollout_split's `chunks`): what TLT can shorten when
+                # environments' latency is in the rollout too.
+                steady_times={k: [r.get(k, 0.0) for r in steady] for k in _PAIRED},
                 acceptance_length=acceptance,
                 served_accept_rate=series["served_accept_rate"],
                 initial_accept_rate=series["initial_accept_rate"],
@@ -464,6 +508,15 @@ def main(argv):
                          "task reward as it is).")
     if _REPEATS.value < 0:
         raise ValueError(f"--repeats={_REPEATS.value} must be 0 (one process) or more (pairs of runs).")
+    if "env" not in PRESETS[_PRESET.value] and (_ENV_LATENCY_MS.value is not None or not _ENV_OVERLAP.value):
+        raise ValueError(f"--env_latency_ms and --env_overlap apply to a preset with environment steps (cpu_wide_env, "
+                         f"gpu_env), not --preset={_PRESET.value}.")
+    if "env" in PRESETS[_PRESET.value] and _SLOW_REWARD_MS.value:
+        raise ValueError(f"--slow_reward_ms: preset {_PRESET.value} scores by its environment's step rewards; its "
+                         "latency is --env_latency_ms.")
+    if env_settings(PRESETS[_PRESET.value]):
+        settings = env_settings(PRESETS[_PRESET.value])
+        scripted_env.name(settings["env_latency_ms"])  # refuses a bad value, naming it
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
     preset, steps = PRESETS[_PRESET.value], STEPS.value or PRESETS[_PRESET.value]["steps"]
@@ -580,7 +633,10 @@ def print_in_process(result: dict) -> None:
     _print_rewards(result, [(mode, m) for mode, m in modes.items()])
     _print_rollout_split([(mode, m) for mode, m in modes.items()])
     if "rollout_speedup_in_process" in result:
-        print(f"in one process, {' then '.join(modes)}: rollout speed-up {result['rollout_speedup_in_process']:.2f}x, "
+        decode = result.get("decode_speedup_in_process")
+        print(f"in one process, {' then '.join(modes)}: "
+              + (f"decode speed-up {decode:.2f}x, " if decode else "")
+              + f"rollout speed-up {result['rollout_speedup_in_process']:.2f}x, "
               f"step speed-up {result['step_speedup_in_process']:.2f}x (medians of the per-step ratios; the second "
               "mode in a process runs faster, whichever it is: --repeats=2 runs each in a fresh process, ABBA)")
         print(f"whole run: rollout {result['rollout_speedup_total_in_process']:.2f}x, step "
@@ -635,12 +691,16 @@ def _print_rollout_split(rows: list[tuple[str, dict]]) -> None:
 
 def _reward_settings() -> dict:
     return dict(slow_reward_ms=_SLOW_REWARD_MS.value, reward_overlap=_REWARD_OVERLAP.value,
-                reward_workers=_REWARD_WORKERS.value)
+                reward_workers=_REWARD_WORKERS.value, **env_settings(PRESETS[_PRESET.value]))
 
 
 def _print_rewards(result: dict, rows: list[tuple[str, dict]]) -> None:
     """Per (label, mode summary): the reward's seconds after the rollout (the table's
     `reward`) beside the seconds it ran in all, medians per step."""
+    if "env_turns" in result:
+        schedule = "overlapped with decoding" if result["env_overlap"] else "decoding stopped meanwhile"
+        print(f"environment steps: {result['env_turns']} turns a sample, {result['env_latency_ms']:g} ms a step, "
+              f"{schedule}")
     print(f"rewards (slow_reward_ms={result.get('slow_reward_ms', 0.0):g}, reward_overlap="
           f"{result.get('reward_overlap', True)}, reward_workers={result.get('reward_workers', 0)}): "
           + "; ".join(f"{label} {m['median']['time_reward_s']:.3f} s after the rollout of "
@@ -832,8 +892,9 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
             except ValueError as e:
                 entry["missing"] = str(e)
             else:
-                for key, name in (("time_rollout_s", "rollout"), ("time_step_s", "step")):
-                    entry[f"{name}_speedup_of_medians"] = sa["median"][key] / sb["median"][key]
+                for key, name in _SPEEDUPS:
+                    if f"{name}_speedup" in entry:
+                        entry[f"{name}_speedup_of_medians"] = sa["median"][key] / sb["median"][key]
         pairs.append(entry)
     out["pairs"] = pairs
     complete = [p for p in pairs if "missing" not in p]
@@ -842,7 +903,7 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
     if not complete:
         return out
     out["pairs_complete"] = len(complete)
-    for name in ("rollout", "step"):
+    for name in [n for _, n in _SPEEDUPS if all(f"{n}_speedup" in p for p in complete)]:
         ratios = [p[f"{name}_speedup"] for p in complete]
         out.update({f"{name}_speedup": _geomean(ratios), f"{name}_speedup_min": min(ratios),
                     f"{name}_speedup_max": max(ratios), f"{name}_speedup_pairs": ratios,
@@ -920,7 +981,8 @@ def print_repeats(result: dict) -> None:
         if "missing" in p:
             print(f"pair {p['pair']}: no ratio ({p['missing']})")
         else:
-            print(f"pair {p['pair']} ({p['first']} first): rollout {p['rollout_speedup']:.2f}x, step "
+            decode = f"decode {p['decode_speedup']:.2f}x, " if "decode_speedup" in p else ""
+            print(f"pair {p['pair']} ({p['first']} first): {decode}rollout {p['rollout_speedup']:.2f}x, step "
                   f"{p['step_speedup']:.2f}x (medians of the per-step ratios), {p['step_of_allowed']:.2f}x of what "
                   f"each step's rollout allows (median {p['step_allowed']:.2f}x; the baseline's rollout share "
                   f"{p['baseline_rollout_share']:.0%}); "
@@ -928,6 +990,9 @@ def print_repeats(result: dict) -> None:
                   f"{p['rollout_speedup_total']:.2f}x, step {p['step_speedup_total']:.2f}x")
     if "rollout_speedup" in result:
         n = result["pairs_complete"]
+        if "decode_speedup" in result:
+            print(f"decode speed-up (the decode chunks alone) {result['decode_speedup']:.2f}x (min "
+                  f"{result['decode_speedup_min']:.2f}x, max {result['decode_speedup_max']:.2f}x)")
         print(f"rollout speed-up {result['rollout_speedup']:.2f}x (min {result['rollout_speedup_min']:.2f}x, max "
               f"{result['rollout_speedup_max']:.2f}x), step speed-up {result['step_speedup']:.2f}x (min "
               f"{result['step_speedup_min']:.2f}x, max {result['step_speedup_max']:.2f}x): geometric means over "
@@ -957,8 +1022,12 @@ def paired_speedups(baseline: dict, tlt: dict) -> dict:
     if baseline["steady_steps"] != tlt["steady_steps"]:
         raise ValueError("The modes timed different steps; run them with the same --steps.")
     out = {}
-    for key, name in (("time_rollout_s", "rollout"), ("time_step_s", "step")):
+    for key, name in _SPEEDUPS:
+        if key not in baseline["steady_times"] or key not in tlt["steady_times"]:
+            continue  # a result from before decode was recorded apart
         b, t = baseline["steady_times"][key], tlt["steady_times"][key]
+        if min(b + t) <= 0:
+            continue
         out[f"{name}_speedup"] = statistics.median(x / y for x, y in zip(b, t))
         out[f"{name}_speedup_total"] = sum(b) / sum(t)
     # What the step could gain if TLT changed nothing but the rollout (Amdahl), step by step:

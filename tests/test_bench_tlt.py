@@ -387,3 +387,57 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
     # The warm start at 1e-4 with catch-up capped at 2%; a drafter from nothing at 1e-3, up to 10%.
     assert out["tlt"][5] == "d" and out["tlt"][6:] == [1e-4, 0.02]
     assert out["scratch"][5:] == ["", 1e-3, 0.1]
+
+
+_ENV = r"""
+import json, sys
+from absl import flags
+from experiments import bench_tlt, scripted_env
+from tlt_jax.data import agents
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+preset = bench_tlt.PRESETS[flags.FLAGS.preset]
+out = {}
+for m in ("baseline", "tlt"):
+    c = bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False)
+    e = agents.EnvConfig.from_config(c)
+    out[m] = [e.name, e.max_turns, e.overlap, c.reward]
+# The environment the runs resolve: its latency, stop string, observation and reward.
+make = lambda: agents.env_class(out["tlt"][0])({"prompt": "add 2+3\n", "answer": "5", "task": "addition"})
+env = make()
+out["env"] = [env.delay_s, list(env.stop_strings), list(env.step("2+3=5\nanswer:")), list(env.step("5"))]
+out["wrong"] = list(make().step("2+3=6\nanswer:")) + list(make().step("no answer line"))
+# Decode (the chunks alone), rollout and step paired per step, as each mode's summary gives them.
+mode = lambda chunks, rollout, step: dict(steady_steps=[4, 5, 6], steady_times=dict(
+    time_rollout_chunks_s=chunks, time_rollout_s=rollout, time_step_s=step))
+speedups = bench_tlt.paired_speedups(mode([2.0, 3.0, 4.0], [3.0, 4.0, 5.0], [4.0, 5.0, 6.0]),
+                                     mode([1.0, 1.0, 2.0], [2.0, 2.0, 3.0], [3.0, 3.0, 4.0]))
+out["decode"] = [speedups["decode_speedup"], speedups["decode_speedup_total"], speedups["rollout_speedup"]]
+try:
+    scripted_env.name(-1.0)
+except ValueError as e:
+    out["bad"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("given, want", [
+    ([], ["experiments.scripted_env:after_20ms", 2, True, ""]),
+    (["--env_latency_ms=7.5", "--noenv_overlap"], ["experiments.scripted_env:after_7.5ms", 2, False, ""])])
+def test_the_env_preset_runs_a_scripted_environment_in_both_modes_and_pairs_decode(given, want, tmp_path):
+    done = subprocess.run([sys.executable, "-c", _ENV, "--preset=cpu_wide_env", f"--run_dir={tmp_path}", *given],
+                          capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["baseline"] == out["tlt"] == want
+    # Two turns: the worked answer up to "answer:", a space back, then the answer, scored whole.
+    assert out["env"] == [float(want[0].rsplit("_", 1)[1][:-2]) / 1e3, ["answer:"], [" ", 0.0, False],
+                          [None, 1.0, True]]
+    assert out["wrong"] == [" ", 0.0, False, None, 0.0, True]
+    assert out["decode"] == [2.0, 9.0 / 4.0, 5.0 / 3.0]  # per step: decode 2, 3, 2; rollout 1.5, 2, 5/3
+    assert out["bad"].startswith("env_latency_ms=-1.0 must be >= 0")
+
+
+def test_env_flags_are_refused_on_a_preset_without_environment_steps(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "experiments.bench_tlt", "--preset=cpu_tail", "--env_latency_ms=5",
+                           "--print_commands", f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
+    assert done.returncode != 0 and "--env_latency_ms and --env_overlap apply to a preset with environment steps" \
+        in done.stderr
