@@ -30,8 +30,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
-    # layout "eagle": the drafter SGLang and vLLM load (the export then also writes eagle/).
-    c.drafter = ml_collections.ConfigDict(dict(num_layers=1, feature_layers=(), layout="tlt"))
+    # layout "auto": "eagle" for one layer on the last hidden state, the drafter SGLang and vLLM
+    # load (the export then also writes eagle/; it drafted better than "tlt" here,
+    # docs/benchmarks.md), else "tlt" (normed input and output; `models/drafter.py`).
+    c.drafter = ml_collections.ConfigDict(dict(num_layers=1, feature_layers=(), layout="auto"))
     # Any source of tlt_jax.data.sources (the synthetic tasks, files from disk, reasoning-gym),
     # prompts in the target's format: --config.data.source=files --config.data.train=...
     # --config.data.chat_template=True for a chat model on your data.

@@ -59,7 +59,7 @@ def tlt_config() -> ml_collections.ConfigDict:
         drafter=dict(
             init="assets/drafter_tiny",  # an offline drafter export (experiments/train_drafter); "": from scratch
             num_layers=1, feature_layers=(),  # the architecture when starting from scratch
-            layout="tlt",  # or "eagle": the drafter SGLang and vLLM load (its export then also writes eagle/)
+            layout="auto",  # one unfused layer: "eagle", which SGLang and vLLM load (its export writes eagle/)
             top_k=8, batch_size=16, seq_len=128, buffer_max_bytes=256 << 20, keep_steps=2, replay_share=0.0,
             prompt_tail=0,
             feature_weight=1.0, kl_weight=1.0, feature_noise=0.2, ttt_steps=1, trust_region=0.0,

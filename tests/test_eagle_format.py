@@ -286,6 +286,9 @@ def test_drafters_the_engines_do_not_compute_are_refused(tmp_path, caplog):
         eagle_io.save_eagle_drafter(tmp_path / "x", _noisy_drafter(cfg, fused), fused, cfg)
     with pytest.raises(ValueError, match="layout='eagle'.*one layer"):
         drafter_lib.DrafterConfig(num_layers=2, layout="eagle")
+    # "auto", the configs' default: EAGLE's layout where the engines load it, else "tlt".
+    auto = lambda **kw: drafter_lib.DrafterConfig(layout="auto", **kw).layout
+    assert (auto(), auto(num_layers=2), auto(feature_layers=(0, 1))) == ("eagle", "tlt", "tlt")
     assert not (tmp_path / "x").exists()
 
     # The export itself is written; only its EAGLE copy is left out, with the reason.

@@ -190,7 +190,14 @@ def test_train_drafter_writes_a_loadable_drafter_and_resumes_exactly(tmp_path):
     assert not [line for line in out.stderr.splitlines() if re.match(r"I\d{4} ", line)], out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and 0 <= summary["eval_top1_agree"] <= 1
-    assert load_drafter(tmp_path / "drafter")[0].num_layers == 1
+    # The default drafter (one layer on the last hidden state) is EAGLE's layout: its export
+    # carries the copy SGLang and vLLM load, which reads back as the same drafter.
+    dcfg, dparams = load_drafter(tmp_path / "drafter")
+    assert (dcfg.num_layers, dcfg.layout) == (1, "eagle")
+    ecfg, eparams = load_drafter(tmp_path / "drafter" / "eagle")
+    assert ecfg == dcfg and sorted(eparams) == sorted(dparams)
+    for a, b in zip(jax.tree.leaves(eparams), jax.tree.leaves(dparams)):
+        np.testing.assert_array_equal(a, b)
     assert (tmp_path / "drafter_curves.png").exists()
     # Run again with more steps, it resumes and ends where an uninterrupted run does.
     resumed = train_drafter(tmp_path, 4)

@@ -45,7 +45,10 @@ class DrafterConfig:
     and a high layer); empty: the target's final hidden state is the feature.
     layout: "tlt" normalises the layers' input (attn_norm) and their output (the
     target's final norm); "eagle" does neither, as the EAGLE-1/2 drafters of SGLang and
-    vLLM (one layer: they skip the input norm of the first layer only)."""
+    vLLM (one layer: they skip the input norm of the first layer only); "auto" (the
+    configs' default) is "eagle" for one layer reading the target's last hidden state,
+    the drafter those engines load, and "tlt" otherwise. The default here stays "tlt":
+    exports written before layouts existed record none and are "tlt"."""
 
     num_layers: int = 1
     feature_layers: tuple[int, ...] = ()
@@ -54,12 +57,16 @@ class DrafterConfig:
     def __post_init__(self):
         if self.num_layers < 1:
             raise ValueError(f"DrafterConfig.num_layers must be >= 1, got {self.num_layers}.")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if self.layout == "auto":
+            one_unfused_layer = self.num_layers == 1 and not self.feature_layers
+            object.__setattr__(self, "layout", "eagle" if one_unfused_layer else "tlt")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"DrafterConfig.layout={self.layout!r}; choose one of {LAYOUTS}.")
+            raise ValueError(f"DrafterConfig.layout={self.layout!r}; choose one of {LAYOUTS} or 'auto'.")
         if self.layout == "eagle" and self.num_layers != 1:
             raise ValueError(f"DrafterConfig(layout='eagle') has one layer, got num_layers={self.num_layers}: "
-                             "EAGLE drafters skip the input norm of their first layer only.")
-        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+                             "EAGLE drafters skip the input norm of their first layer only; use layout 'auto' "
+                             "or 'tlt'.")
 
     def layer_config(self, target: ModelConfig) -> ModelConfig:
         """The transformer config of the drafter's own layers."""
