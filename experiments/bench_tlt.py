@@ -144,6 +144,9 @@ _ENV_LATENCY_MS = flags.DEFINE_float("env_latency_ms", None, "A preset with envi
                                      "default: the preset's.")
 _ENV_OVERLAP = flags.DEFINE_bool("env_overlap", True, "A preset with environment steps: environments step while the "
                                  "other samples decode (env.overlap); False: decoding waits for each step.")
+_PLOT_FROM = flags.DEFINE_list("plot_from", [], "Run nothing: draw the drafter modes of these earlier results (JSON "
+                               "of --out; a mode's first run among them) in one acceptance plot beside --out, e.g. "
+                               "a tlt,frozen pair and a scratch run of the same seed.")
 MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
@@ -497,8 +500,30 @@ def summarise(records: list[dict], warmup: int) -> dict:
                                for part in ROLLOUT_PARTS})
 
 
+def plot_from(paths: list[str], out: str) -> str:
+    """The acceptance plot (`plot_acceptance`) of the modes of earlier results, each mode
+    from its first run among `paths`; returns the plot's path."""
+    if not out:
+        raise ValueError("--plot_from needs --out: the plot goes beside it (<out>_acceptance.png).")
+    modes = {}
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        for run in result.get("runs") or [dict(result=result)]:
+            for mode, summary in run.get("result", {}).get("modes", {}).items():
+                modes.setdefault(mode, summary)
+    if not any(m in modes for m in ("tlt", "frozen", "scratch", "ngram")):
+        raise ValueError(f"--plot_from: no drafter mode (tlt, frozen, scratch, ngram) in {', '.join(paths)}.")
+    plot = os.path.splitext(out)[0] + "_acceptance.png"
+    plot_acceptance(modes, plot)
+    return plot
+
+
 def main(argv):
     del argv
+    if _PLOT_FROM.value:
+        print(f"wrote {plot_from(_PLOT_FROM.value, OUT.value)}")
+        return
     modes = [*_MODES.value, *([_SINGLE_MODE.value] if _SINGLE_MODE.value else [])]
     for mode in modes:
         if mode not in MODES:

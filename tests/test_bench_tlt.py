@@ -441,3 +441,37 @@ def test_env_flags_are_refused_on_a_preset_without_environment_steps(tmp_path):
                            "--print_commands", f"--run_dir={tmp_path}/r"], capture_output=True, text=True)
     assert done.returncode != 0 and "--env_latency_ms and --env_overlap apply to a preset with environment steps" \
         in done.stderr
+
+
+_PLOT_FROM = r"""
+import json, sys
+from experiments import bench_tlt
+
+drawn = {}
+bench_tlt.plot_acceptance = lambda modes, path: drawn.update(modes=modes, path=path)
+mode = lambda name, a: dict(run=1, pair=1, mode=name, result=dict(modes={name: dict(acceptance_length=a)}))
+pair, alone = sys.argv[1], sys.argv[2]
+json.dump(dict(runs=[mode("tlt", [1]), mode("frozen", [2]), mode("tlt", [9])]), open(pair, "w"))
+json.dump(dict(runs=[mode("scratch", [3]), mode("frozen", [9])]), open(alone, "w"))
+bench_tlt.plot_from([pair, alone], sys.argv[3])
+errors = []
+for paths, out in (([pair], ""), ([sys.argv[4]], "x.json")):
+    try:
+        bench_tlt.plot_from(paths, out)
+    except ValueError as e:
+        errors.append(str(e))
+print(json.dumps(dict(modes={m: s["acceptance_length"] for m, s in drawn["modes"].items()}, path=drawn["path"],
+                      errors=errors)))
+"""
+
+
+def test_plot_from_draws_each_mode_from_its_first_run_among_earlier_results(tmp_path):
+    """`--plot_from`: one acceptance plot of the modes of several earlier results (a pair
+    and a run of a third mode); a mode two of them ran is drawn from the first."""
+    (tmp_path / "baseline.json").write_text(json.dumps(dict(runs=[dict(result=dict(modes={"baseline": {}}))])))
+    args = [str(tmp_path / n) for n in ("pair.json", "scratch.json", "three.json", "baseline.json")]
+    done = subprocess.run([sys.executable, "-c", _PLOT_FROM, *args], capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["modes"] == {"tlt": [1], "frozen": [2], "scratch": [3]}
+    assert out["path"] == str(tmp_path / "three_acceptance.png")
+    assert "needs --out" in out["errors"][0] and "no drafter mode" in out["errors"][1]
