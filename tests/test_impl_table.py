@@ -2,12 +2,14 @@
 (package data), falls back to today's choice on a device never measured, and the benchmarks
 write the fastest candidate per shape class."""
 import json
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench_kl, bench_verify
+from experiments import bench_kl
 from pallas_kernels import fused_linear_kl
 from pallas_kernels import spec_verify as sv
 from tlt_jax import impl_table, losses
@@ -69,6 +71,18 @@ def test_the_shipped_table_has_dated_cpu_rows_for_the_losses_and_verification():
     assert impl_table.markdown(rows).count("\n") == len(rows) + 1
 
 
+_VERIFY_ROWS = r"""
+import json
+from experiments import bench_verify
+
+verify = [dict(mode="sampled", batch=1, nodes=9, vocab=1000, reference_ms=2.0, pallas_ms=1.0, pallas_equal=True)]
+gpu = dict(backend="gpu", device="NVIDIA H200", jax="0.11.2", vocab=1000)
+rows = bench_verify.table_rows(verify, gpu, "cmd")
+verify[0]["pallas_equal"] = False
+print(json.dumps([rows, bench_verify.table_rows(verify, gpu, "cmd")]))
+"""
+
+
 def test_the_benchmarks_write_the_fastest_candidate_per_shape_class(tmp_path):
     def case(impl, kind, n, ms, mode="mean"):
         return dict(kind=kind, impl=impl, mode=mode, n=n, v=8192, status="ok", ms=ms, device="cpu")
@@ -84,12 +98,12 @@ def test_the_benchmarks_write_the_fastest_candidate_per_shape_class(tmp_path):
     assert list(row["ms"]) == ["chunked_xla"] and row["ms"]["chunked_xla"] == pytest.approx(np.sqrt(40.0))
     assert row["reference_ms"]["dense"] == pytest.approx(5.0)
 
-    verify = [dict(mode="sampled", batch=1, nodes=9, vocab=1000, reference_ms=2.0, pallas_ms=1.0, pallas_equal=True)]
-    rows = bench_verify.table_rows(verify, dict(backend="gpu", device="NVIDIA H200", jax="0.11.2", vocab=1000), "cmd")
+    # bench_verify's flags share names with other launchers a test process may hold: its rows
+    # come from a process of their own.
+    done = subprocess.run([sys.executable, "-c", _VERIFY_ROWS], capture_output=True, text=True, check=True)
+    rows, disagreeing = json.loads(done.stdout.strip().splitlines()[-1])
     faster = "pallas" if sv._pltriton is not None else "reference"  # a GPU's kernel, where this jax lowers it
     assert [(r["impl"], r["shape_class"], r["device_kind"]) for r in rows] == [(faster, "small", "NVIDIA H200")]
-    verify[0]["pallas_equal"] = False  # a kernel that disagrees with the reference is never chosen
-    assert bench_verify.table_rows(verify, dict(backend="gpu", device="NVIDIA H200", jax="0.11.2", vocab=1000),
-                                   "cmd")[0]["impl"] == "reference"
+    assert disagreeing[0]["impl"] == "reference"  # a kernel that disagrees with the reference is never chosen
     impl_table.merge(path, rows)
     assert {r["op"] for r in impl_table.rows(path)} == {"losses", "verify"}
