@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from experiments import _peer_tunix
+from tests._child import printed_json
 
 _RUN_ALL = r"""
 import json, re, sys
@@ -74,9 +75,7 @@ print(json.dumps(bench_peers.tunix_python(sys.argv[1], "google-tunix==0.1.7", ru
 
 
 def test_tunix_environment_that_cannot_be_built_names_the_wheel(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _TUNIX_PYTHON, str(tmp_path / "venv")], capture_output=True,
-                          text=True, check=True)
-    python, why = json.loads(done.stdout.strip().splitlines()[-1])
+    python, why = printed_json(_TUNIX_PYTHON, str(tmp_path / "venv"))
     assert python is None
     assert "google-tunix==0.1.7" in why and "No matching distribution" in why
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests._child import printed_json
+
 _CHECK = r"""
 import json, sys
 from experiments import bench_tlt
@@ -32,8 +34,7 @@ print(json.dumps(out))
 
 
 def test_speedups_pair_the_same_steps_and_refuse_unlike_ones():
-    done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_CHECK)
     s = out["speedups"]
     assert abs(s["step_speedup"] - 17.0 / 13.0) < 1e-9  # ratios 1.33, 1.31, 1.125, 1.33, 1.31
     assert abs(s["step_speedup_total"] - 58.5 / 45.5) < 1e-9
@@ -110,8 +111,7 @@ print(json.dumps(out))
 def test_abba_order_pairs_by_position_and_geometric_mean(tmp_path):
     thp = tmp_path / "enabled"
     thp.write_text("always [madvise] never\n")
-    done = subprocess.run([sys.executable, "-c", _AGGREGATE, str(thp)], capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_AGGREGATE, str(thp))
     assert out["abba"] == [[1, 1, "baseline"], [2, 1, "tlt"], [3, 2, "tlt"], [4, 2, "baseline"]]
     assert out["abba_tlt_first"] == ["tlt", "baseline", "baseline", "tlt", "tlt", "baseline"]
     assert out["abba_three"] == ["tlt", "frozen", "ngram", "ngram", "frozen", "tlt"]
@@ -251,9 +251,7 @@ print(json.dumps({m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2).rollout.de
 
 @pytest.mark.parametrize("given, want", [([], 5120), (["--decode_mlp_size=8192"], 8192), (["--decode_mlp_size=0"], 0)])
 def test_decode_mlp_size_is_sized_from_the_cache_or_overridden_in_both_modes(given, want, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _DECODE_WIDTHS, f"--run_dir={tmp_path}", *given],
-                          capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": want, "tlt": want}
+    assert printed_json(_DECODE_WIDTHS, f"--run_dir={tmp_path}", *given) == {"baseline": want, "tlt": want}
 
 
 _OVERRIDDEN = """
@@ -267,10 +265,9 @@ print(json.dumps({m: [c.rollout.kv_bucket, c.rollout.top_p] for m, c in configs.
 
 
 def test_set_overrides_every_mode_and_tlt_set_the_tlt_modes_after_it(tmp_path):
-    done = subprocess.run([sys.executable, "-c", _OVERRIDDEN, f"--run_dir={tmp_path}", "--set=rollout.kv_bucket=0",
-                           "--set=rollout.top_p=0.9", "--tlt_set=rollout.top_p=0.8"],
-                          capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"baseline": [0, 0.9], "tlt": [0, 0.8]}
+    overridden = printed_json(_OVERRIDDEN, f"--run_dir={tmp_path}", "--set=rollout.kv_bucket=0",
+                              "--set=rollout.top_p=0.9", "--tlt_set=rollout.top_p=0.8")
+    assert overridden == {"baseline": [0, 0.9], "tlt": [0, 0.8]}
 
 
 _LEARNER = """
@@ -292,9 +289,7 @@ print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.t
       "--tlt_set=tlt.drafter.optimizer.learning_rate=1e-3", "--tlt_set=tlt.spot.catch_up_max_share=1.0"],
      {"baseline": [8, 2, 4, 1e-4, 0.95, 0.02], "tlt": [8, 2, 16, 1e-3, 0.95, 1.0]})])
 def test_a_presets_learner_and_drafter_reach_the_modes_under_the_overrides(given, want, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _LEARNER, f"--run_dir={tmp_path}", *given],
-                          capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == want
+    assert printed_json(_LEARNER, f"--run_dir={tmp_path}", *given) == want
 
 
 _PRESET_NAMES = """
@@ -308,8 +303,7 @@ print(json.dumps([sorted(flags.FLAGS["preset"].parser.enum_values), sorted(bench
 
 def test_every_preset_is_a_value_of_the_preset_flag():
     # In a child: the experiments' flags would clash with other modules' in this process.
-    done = subprocess.run([sys.executable, "-c", _PRESET_NAMES], capture_output=True, text=True, check=True)
-    flag_values, presets = json.loads(done.stdout.strip().splitlines()[-1])
+    flag_values, presets = printed_json(_PRESET_NAMES)
     assert flag_values == presets
 
 
@@ -339,8 +333,7 @@ print(json.dumps(dict(cmp=bench_tlt.drafter_comparisons(runs), short=bench_tlt.t
 
 
 def test_a_trained_drafter_is_compared_with_the_frozen_one_of_its_pair_over_the_last_third():
-    done = subprocess.run([sys.executable, "-c", _DRAFTERS], capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_DRAFTERS)
     versus = out["cmp"]["tlt_versus_frozen"]
     assert [(p["pair"], p["acceptance_length"], p["rollout_tokens_per_s"]) for p in versus["pairs"]] == [
         (1, 1.5, 1.5), (2, 1.5, 1.2)]
@@ -378,9 +371,7 @@ print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks,
 
 @pytest.mark.parametrize("given, arm", [([], "eagle-d6"), (["--pin_arm=eagle-d4"], "eagle-d4")])
 def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tasks(given, arm, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _PINNED, f"--run_dir={tmp_path}", *given],
-                          capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_PINNED, f"--run_dir={tmp_path}", *given)
     for mode in ("tlt", "frozen", "scratch"):
         assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
     assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
@@ -424,9 +415,7 @@ print(json.dumps(out))
     ([], ["experiments.scripted_env:after_20ms", 2, True, ""]),
     (["--env_latency_ms=7.5", "--noenv_overlap"], ["experiments.scripted_env:after_7.5ms", 2, False, ""])])
 def test_the_env_preset_runs_a_scripted_environment_in_both_modes_and_pairs_decode(given, want, tmp_path):
-    done = subprocess.run([sys.executable, "-c", _ENV, "--preset=cpu_wide_env", f"--run_dir={tmp_path}", *given],
-                          capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_ENV, "--preset=cpu_wide_env", f"--run_dir={tmp_path}", *given)
     assert out["baseline"] == out["tlt"] == want
     # Two turns: the worked answer up to "answer:", a space back, then the answer, scored whole.
     assert out["env"] == [float(want[0].rsplit("_", 1)[1][:-2]) / 1e3, ["answer:"], [" ", 0.0, False],
@@ -470,8 +459,7 @@ def test_plot_from_draws_each_mode_from_its_first_run_among_earlier_results(tmp_
     and a run of a third mode); a mode two of them ran is drawn from the first."""
     (tmp_path / "baseline.json").write_text(json.dumps(dict(runs=[dict(result=dict(modes={"baseline": {}}))])))
     args = [str(tmp_path / n) for n in ("pair.json", "scratch.json", "three.json", "baseline.json")]
-    done = subprocess.run([sys.executable, "-c", _PLOT_FROM, *args], capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_PLOT_FROM, *args)
     assert out["modes"] == {"tlt": [1], "frozen": [2], "scratch": [3]}
     assert out["path"] == str(tmp_path / "three_acceptance.png")
     assert "needs --out" in out["errors"][0] and "no drafter mode" in out["errors"][1]

@@ -2,8 +2,6 @@
 (package data), falls back to today's choice on a device never measured, and the benchmarks
 write the fastest candidate per shape class."""
 import json
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 from experiments import bench_kl
 from pallas_kernels import fused_linear_kl
 from pallas_kernels import spec_verify as sv
+from tests._child import printed_json
 from tlt_jax import impl_table, losses
 
 
@@ -100,8 +99,7 @@ def test_the_benchmarks_write_the_fastest_candidate_per_shape_class(tmp_path):
 
     # bench_verify's flags share names with other launchers a test process may hold: its rows
     # come from a process of their own.
-    done = subprocess.run([sys.executable, "-c", _VERIFY_ROWS], capture_output=True, text=True, check=True)
-    rows, disagreeing = json.loads(done.stdout.strip().splitlines()[-1])
+    rows, disagreeing = printed_json(_VERIFY_ROWS)
     faster = "pallas" if sv._pltriton is not None else "reference"  # a GPU's kernel, where this jax lowers it
     assert [(r["impl"], r["shape_class"], r["device_kind"]) for r in rows] == [(faster, "small", "NVIDIA H200")]
     assert disagreeing[0]["impl"] == "reference"  # a kernel that disagrees with the reference is never chosen

@@ -1,8 +1,6 @@
 """experiments/pass_at_k.py's estimator (in a child process: its absl flags share names with
 other launchers the tests import)."""
-import json
-import subprocess
-import sys
+from tests._child import printed_json
 
 _CHECK = r"""
 import json
@@ -19,8 +17,7 @@ print(json.dumps(out))
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
-    done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = printed_json(_CHECK)
     assert out["any"] == 0.75  # 3 of 4 prompts have a correct sample
     assert abs(out["one"] - (0 + 1 + 4 + 2) / 16) < 1e-12  # the share of correct samples
     # k = 2: 1 - C(4 - c, 2) / C(4, 2) = 0, 1/2, 1, 5/6
