@@ -102,21 +102,21 @@ class WandbConfig:
                           resume="allow", dir=run_dir, mode=self.mode)
 
 
-
 def _summary_writer():
     """tensorboardX's SummaryWriter, imported on first use and without torch: tensorboardX
     tries `import torch` only to accept torch tensors, which nothing here passes, and torch
     costs 2-3 s of CPU in every process that writes metrics. A process that has torch
     already keeps it."""
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, as where torch is not installed
+    hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, as where torch is not installed
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        if hide_torch:
+            del sys.modules["torch"]
     return SummaryWriter
+
 
 class MetricsWriter:
     """Writes per-step metrics to `<run_dir>/metrics.jsonl` and TensorBoard (process 0).
@@ -157,8 +157,7 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         if self._tensorboard_dir is not None:
             # purge_step hides events at or after it that an earlier (killed) run wrote.
-            self._tensorboard = _summary_writer()(self._tensorboard_dir, purge_step=purge_step,
-                                              flush_secs=30)
+            self._tensorboard = _summary_writer()(self._tensorboard_dir, purge_step=purge_step, flush_secs=30)
 
     def _close_files(self) -> None:
         if self._file is not None:

@@ -25,6 +25,7 @@ wrong shape ends its sample with reward 0, counted and shown once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 import threading
@@ -120,6 +121,7 @@ def example_dict(example: tasks.Example) -> dict:
 MAX_STOP_TOKENIZATIONS = 16
 
 
+@functools.lru_cache(maxsize=64)  # each RL step's episodes ask again for the same strings
 def stop_sequences(tokenizer, text: str, limit: int = MAX_STOP_TOKENIZATIONS) -> tuple[tuple[int, ...], ...]:
     """The token id sequences whose text is `text`: the tokenizer's own tokenization, then
     others made of the vocabulary's pieces (each checked by decoding it whole), fewest
@@ -148,22 +150,16 @@ def stop_sequences(tokenizer, text: str, limit: int = MAX_STOP_TOKENIZATIONS) ->
     return tuple(out)
 
 
-_PIECES: dict[int, tuple] = {}
-
-
+@functools.lru_cache(maxsize=4)
 def _pieces(tokenizer) -> dict[str, list[tuple[str, int]]]:
     """{first character: [(text, id), ...]}: each vocabulary entry's text alone, by its
     first character (special tokens left out: they never spell text), once per tokenizer."""
-    cached = _PIECES.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
     special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     ids = [i for i in range(len(tokenizer)) if i not in special]
     by_first: dict[str, list[tuple[str, int]]] = {}
     for i, piece in zip(ids, tokenizer.batch_decode([[i] for i in ids])):
         if piece and "\ufffd" not in piece:  # a partial UTF-8 character decodes to U+FFFD alone
             by_first.setdefault(piece[0], []).append((piece, i))
-    _PIECES[id(tokenizer)] = (tokenizer, by_first)
     return by_first
 
 
