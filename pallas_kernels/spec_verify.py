@@ -121,11 +121,7 @@ def resolve_impl(impl: str, backend: str | None = None, *, elements: int | None 
                          f"{', '.join(impls_on(backend))}.")
     if impl != "auto":
         return impl
-    try:
-        kind = jax.devices(backend)[0].device_kind
-    except RuntimeError:
-        kind = None
-    measured = impl_table.lookup("verify", backend, kind, "float32",
+    measured = impl_table.lookup("verify", backend, impl_table.device_kind(backend), "float32",
                                  None if elements is None else impl_table.shape_class("verify", elements))
     return measured if measured in impls_on(backend) else _AUTO_IMPL.get(backend, "reference")
 

@@ -34,6 +34,17 @@ SHAPE_CLASSES = ("small", "medium", "large")
 _CLASS_BOUNDS = {"losses": (2**26, 2**31), "verify": (2**22, 2**26)}
 
 
+def device_kind(backend: str) -> str | None:
+    """The kind of `backend`'s first device, as rows name it ("cpu", "NVIDIA H200", ...);
+    None where this process has no such backend."""
+    import jax  # here: the table's command line needs no JAX
+
+    try:
+        return jax.devices(backend)[0].device_kind
+    except RuntimeError:
+        return None
+
+
 def shape_class(op: str, elements: int) -> str:
     """"small" / "medium" / "large" for an op's problem of `elements` (losses: N V; verify:
     B T V). losses: small below 2^26 (a 256 MiB float32 [N, V]: the CPU presets), large

@@ -86,14 +86,6 @@ class _Config:
     top_k: int = 0  # the per-token log-prob pass also keeps each row's top-k
 
 
-def device_kind(backend: str) -> str | None:
-    """The backend's first device's kind ("cpu", "NVIDIA H200", ...); None if absent here."""
-    try:
-        return jax.devices(backend)[0].device_kind
-    except RuntimeError:
-        return None
-
-
 def resolve_impl(impl: str, backend: str | None = None, *, dtype=None, elements: int | None = None) -> str:
     """Maps "auto" to the implementation measured fastest on this device (`impl_table`: for
     the dtype of h and w and the shape class of N x V `elements`, each None for any), or to
@@ -105,7 +97,7 @@ def resolve_impl(impl: str, backend: str | None = None, *, dtype=None, elements:
     backend = backend or jax.default_backend()
     if impl == "auto":
         measured = impl_table.lookup(
-            "losses", backend, device_kind(backend), None if dtype is None else jnp.dtype(dtype).name,
+            "losses", backend, impl_table.device_kind(backend), None if dtype is None else jnp.dtype(dtype).name,
             None if elements is None else impl_table.shape_class("losses", elements))
         return measured if measured in fk.engines_on(backend) else _AUTO_IMPL.get(backend, "chunked_xla")
     if impl in fk.ENGINES and impl not in fk.engines_on(backend):
