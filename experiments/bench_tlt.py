@@ -260,7 +260,6 @@ PRESETS = {
 # device machine's agents block.
 PRESETS["gpu_env"] = dict(PRESETS["gpu"], env=dict(latency_ms=20.0))
 # The per-step series the speed-ups pair: (metric, name of the speed-up).
-_PAIRED = ("time_rollout_chunks_s", "time_rollout_s", "time_step_s")
 _SPEEDUPS = (("time_rollout_chunks_s", "decode"), ("time_rollout_s", "rollout"), ("time_step_s", "step"))
 _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", "time_learner_s",
           "time_weight_sync_s", "time_tlt_end_s", "time_step_s")
@@ -470,7 +469,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 steady_steps=[r["step"] for r in steady],
                 # The decode chunks alone (rollout_split's `chunks`): what TLT can shorten when
                 # environments' latency is in the rollout too.
-                steady_times={k: [r.get(k, 0.0) for r in steady] for k in _PAIRED},
+                steady_times={k: [r.get(k, 0.0) for r in steady] for k, _ in _SPEEDUPS},
                 acceptance_length=acceptance,
                 served_accept_rate=series["served_accept_rate"],
                 initial_accept_rate=series["initial_accept_rate"],
@@ -539,8 +538,7 @@ def main(argv):
     if "env" in PRESETS[_PRESET.value] and _SLOW_REWARD_MS.value:
         raise ValueError(f"--slow_reward_ms: preset {_PRESET.value} scores by its environment's step rewards; its "
                          "latency is --env_latency_ms.")
-    if env_settings(PRESETS[_PRESET.value]):
-        settings = env_settings(PRESETS[_PRESET.value])
+    if settings := env_settings(PRESETS[_PRESET.value]):
         scripted_env.name(settings["env_latency_ms"])  # refuses a bad value, naming it
     if bool(_TARGET.value) != bool(_DRAFTER.value):
         raise ValueError("Pass --target and --drafter together (or neither, for the preset's own).")
