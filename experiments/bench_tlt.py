@@ -152,9 +152,11 @@ MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
 # A drafter from nothing (mode scratch) learns at the online default's 1e-3, not at the
-# 1e-4 that keeps a warm start where it drafts well, and may spend a tenth of the run's
-# time in catch-up steps while it has everything to learn.
-_SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_max_share=0.1))
+# 1e-4 that keeps a warm start where it drafts well, and takes 8 catch-up steps an RL step
+# (the drift presets' whole budget; 2 left it at 0.73x the warm start's acceptance, 8 at
+# 0.87-2.1x, docs/benchmarks.md) within a tenth of the run's time, while it has everything
+# to learn.
+_SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
 
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit

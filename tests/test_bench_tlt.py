@@ -279,7 +279,7 @@ configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", 
            for m in ("baseline", "tlt")}
 print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.tlt.drafter.batch_size,
                       c.tlt.drafter.optimizer.learning_rate, c.tlt.drafter.optimizer.b2,
-                      c.tlt.spot.catch_up_max_share] for m, c in configs.items()}))
+                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps] for m, c in configs.items()}))
 """
 
 
@@ -365,7 +365,7 @@ for c in configs.values():
     tuner.from_config(c.tlt.tuner)  # what the run checks first
 print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks, sorted(c.data.tasks),
                       c.data.tasks.countdown.weight, c.tlt.drafter.init, c.tlt.drafter.optimizer.learning_rate,
-                      c.tlt.spot.catch_up_max_share] for m, c in configs.items()}))
+                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps] for m, c in configs.items()}))
 """
 
 
@@ -375,9 +375,10 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
     for mode in ("tlt", "frozen", "scratch"):
         assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
     assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
-    # The warm start at 1e-4 with catch-up capped at 2%; a drafter from nothing at 1e-3, up to 10%.
-    assert out["tlt"][5] == "d" and out["tlt"][6:] == [1e-4, 0.02]
-    assert out["scratch"][5:] == ["", 1e-3, 0.1]
+    # The warm start at 1e-4 with 2 catch-up steps capped at 2%; a drafter from nothing at
+    # 1e-3 with 8, up to 10%.
+    assert out["tlt"][5] == "d" and out["tlt"][6:] == [1e-4, 0.02, 2]
+    assert out["scratch"][5:] == ["", 1e-3, 0.1, 8]
 
 
 _ENV = r"""
