@@ -268,10 +268,15 @@ _TIMES = ("time_rollout_s", "time_reward_s", "time_batch_s", "time_old_logp_s", 
 
 
 def build_warm_start(name: str, cache_dir: str) -> tuple[str, str]:
-    """(SFT model dir, drafter export dir): the shipped assets, or those of
+    """(SFT model dir, drafter export dir): those shipped in assets/ ("assets": the tiny
+    main job's; else assets/sft_<name> and assets/drafter_<name> where the repository
+    ships them, the very models its figures were measured from), or those of
     configs/sft.py:<name> and configs/drafter.py:<name> trained once into cache_dir."""
     if name == "assets":
         return "assets/sft_tiny", "assets/drafter_tiny"
+    shipped = os.path.join("assets", f"sft_{name}"), os.path.join("assets", f"drafter_{name}")
+    if all(os.path.isdir(d) for d in shipped):
+        return shipped
     from configs import drafter as drafter_configs
     from configs import sft as sft_configs
     from tlt_jax.drafter_training.trainer import train_drafter
@@ -302,7 +307,10 @@ def build_target(layers: int, cache_dir: str, warm_start: str = "assets", mlp_si
         cfg, params = load_hf(sft_dir)
         deep = tfm.append_identity_layers(jax.tree.map(jnp.asarray, params), cfg, layers)
         mlp_size = machine.mlp_size_for_cache(*deep)
-    suffix = ("" if warm_start == "assets" else f"_{warm_start}") + (f"_f{mlp_size}" if mlp_size else "")
+    # Named by the warm start's drafter too: a drafter retrained or shipped anew builds anew.
+    drafter_id = fingerprint.fingerprint_path(sft_drafter_dir).removeprefix("sha256:")[:8]
+    suffix = ("" if warm_start == "assets" else f"_{warm_start}") + f"_{drafter_id}" + (
+        f"_f{mlp_size}" if mlp_size else "")
     target_dir = os.path.join(cache_dir, f"target_l{layers}{suffix}")
     drafter_dir = os.path.join(cache_dir, f"drafter_l{layers}{suffix}")
     if not os.path.exists(os.path.join(drafter_dir)):

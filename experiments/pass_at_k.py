@@ -24,6 +24,7 @@ from tlt_jax.tokenizer import load_tokenizer
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "A Hugging Face checkpoint with its tokenizer.", required=True)
 _TASKS = flags.DEFINE_enum("tasks", "drift_shift", ["drift_shift", "long_tail", "tiny"],
                            "The task mix of configs/common.py whose tasks are scored, each alone.")
+_ONLY = flags.DEFINE_list("only", [], "Score only these tasks of the mix (default: every task).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 64, "Held-out prompts per task.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per prompt (n).")
 _K = flags.DEFINE_list("k", ["1", "4"], "The k of pass@k (each <= num_samples).")
@@ -44,6 +45,11 @@ def main(argv):
     tokenizer = load_tokenizer(_MODEL_DIR.value)
     mix = {"drift_shift": common.tasks_drift_shift, "long_tail": common.tasks_long_tail,
            "tiny": common.tasks_tiny}[_TASKS.value]()
+    unknown = sorted(set(_ONLY.value) - set(mix))
+    if unknown:
+        raise ValueError(f"--only={','.join(unknown)}: not a task of the {_TASKS.value} mix "
+                         f"({', '.join(sorted(mix))}).")
+    mix = {name: spec for name, spec in mix.items() if name in (_ONLY.value or mix)}
     n, ks = _NUM_SAMPLES.value, [int(k) for k in _K.value]
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     out = {}

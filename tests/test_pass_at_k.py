@@ -23,3 +23,22 @@ def test_pass_at_k_is_the_unbiased_estimator():
     # k = 2: 1 - C(4 - c, 2) / C(4, 2) = 0, 1/2, 1, 5/6
     assert abs(out["two"] - (0 + 0.5 + 1 + 5 / 6) / 4) < 1e-12
     assert "--k=5 must be between 1 and --num_samples=4" in out["error"]
+
+
+_BAND = r"""
+import sys
+from absl import app
+from experiments import pass_at_k
+app.run(pass_at_k.main, ["pass_at_k", *sys.argv[1:]])
+"""
+
+
+def test_the_drift_shift_warm_start_leaves_its_countdowns_to_learn():
+    """bench_tlt's cpu_drift_shift wants its shipped warm start's countdowns (B) at pass@4 of
+    about 5-15%: at 0 every group of B earns the same reward and GRPO has nothing to learn
+    there, near 1 nothing is left to learn. 64 held-out prompts (0.125 when the model was
+    shipped); the band is widened by the estimate's standard error there (about 0.04)."""
+    out = printed_json(_BAND, "--model_dir=assets/sft_drift_shift", "--tasks=drift_shift", "--only=countdown")
+    assert list(out) == ["countdown"]
+    assert 0.03 <= out["countdown"]["pass@4"] <= 0.2
+    assert out["countdown"]["pass@1"] < out["countdown"]["pass@4"]
