@@ -168,31 +168,39 @@ def bench_prefill(cfg, params, samples: int, prompt_len: int, min_seconds: float
                 speedup=per_sample / shared, calls=len(times["shared"]))
 
 
-def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats, static):
-    """transformers' generate in a subprocess (torch and JAX would share the GPU)."""
+def bench_hf(hf_dir, batch, prompt_len, new_tokens, repeats):
+    """transformers' generate, with its dynamic and then its static cache, in one subprocess
+    (torch and JAX would share the GPU; one import of torch serves both): {"hf": ..., "hf_static":
+    ...}, each the median seconds of a generate call after a warm-up call, or its error."""
     code = f"""
 import json, statistics, time, torch, transformers
 dev = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = torch.bfloat16 if dev == 'cuda' else torch.float32
 model = transformers.AutoModelForCausalLM.from_pretrained({hf_dir!r}, dtype=dtype).to(dev).eval()
 ids = torch.randint(1, model.config.vocab_size, ({batch}, {prompt_len}), device=dev)
-kw = dict(max_new_tokens={new_tokens}, min_new_tokens={new_tokens}, do_sample=False, pad_token_id=0)
-if {static}: kw['cache_implementation'] = 'static'
 sync = torch.cuda.synchronize if dev == 'cuda' else (lambda: None)
-with torch.inference_mode():
-    model.generate(ids, **kw); sync()
-    times = []
-    for _ in range({repeats}):
-        t0 = time.perf_counter(); model.generate(ids, **kw); sync(); times.append(time.perf_counter() - t0)
-print(json.dumps(dict(seconds=statistics.median(times))))
+out = {{}}
+for label, extra in (('hf', {{}}), ('hf_static', dict(cache_implementation='static'))):
+    kw = dict(max_new_tokens={new_tokens}, min_new_tokens={new_tokens}, do_sample=False, pad_token_id=0, **extra)
+    try:
+        with torch.inference_mode():
+            model.generate(ids, **kw); sync()
+            times = []
+            for _ in range({repeats}):
+                t0 = time.perf_counter(); model.generate(ids, **kw); sync(); times.append(time.perf_counter() - t0)
+        out[label] = dict(seconds=statistics.median(times))
+    except Exception as e:
+        out[label] = dict(error=f"{{type(e).__name__}}: {{e}}"[:200])
+print(json.dumps(out))
 """
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-        if out.returncode:
-            return dict(error=out.stderr.strip().splitlines()[-1][:200])
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if done.returncode == 0:
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        error = done.stderr.strip().splitlines()[-1][:200]
     except Exception as e:  # a failed baseline is recorded, not fatal
-        return dict(error=f"{type(e).__name__}: {e}"[:200])
+        error = f"{type(e).__name__}: {e}"[:200]
+    return {label: dict(error=error) for label in ("hf", "hf_static")}
 
 
 def main(argv):
@@ -243,9 +251,7 @@ def main(argv):
                        roofline_fraction=roofline_s / step_s, compile_s=compile_s)
             first_variant = layout == _LAYOUTS.value[0] and attend == _ATTEND.value[0]  # transformers once
             if _HF.value and hf_dir and first_variant and (_HF_BATCHES.value is None or str(b) in _HF_BATCHES.value):
-                for static in (False, True):
-                    hf = bench_hf(hf_dir, b, p, n, repeats, static)
-                    label = "hf_static" if static else "hf"
+                for label, hf in bench_hf(hf_dir, b, p, n, repeats).items():
                     if "seconds" in hf:
                         row[f"{label}_tokens_per_s"] = b * n / hf["seconds"]
                         row[f"speedup_vs_{label}"] = row["tokens_per_s"] / row[f"{label}_tokens_per_s"]

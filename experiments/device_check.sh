@@ -180,8 +180,9 @@ if want tlt; then
   TLT=(--preset=gpu --set=rollout.kv_bucket=0 --tlt_set=tlt.tuner.buckets=[1]
        "--tlt_set=tlt.tuner.arms=[['eagle-d8','eagle-d6','plain']]")
   if dry; then
-    note "tlt: bench_tlt --preset=gpu as on the GPU, 1 step per run, on the spec block's tiny target"
-    TLT+=(--steps=1)
+    note "tlt: bench_tlt --preset=gpu as on the GPU, 1 step per run, on the spec block's tiny target; 16 eval" \
+      "prompts, drafter batches of 2 rows (the warm-up compiles a drafter step per power of two up to the batch)"
+    TLT+=(--steps=1 --set=data.num_eval=16 --tlt_set=tlt.drafter.batch_size=2)
   fi
   if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
@@ -346,11 +347,11 @@ fi
 if want losses; then
   block_start losses
   if dry; then
-    note "losses: bench_kl --preset=cpu, the dense anchor and the fused XLA path; the Pallas kernels (fresh" \
+    note "losses: bench_kl --preset=cpu, the dense anchor and the fused XLA path at N=4096; the Pallas kernels (fresh" \
       "processes in interpret mode: 45 s of the block's 73 s on 2 cores) are left to the GPU run, and" \
       "tests/test_losses.py checks them in interpret mode; no device memory stats on the CPU, so the 256k" \
       "peak bar reads n/a (XLA temp is measured)"
-    LOSSES=(--preset=cpu --only="chunked_xla[dw_accum=param],anchor_dense")
+    LOSSES=(--preset=cpu --only="chunked_xla[dw_accum=param],anchor_dense" --ns=4096)
     # The CPU's only candidate is chunked_xla (the kernel is an interpreter there).
     TABLE=(--preset=cpu --only=chunked_xla --ns=1024)
   else
