@@ -43,7 +43,7 @@ def test_tlt_defaults_are_the_documented_ones():
     assert (c.spot.max_steps_per_rl_step, c.spot.catch_up_steps, c.spot.skip_short_gaps) == (50, 2, True)
     d = c.drafter
     assert (d.init, d.top_k, d.kl_weight, d.feature_weight, d.batch_size, d.seq_len, d.keep_steps,
-            d.checkpoint_every) == ("assets/drafter_tiny", 8, 1.0, 1.0, 16, 128, 2, 5)
+            d.checkpoint_every) == ("assets/drafter_tiny", 8, 1.0, 1.0, 16, 0, 2, 5)
     assert (d.optimizer.learning_rate, d.optimizer.b1, d.optimizer.b2) == (1e-3, 0.9, 0.95)
     assert rl.get_config("tiny").checkpoint_every == 5
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from configs import rl as rl_configs
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
 from tlt_jax import checkpoint, metrics, sharding
 from tlt_jax.data import rewards
@@ -20,6 +21,7 @@ from tlt_jax.drafter_training.online import DrafterData, OnlineDrafter, OnlineDr
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl import train as rl_train
 from tlt_jax.rl.train import train_rl
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.train_state import OptimizerConfig
@@ -73,6 +75,7 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     # 2 on the drafter trains in the gaps (the reward's at least) and each RL step publishes
     # a new version.
     assert [r["drafter_version"] for r in steps] == [0, 1, 2]
+    assert all(r["buffer_truncated_total"] == 0 for r in steps)  # rows of 48 hold every sample of <= 24 tokens
     assert all(r["spot/catch_up_steps"] == 0 for r in steps) and all(r["spot/steps"] >= 1 for r in steps[1:])
     assert steps[-1]["drafter_steps_total"] == sum(r["spot/steps"] + r["spot/catch_up_steps"] for r in steps)
     # Every arm is pulled (untried arms first) and speculation commits tokens.
@@ -351,3 +354,16 @@ def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_wit
     assert distances[0] == distances[2] == 0 and distances[1] > 0 and distances[3] > 0, distances
     with pytest.raises(ValueError, match=r"tlt.drafter.trust_region=-1.0 must be >= 0"):
         _tiny_online(OnlineDrafterConfig(trust_region=-1.0))
+
+
+def test_online_drafter_rows_hold_a_whole_sample_unless_set():
+    """tlt.drafter.seq_len=0, the default, sizes the buffer's rows to a whole sample (the kept
+    prompt tokens, the last prompt token, every response token): shorter rows cut the end
+    of long responses off, the positions the rollout's tail drafts."""
+    c = rl_configs.get_config("tiny").tlt.drafter
+    assert c.seq_len == 0
+    assert rl_train._online_drafter_config(c, 300).seq_len == 301
+    c.prompt_tail = 7
+    assert rl_train._online_drafter_config(c, 300).seq_len == 308
+    c.seq_len = 64
+    assert rl_train._online_drafter_config(c, 300).seq_len == 64

@@ -107,7 +107,8 @@ class TLT:
                 out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
             out.update(self._served)
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
-                        "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows})
+                        "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows,
+                        "buffer_truncated_total": self.drafter.buffer.stats()["truncated"]})
         report = self.tuner.report()
         out.update(tuner_lib.report_metrics(report, self._previous_report))
         self._previous_report = report

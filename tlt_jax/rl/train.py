@@ -86,9 +86,13 @@ def _drafter_warm_start(c, target_config, target_params):
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
 
 
-def _online_drafter_config(c) -> OnlineDrafterConfig:
+def _online_drafter_config(c, max_tokens: int) -> OnlineDrafterConfig:
     fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "layout",
                                                                 "optimizer")}
+    # 0: rows as long as a whole sample. Shorter rows cut a long response's end off (the
+    # buffer keeps a span's true prefix): the drafter never learns the positions the
+    # rollout's tail drafts, and drafted worse there live than the one it started from.
+    fields["seq_len"] = fields["seq_len"] or c.prompt_tail + 1 + max_tokens
     return OnlineDrafterConfig(optimizer=OptimizerConfig(**c.optimizer), **fields)
 
 
@@ -197,7 +201,7 @@ def check_config(config) -> None:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
     SpotConfig(**config.tlt.spot)
-    _online_drafter_config(config.tlt.drafter)
+    _online_drafter_config(config.tlt.drafter, config.rollout.max_tokens)
     c = config.tlt.drafter
     fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batches split over
     for field, what in (("batch_size", "trains"), ("eval_rows", "is scored")):
@@ -280,7 +284,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
                             balance_tasks=config.get("balance_tasks", False))
     tlt = None
     if tlt_on:
-        online = OnlineDrafter(engine, model_cfg, dcfg, dparams, _online_drafter_config(config.tlt.drafter),
+        online = OnlineDrafter(engine, model_cfg, dcfg, dparams,
+                               _online_drafter_config(config.tlt.drafter, r.max_tokens),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
         decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
