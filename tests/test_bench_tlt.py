@@ -279,7 +279,7 @@ configs = {m: bench_tlt.mode_config(m, bench_tlt.PRESETS["cpu_wide_pair"], "t", 
            for m in ("baseline", "tlt")}
 print(json.dumps({m: [c.learner.micro_batch_size, c.learner.num_minibatches, c.tlt.drafter.batch_size,
                       c.tlt.drafter.optimizer.learning_rate, c.tlt.drafter.optimizer.b2,
-                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps] for m, c in configs.items()}))
+                      c.tlt.spot.catch_up_max_share] for m, c in configs.items()}))
 """
 
 
