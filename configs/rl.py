@@ -63,7 +63,7 @@ def tlt_config() -> ml_collections.ConfigDict:
             # seq_len 0: a buffer row holds a whole sample (prompt_tail + 1 + rollout.max_tokens),
             # so the drafter learns the late tokens of long responses, which the tail drafts.
             top_k=8, batch_size=16, seq_len=0, buffer_max_bytes=256 << 20, keep_steps=2, replay_share=0.0,
-            prompt_tail=0,
+            prompt_tail=-1,  # prompt tokens a row keeps before the last one (-1: the whole prompt)
             feature_weight=1.0, kl_weight=1.0, feature_noise=0.2, ttt_steps=1, trust_region=0.0,
             optimizer=dict(learning_rate=1e-3, warmup_steps=0, schedule="constant", decay_steps=1000,
                            weight_decay=0.01, b1=0.9, b2=0.95, max_grad_norm=1.0),

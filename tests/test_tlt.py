@@ -357,13 +357,14 @@ def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_wit
 
 
 def test_online_drafter_rows_hold_a_whole_sample_unless_set():
-    """tlt.drafter.seq_len=0, the default, sizes the buffer's rows to a whole sample (the kept
-    prompt tokens, the last prompt token, every response token): shorter rows cut the end
-    of long responses off, the positions the rollout's tail drafts."""
+    """By default a buffer row holds a whole sample: the whole prompt (tlt.drafter.prompt_tail
+    =-1), which live drafting attends over, and every response token (seq_len=0): shorter
+    rows cut the end of long responses off, the positions the rollout's tail drafts."""
     c = rl_configs.get_config("tiny").tlt.drafter
-    assert c.seq_len == 0
-    assert rl_train._online_drafter_config(c, 300).seq_len == 301
+    assert (c.seq_len, c.prompt_tail) == (0, -1)
+    whole = rl_train._online_drafter_config(c, 24, 300)
+    assert (whole.prompt_tail, whole.seq_len) == (23, 324)
     c.prompt_tail = 7
-    assert rl_train._online_drafter_config(c, 300).seq_len == 308
+    assert rl_train._online_drafter_config(c, 24, 300).seq_len == 308
     c.seq_len = 64
-    assert rl_train._online_drafter_config(c, 300).seq_len == 64
+    assert rl_train._online_drafter_config(c, 24, 300).seq_len == 64

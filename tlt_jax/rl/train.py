@@ -86,13 +86,17 @@ def _drafter_warm_start(c, target_config, target_params):
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
 
 
-def _online_drafter_config(c, max_tokens: int) -> OnlineDrafterConfig:
+def _online_drafter_config(c, max_prompt_length: int, max_tokens: int) -> OnlineDrafterConfig:
     fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "layout",
                                                                 "optimizer")}
+    # -1: the whole prompt, which live drafting attends over; rows without it teach the
+    # drafter a context it never drafts in (and score it there).
+    if fields["prompt_tail"] == -1:
+        fields["prompt_tail"] = max_prompt_length - 1
     # 0: rows as long as a whole sample. Shorter rows cut a long response's end off (the
     # buffer keeps a span's true prefix): the drafter never learns the positions the
     # rollout's tail drafts, and drafted worse there live than the one it started from.
-    fields["seq_len"] = fields["seq_len"] or c.prompt_tail + 1 + max_tokens
+    fields["seq_len"] = fields["seq_len"] or fields["prompt_tail"] + 1 + max_tokens
     return OnlineDrafterConfig(optimizer=OptimizerConfig(**c.optimizer), **fields)
 
 
@@ -201,7 +205,7 @@ def check_config(config) -> None:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
     SpotConfig(**config.tlt.spot)
-    _online_drafter_config(config.tlt.drafter, config.rollout.max_tokens)
+    _online_drafter_config(config.tlt.drafter, config.rollout.max_prompt_length, config.rollout.max_tokens)
     c = config.tlt.drafter
     fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batches split over
     for field, what in (("batch_size", "trains"), ("eval_rows", "is scored")):
@@ -285,7 +289,7 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     tlt = None
     if tlt_on:
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams,
-                               _online_drafter_config(config.tlt.drafter, r.max_tokens),
+                               _online_drafter_config(config.tlt.drafter, r.max_prompt_length, r.max_tokens),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, spot_config)
         decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
