@@ -148,6 +148,8 @@ _PLOT_FROM = flags.DEFINE_list("plot_from", [], "Run nothing: draw the drafter m
                                "of --out; a mode's first run among them) in one acceptance plot beside --out, e.g. "
                                "a tlt,frozen pair and a scratch run of the same seed.")
 MODES = ("baseline", "tlt", "frozen", "scratch", "ngram", "history")
+# The modes with a drafter that `plot_acceptance` draws.
+PLOTTED_MODES = ("tlt", "frozen", "scratch", "ngram")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
@@ -521,9 +523,9 @@ def plot_from(paths: list[str], out: str) -> str:
         for run in result.get("runs") or [dict(result=result)]:
             for mode, summary in run.get("result", {}).get("modes", {}).items():
                 modes.setdefault(mode, summary)
-    if not any(m in modes for m in ("tlt", "frozen", "scratch", "ngram")):
-        raise ValueError(f"--plot_from: no drafter mode (tlt, frozen, scratch, ngram) in {', '.join(paths)}.")
-    plot = os.path.splitext(out)[0] + "_acceptance.png"
+    if not any(m in modes for m in PLOTTED_MODES):
+        raise ValueError(f"--plot_from: no drafter mode ({', '.join(PLOTTED_MODES)}) in {', '.join(paths)}.")
+    plot = _acceptance_plot_path(out)
     plot_acceptance(modes, plot)
     return plot
 
@@ -645,8 +647,8 @@ def run_in_process(modes: list[str]) -> dict:
     in_process = [dict(run=i, pair=1, mode=m, result=dict(modes={m: s})) for i, (m, s) in enumerate(modes.items(), 1)]
     result.update({f"{k}_in_process": v for k, v in drafter_comparisons(in_process).items()})
     _write(result)
-    if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in ("tlt", "frozen", "scratch", "ngram")):
-        plot_acceptance(modes, os.path.splitext(OUT.value)[0] + "_acceptance.png")
+    if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in PLOTTED_MODES):
+        plot_acceptance(modes, _acceptance_plot_path(OUT.value))
     return result
 
 
@@ -882,8 +884,8 @@ def run_repeats(launch_child=spawn) -> int:
         result.update(aggregate(result["runs"]), wall_s=time.perf_counter() - t_start)
         _write(result)
     print_repeats(result)
-    if OUT.value and any(m in result.get("modes", {}) for m in ("tlt", "frozen", "scratch", "ngram")):
-        plot_acceptance(result["modes"], os.path.splitext(OUT.value)[0] + "_acceptance.png")
+    if OUT.value and any(m in result.get("modes", {}) for m in PLOTTED_MODES):
+        plot_acceptance(result["modes"], _acceptance_plot_path(OUT.value))
     if failed:
         print(f"{len(failed)} of {len(order)} runs failed (runs {', '.join(str(r['run']) for r in failed)}); the "
               "others are kept" + (f" in {OUT.value}" if OUT.value else ""))
@@ -1077,6 +1079,11 @@ def paired_speedups(baseline: dict, tlt: dict) -> dict:
                step_of_allowed=statistics.median(w / t for w, t in zip(with_tlt_rollout, t_step)),
                step_of_allowed_total=sum(with_tlt_rollout) / sum(t_step))
     return out
+
+
+def _acceptance_plot_path(out: str) -> str:
+    """Where `plot_acceptance` draws beside the JSON of --out."""
+    return os.path.splitext(out)[0] + "_acceptance.png"
 
 
 def plot_acceptance(modes: dict, path: str) -> None:
