@@ -24,13 +24,15 @@ import json
 import os
 import sys
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from absl import logging
-from matplotlib.figure import Figure
 from tqdm import auto as tqdm_auto
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 METRICS_FILENAME = "metrics.jsonl"
 EVAL_SAMPLES_FILENAME = "eval_samples.jsonl"  # every evaluated sample: prompt, completion, reward, ...
@@ -259,6 +261,14 @@ _LABELS = {
 }
 
 
+def new_figure(**kwargs) -> Figure:
+    """A bare `matplotlib.figure.Figure`. matplotlib is imported here, on the first plot:
+    at module level it cost every process a quarter second of its start (launchers that
+    fail a flag check, `--help`, the tests' processes)."""
+    from matplotlib.figure import Figure
+    return Figure(**kwargs)
+
+
 def label(key: str) -> str:
     """A metric's name as a person reads it on an axis or legend: 'time_rollout_s' ->
     'rollout', 'eval/accuracy' -> 'eval accuracy'."""
@@ -297,7 +307,7 @@ def plot_curves(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
     with markers when sparse.
     """
     bounds = bounds or {}
-    figure = Figure(figsize=(7, 2.4 * len(keys)), layout="constrained")
+    figure = new_figure(figsize=(7, 2.4 * len(keys)), layout="constrained")
     axes = figure.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
     for ax, key in zip(axes, keys):
         rows = [r for r in records if key in r]
@@ -333,7 +343,7 @@ def plot_length_histogram(lengths: Iterable[int], path: str | os.PathLike, bins:
     lengths = np.asarray(list(lengths), dtype=np.float64)
     if lengths.size == 0:
         raise ValueError("plot_length_histogram needs at least one length")
-    figure = Figure(figsize=(7, 3.5), layout="constrained")
+    figure = new_figure(figsize=(7, 3.5), layout="constrained")
     ax = figure.subplots()
     ax.hist(lengths, bins=bins, log=True, color="tab:blue", alpha=0.8)
     for label, value, color in (("p50", np.percentile(lengths, 50), "tab:green"),
@@ -363,7 +373,7 @@ def plot_time_split(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
         raise ValueError(f"No record has any of {list(keys)}")
     steps = np.array([r["step"] for r in rows], dtype=np.float64)
     width = 0.8 * (np.diff(steps).min() if len(steps) > 1 else 1.0)
-    figure = Figure(figsize=(8, 3.5), layout="constrained")
+    figure = new_figure(figsize=(8, 3.5), layout="constrained")
     ax = figure.subplots()
     bottom = np.zeros(len(rows))
     for key in keys:
@@ -390,7 +400,7 @@ def plot_rollout_timeline(timeline, path: str | os.PathLike, title: str | None =
     """Active sequences over the seconds of one rollout (a `rollout.timeline.RolloutTimeline`),
     one line per data-parallel group, speculative chunks shaded: the long tail, and where
     the tuner switched speculation on. `title` says which rollout (e.g. the RL step)."""
-    figure = Figure(figsize=(8, 3.5), layout="constrained")
+    figure = new_figure(figsize=(8, 3.5), layout="constrained")
     ax = figure.subplots()
     shaded = False
     for g in timeline.groups:

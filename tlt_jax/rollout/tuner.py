@@ -46,8 +46,8 @@ import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from matplotlib.figure import Figure
 
+from tlt_jax import metrics
 from tlt_jax.rollout import history as history_lib
 from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.speculative import Strategy
@@ -349,7 +349,7 @@ def plot_arm_choices(records: Sequence[Mapping[str, Any]], path: str | os.PathLi
                 arms[int(m[1])].append(m[2])
     if not arms:
         raise ValueError("No record has tuner/b<lower>/<arm>/pulls keys; write tuner.report_metrics into the rows.")
-    figure = Figure(figsize=(8, 2.2 * len(arms)), layout="constrained")
+    figure = metrics.new_figure(figsize=(8, 2.2 * len(arms)), layout="constrained")
     axes = figure.subplots(len(arms), 1, sharex=True, squeeze=False)[:, 0]
     # One colour per arm across buckets (plain grey), so panels read alike.
     names = list(dict.fromkeys(a for lower in sorted(arms) for a in arms[lower] if a != PLAIN))
