@@ -368,3 +368,10 @@ def test_online_drafter_rows_hold_a_whole_sample_unless_set():
     assert rl_train._online_drafter_config(c, 24, 300).seq_len == 308
     c.seq_len = 64
     assert rl_train._online_drafter_config(c, 24, 300).seq_len == 64
+    # The two conventions are named where a value is out of range.
+    c.prompt_tail = -2
+    with pytest.raises(ValueError, match=r"prompt_tail=-2: .* or -1 for the whole prompt"):
+        rl_train._online_drafter_config(c, 24, 300)
+    c.prompt_tail, c.seq_len = 7, -5
+    with pytest.raises(ValueError, match=r"seq_len=-5: .* or 0 for a whole sample"):
+        rl_train._online_drafter_config(c, 24, 300)

@@ -89,6 +89,12 @@ def _drafter_warm_start(c, target_config, target_params):
 def _online_drafter_config(c, max_prompt_length: int, max_tokens: int) -> OnlineDrafterConfig:
     fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "layout",
                                                                 "optimizer")}
+    if fields["prompt_tail"] < -1:
+        raise ValueError(f"tlt.drafter.prompt_tail={fields['prompt_tail']}: give the prompt tokens a drafter row "
+                         "keeps, or -1 for the whole prompt (the default).")
+    if fields["seq_len"] < 0:
+        raise ValueError(f"tlt.drafter.seq_len={fields['seq_len']}: give a drafter row's length in tokens, or 0 for "
+                         "a whole sample (the default).")
     # -1: the whole prompt, which live drafting attends over; rows without it teach the
     # drafter a context it never drafts in (and score it there).
     if fields["prompt_tail"] == -1:
