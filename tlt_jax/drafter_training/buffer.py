@@ -229,6 +229,11 @@ class DrafterBuffer:
         return sum(len(c) for c in self._chunks)
 
     @property
+    def num_truncated(self) -> int:
+        """Samples cut to seq_len since construction (or since the run's start, restored)."""
+        return self._truncated
+
+    @property
     def nbytes(self) -> int:
         return sum(v.nbytes for c in self._chunks for v in c.rows.values())
 
@@ -298,7 +303,7 @@ class DrafterBuffer:
         truncated to seq_len and the rows dropped to respect max_bytes."""
         samples = sum(int(c.rows["segment_ids"].max(axis=1).sum()) for c in self._chunks)
         return {"rows": self.num_rows, "samples": samples, "steps": len({c.step for c in self._chunks}),
-                "bytes": self.nbytes, "truncated": self._truncated, "dropped_rows": self._dropped_rows,
+                "bytes": self.nbytes, "truncated": self.num_truncated, "dropped_rows": self._dropped_rows,
                 "replay_rows": self.num_replay_rows}
 
     # -- checkpointing

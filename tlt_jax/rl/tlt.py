@@ -108,7 +108,7 @@ class TLT:
             out.update(self._served)
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
                         "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows,
-                        "buffer_truncated_total": self.drafter.buffer.stats()["truncated"]})
+                        "buffer_truncated_total": self.drafter.buffer.num_truncated})
         report = self.tuner.report()
         out.update(tuner_lib.report_metrics(report, self._previous_report))
         self._previous_report = report
