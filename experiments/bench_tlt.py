@@ -494,6 +494,8 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 hidden_share=[r.get("spot/hidden_share", 1.0) for r in steps],
                 preemption_delay_max_s=[r.get("spot/preemption_delay_max_s", 0.0) for r in steps],
                 response_length_mean=[r["response_length_mean"] for r in steps],
+                # Equal across modes for a step where they drew the same samples (`rollout.spec_coupled`).
+                samples_digest=[r.get("samples_digest") for r in steps],
                 reward_mean=[r["reward_mean"] for r in steps],
                 # Beside time_reward_s (the reward's time after the rollout): the seconds it ran in all.
                 reward_scoring_s=statistics.median(r.get("time_reward_scoring_s", 0.0) for r in steady),
@@ -690,7 +692,8 @@ def _print_drafter_comparisons(result: dict) -> None:
             print(f"{key.replace('_', ' ')}, over the last third of the steps: acceptance length "
                   f"{v.get('acceptance_length_last_third', float('nan')):.2f}x, rollout tokens/s "
                   f"{v.get('rollout_tokens_per_s_last_third', float('nan')):.2f}x (geometric means over "
-                  f"{len(v['pairs'])} pair{'s' * (len(v['pairs']) != 1)})")
+                  f"{len(v['pairs'])} pair{'s' * (len(v['pairs']) != 1)}); steps with the same samples: "
+                  + ", ".join(str(p["same_samples_steps"]) for p in v["pairs"]))
     fmt = lambda t: ("n/a" if not t or t["first"] is None or t["last"] is None
                      else f"{t['first']:.3f} -> {t['last']:.3f}")
     for mode, m in result.get("modes", {}).items():
@@ -981,7 +984,11 @@ def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
                 x, y = last(members[mode], key), last(members[stale], key)
                 if x and y:
                     ratio[key] = x / y
-            if ratio:
+            digests = [members[m]["result"]["modes"][m].get("samples_digest") or [] for m in (mode, stale)]
+            # Steps on which both drew the very same samples: all of them when coupled, so the
+            # ratios compare drafters on one trajectory of the policy.
+            ratio["same_samples_steps"] = sum(a is not None and a == b for a, b in zip(*digests))
+            if len(ratio) > 1:
                 pairs.append(dict(pair=pair, **ratio))
         if pairs:
             entry = dict(pairs=pairs)

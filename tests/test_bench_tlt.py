@@ -319,14 +319,17 @@ _DRAFTERS = r"""
 import json
 from experiments import bench_tlt
 
-def run(n, pair, mode, acceptance, tokens_per_s):
+def run(n, pair, mode, acceptance, tokens_per_s, digests):
     thirds = dict(acceptance_length=bench_tlt.thirds(acceptance),
                   rollout_tokens_per_s=bench_tlt.thirds(tokens_per_s))
-    return dict(run=n, pair=pair, mode=mode, result=dict(modes={mode: dict(thirds=thirds)}))
+    return dict(run=n, pair=pair, mode=mode, result=dict(modes={mode: dict(thirds=thirds, samples_digest=digests)}))
 
 # Six steps a run: thirds of two steps. TLT holds its acceptance, frozen loses a third of it.
-runs = [run(1, 1, "frozen", [6, 6, 5, 5, 4, 4], [100] * 6), run(2, 1, "tlt", [6, 6, 6, 6, 6, 6], [150] * 6),
-        run(3, 2, "tlt", [6, 6, 6, 6, 6, 6], [120] * 6), run(4, 2, "frozen", [6, 6, 6, 6, 4, 4], [100] * 6)]
+# Pair 1 drew the same samples throughout (coupled); pair 2's parted after step 3.
+runs = [run(1, 1, "frozen", [6, 6, 5, 5, 4, 4], [100] * 6, [1, 2, 3, 4, 5, 6]),
+        run(2, 1, "tlt", [6, 6, 6, 6, 6, 6], [150] * 6, [1, 2, 3, 4, 5, 6]),
+        run(3, 2, "tlt", [6, 6, 6, 6, 6, 6], [120] * 6, [1, 2, 3, 7, 8, 9]),
+        run(4, 2, "frozen", [6, 6, 6, 6, 4, 4], [100] * 6, [1, 2, 3, 4, 5, 6])]
 print(json.dumps(dict(cmp=bench_tlt.drafter_comparisons(runs), short=bench_tlt.thirds([1, 2, 3, 4, 5]),
                       gaps=bench_tlt.thirds([None, 2, 3, 4, 5, None]))))
 """
@@ -335,8 +338,8 @@ print(json.dumps(dict(cmp=bench_tlt.drafter_comparisons(runs), short=bench_tlt.t
 def test_a_trained_drafter_is_compared_with_the_frozen_one_of_its_pair_over_the_last_third():
     out = printed_json(_DRAFTERS)
     versus = out["cmp"]["tlt_versus_frozen"]
-    assert [(p["pair"], p["acceptance_length"], p["rollout_tokens_per_s"]) for p in versus["pairs"]] == [
-        (1, 1.5, 1.5), (2, 1.5, 1.2)]
+    assert [(p["pair"], p["acceptance_length"], p["rollout_tokens_per_s"], p["same_samples_steps"])
+            for p in versus["pairs"]] == [(1, 1.5, 1.5, 6), (2, 1.5, 1.2, 3)]
     assert abs(versus["acceptance_length_last_third"] - 1.5) < 1e-9
     assert abs(versus["rollout_tokens_per_s_last_third"] - (1.5 * 1.2) ** 0.5) < 1e-9
     assert list(out["cmp"]) == ["tlt_versus_frozen"]

@@ -73,6 +73,15 @@ def fingerprint_path(path: str | os.PathLike) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def digest_sequences(sequences) -> int:
+    """A 52-bit integer digest of token sequences of any lengths (exact in a float64, so a
+    numeric metric): runs that sampled the same tokens share it, and almost surely only those."""
+    h = hashlib.sha256()
+    for tokens in sequences:
+        _update_array(h, np.asarray(tokens, dtype="<i4"))
+    return int(h.hexdigest()[:13], 16)
+
+
 def fingerprint_tokens(tokens_NT, rows_per_block: int = 4096) -> str:
     """Hash of a token dataset [N sequences, T positions], as "sha256:<hex>".
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import evaluation, faults, multihost, sampling, sharding
+from tlt_jax import evaluation, faults, fingerprint, multihost, sampling, sharding
 from tlt_jax.data import agents, rewards, tasks
 from tlt_jax.data.packing import Packing, pack_spans
 from tlt_jax.data.prompts import PromptFormat
@@ -341,6 +341,9 @@ class RLLoop:
             **evaluation.accuracy_by_task([e.task for e in chosen], correct),
             "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
             "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
+            # Which samples the step drew: equal across runs that drew the same tokens (coupled
+            # speculation, `rollout.spec_coupled`, makes runs with different drafters do so).
+            "samples_digest": fingerprint.digest_sequences(rollouts.tokens),
             "entropy": float((sharding.to_host(entropy) * mask).sum() / max(mask.sum(), 1)),
             "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
             "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),

@@ -141,7 +141,8 @@ def _rollout_config(r, **engine_fields) -> RolloutConfig:
                          max_length=r.max_prompt_length + r.max_tokens, steps_per_sync=r.steps_per_sync,
                          spec_steps_per_sync=r.get("spec_steps_per_sync", RolloutConfig.spec_steps_per_sync),
                          kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
-                         decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size), **engine_fields)
+                         decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size),
+                         spec_coupled=r.get("spec_coupled", RolloutConfig.spec_coupled), **engine_fields)
 
 
 def _check_mesh(mesh_config) -> jax.sharding.Mesh:

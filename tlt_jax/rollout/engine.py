@@ -99,6 +99,11 @@ class RolloutConfig:
     # decode is bound by reading its weights. Prefill, bound by compute on both, reads the
     # model's own units; the learner trains the model as it is. 0: the model's own width.
     decode_mlp_size: int = 0
+    # Speculative steps emit exactly the tokens plain decode would draw with the same
+    # keys (`speculative.coupled_verify`): the samples, and so an RL run, do not depend on
+    # whether or with which drafter a chunk speculated, at an acceptance somewhat below
+    # rejection sampling's. For comparing drafters on one policy's trajectory.
+    spec_coupled: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_id", end_token_ids(self.eos_token_id))
@@ -276,6 +281,11 @@ def _first_token_stops(sp, token_R):
 
 def _request_keys(base_key, request_B, position_B):
     return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(base_key, r), n))(request_B, position_B)
+
+
+def _request_keys_BJ(base_key, request_B, position_BJ):
+    """The keys of J positions of each row's request: [B, J]."""
+    return jax.vmap(_request_keys, in_axes=(None, None, 1), out_axes=1)(base_key, request_B, position_BJ)
 
 
 class _Group:
@@ -644,8 +654,14 @@ class _Group:
             tree = spec_lib.ngram_tree(spec.context, length, jnp.where(state.request >= 0, spec.group, -1), strategy,
                                        spec.history if strategy.drafter == "history" else None)
         else:
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
-                                                                              _model_tokens(state)))
+            model_tokens = _model_tokens(state)
+            if engine.rollout_config.spec_coupled:  # chain token j proposes model token n + j: its key
+                keys = _request_keys_BJ(key, state.request, model_tokens[:, None] + jnp.arange(strategy.depth))
+            else:
+                step_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
+                                                                                        model_tokens))
+                keys = jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(strategy.depth)))(
+                    step_keys)
             drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter, state.last_token,
                                                        strategy, sp, keys)
             state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
@@ -655,9 +671,9 @@ class _Group:
         """The target's forward over every slot's draft tree, each node at its depth past the
         cache and seeing only its ancestors (traced): tfm.decode's (logits, h, cache, *layers)."""
         visible = spec_lib.ancestors(tree.parents)
-        depth = jnp.sum(visible, axis=2) - 1
         return tfm.decode(params, self.engine.model_config, state.cache, tree.tokens,
-                          state.cache.lengths[:, None] + depth, mask_BTW=visible, return_logits=True,
+                          state.cache.lengths[:, None] + spec_lib.depths(visible), mask_BTW=visible,
+                          return_logits=True,
                           layer_ids=self._target_layer_ids(state))
 
     def _accepted(self, state, tree, logits, key, sp):
@@ -665,8 +681,14 @@ class _Group:
         (path, num_accepted, tokens, logp, nodes), the emitted tokens, their log-probs and
         tree nodes cut to at most max_draft_depth + 1 (depth + 1 <= that many are emitted)."""
         target_logp = sampling.processed_logprobs(logits, sp)
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request, _model_tokens(state)))
-        path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
+        if self.engine.rollout_config.spec_coupled:  # the draw after a node at depth j is model token n + j
+            depth = spec_lib.depths(spec_lib.ancestors(tree.parents))
+            keys = _request_keys_BJ(key, state.request, _model_tokens(state)[:, None] + depth)
+            path, num_accepted, next_token = spec_lib.coupled_verify(tree, target_logp, keys)
+        else:
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(_request_keys(key, state.request,
+                                                                              _model_tokens(state)))
+            path, num_accepted, next_token = spec_lib.verify_rows(tree, target_logp, keys)
         tokens, logp, nodes = spec_lib.emitted(tree, target_logp, path, num_accepted, next_token)
         e = min(tokens.shape[1], self.engine.rollout_config.max_draft_depth + 1)
         return path, num_accepted, tokens[:, :e], logp[:, :e], nodes[:, :e]

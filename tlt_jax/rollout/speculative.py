@@ -8,7 +8,9 @@ One speculative step, for all B slots at once (the rollout engine calls these):
            T-1 kept: deterministic drafts); or the n-gram drafter proposes a trie.
   verify   the target runs the T tree tokens through `transformer.decode` with the
            ancestor mask, at positions n + depth; lossless rejection sampling
-           (`pallas_kernels.spec_verify`) picks the accepted path and the next token.
+           (`pallas_kernels.spec_verify`) picks the accepted path and the next token,
+           or, coupled (`coupled_verify`), the target draws after every node with the
+           key plain decode would use there and a child is accepted iff it is that draw.
   commit   the accepted path's keys/values move to contiguous cache slots; the rest
            of the tree stays behind the committed length, invisible.
 
@@ -279,22 +281,23 @@ class Drafter:
     # -- drafting --------------------------------------------------------------------------------
 
     def draft(self, drafter_params, target_params, state: DrafterState, root_B, strategy: Strategy,
-              sp: sampling.SamplingParams, keys_B):
-        """Returns (state, DraftTree). The draft's own entries stay scratch in the cache."""
+              sp: sampling.SamplingParams, keys_BJ):
+        """Returns (state, DraftTree). keys_BJ: [B, depth] the key each chain token is
+        drawn with (trees draw nothing). The draft's own entries stay scratch in the cache."""
         state, logits, g = self.catch_up(drafter_params, target_params, state)
         if strategy.is_eagle_tree:
             tree = self._tree(drafter_params, target_params, state.cache, root_B, logits, g, strategy)
         else:
-            tree = self._chain(drafter_params, target_params, state.cache, root_B, logits, g, strategy, sp, keys_B)
+            tree = self._chain(drafter_params, target_params, state.cache, root_B, logits, g, strategy, sp, keys_BJ)
         return state, tree
 
-    def _chain(self, drafter_params, target_params, cache, root_B, logits_BV, g_BD, strategy, sp, keys_B):
+    def _chain(self, drafter_params, target_params, cache, root_B, logits_BV, g_BD, strategy, sp, keys_BJ):
         b, d = root_B.shape[0], strategy.depth
         n = cache.lengths
         tokens, qs = [root_B], []
         for j in range(d):
             q = sampling.processed_logprobs(logits_BV, sp)
-            token = jax.vmap(lambda k, lq, j=j: jax.random.categorical(jax.random.fold_in(k, j), lq))(keys_B, q)
+            token = jax.vmap(jax.random.categorical)(keys_BJ[:, j], q)
             tokens.append(token.astype(jnp.int32))
             qs.append(q)
             if j + 1 < d:
@@ -388,6 +391,11 @@ def ancestors(parents_BT: jax.Array) -> jax.Array:
     return anc.astype(bool)
 
 
+def depths(ancestors_BTT: jax.Array) -> jax.Array:
+    """[B, T] int32: each node's depth below the root (from `ancestors`)."""
+    return jnp.sum(ancestors_BTT, axis=2, dtype=jnp.int32) - 1
+
+
 def bound_tree(tree: DraftTree, cache_length_B, max_length: int) -> DraftTree:
     """Pads out nodes whose cache slot would fall past the cache (children have larger
     indices, hence larger slots, than their parents: the tree stays closed)."""
@@ -407,6 +415,37 @@ def verify_rows(tree: DraftTree, target_logp_BTV, keys_B, impl: str = "auto"):
     if tree.draft_logp is None:
         return jax.vmap(lambda t, p, r, k: one(t, p, r, None, k))(tree.tokens, tree.parents, target_logp_BTV, keys_B)
     return jax.vmap(one)(tree.tokens, tree.parents, target_logp_BTV, tree.draft_logp, keys_B)
+
+
+def coupled_verify(tree: DraftTree, target_logp_BTV, keys_BT):
+    """Verification that emits exactly what plain decode would have drawn (rows for rows).
+
+    keys_BT: the key of the token drawn after each node, the one plain decode would
+    draw that position with. The target's draw after node i is categorical(keys_BT[:, i],
+    target_logp_BTV[:, i]), as `sampling.sample` draws; the walk moves from the current
+    node to its first child (in node order) whose token is that draw, and emits the
+    current node's draw when there is none. Each emitted token is then the draw of plain
+    decode at its position, whatever was drafted: lossless at any temperature, and the
+    same samples with speculation on or off, with any drafter (up to the rounding by
+    which a tree forward's logits differ from a one-token step's). A drafter that draws
+    its tokens with the same keys (a shared Gumbel noise) proposes the target's draw
+    whenever the two distributions put it first; acceptance is then somewhat below
+    rejection sampling's. Returns (path_BT, num_accepted_B, next_token_B) as
+    `verify_rows`."""
+    b, t = tree.tokens.shape
+    draws_BT = jax.vmap(jax.vmap(jax.random.categorical))(keys_BT, target_logp_BTV).astype(jnp.int32)
+    node_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def body(i, carry):
+        cur_B, n_acc_B, path_BT = carry
+        draw_B = jnp.take_along_axis(draws_BT, cur_B[:, None], 1)[:, 0]
+        accept_B = (tree.parents[:, i] == cur_B) & (tree.tokens[:, i] == draw_B)
+        path_BT = jnp.where(accept_B[:, None] & (node_BT == n_acc_B[:, None]), i, path_BT)
+        return jnp.where(accept_B, i, cur_B), n_acc_B + accept_B.astype(jnp.int32), path_BT
+
+    zeros_B = jnp.zeros((b,), jnp.int32)
+    cur_B, n_acc_B, path_BT = jax.lax.fori_loop(1, t, body, (zeros_B, zeros_B, jnp.full((b, t), -1, jnp.int32)))
+    return path_BT, n_acc_B, jnp.take_along_axis(draws_BT, cur_B[:, None], 1)[:, 0]
 
 
 def emitted(tree: DraftTree, target_logp_BTV, path_BT, num_accepted_B, next_token_B):
