@@ -29,8 +29,10 @@ ACCELERATOR = jax.default_backend() in ("gpu", "tpu")
 RUNS = os.environ.get("TLT_NOTEBOOK_RUNS", "runs/colab")
 RUN_DIR = os.path.join(RUNS, "01_tlt_quickstart")
 # Compiled programs are cached on disk: the second rollout engine below, and a rerun of the
-# notebook, skip the compiles already done.
-jax.config.update("jax_compilation_cache_dir", os.path.join(RUNS, "jax_cache"))
+# notebook, skip the compiles already done; the cache the launchers use (JAX_COMPILATION_CACHE_DIR)
+# where one is set.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(RUNS, "jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 if SMOKE:

@@ -26,7 +26,9 @@ ACCELERATOR = jax.default_backend() in ("gpu", "tpu")
 RUNS = os.environ.get("TLT_NOTEBOOK_RUNS", "runs/colab")
 WORK_DIR = os.path.join(RUNS, "04_hf_checkpoint")
 HF_DIR = os.path.join(WORK_DIR, "random_qwen2")
-jax.config.update("jax_compilation_cache_dir", os.path.join(RUNS, "jax_cache"))  # a rerun skips its compiles
+# A rerun skips its compiles; the cache the launchers use (JAX_COMPILATION_CACHE_DIR) where one is set.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(RUNS, "jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 if SMOKE:

@@ -23,7 +23,9 @@ import jax
 SMOKE = os.environ.get("TLT_NOTEBOOK_SMOKE") == "1"
 RUNS = os.environ.get("TLT_NOTEBOOK_RUNS", "runs/colab")
 WORK_DIR = os.path.join(RUNS, "05_your_data")
-jax.config.update("jax_compilation_cache_dir", os.path.join(RUNS, "jax_cache"))  # a rerun skips its compiles
+# A rerun skips its compiles; the cache the launchers use (JAX_COMPILATION_CACHE_DIR) where one is set.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(RUNS, "jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 TASKS = "reasoning_gym:basic_arithmetic,chain_sum,leg_counting"
 SFT_STEPS, RL_STEPS = (20, 2) if SMOKE else (300, 6)
