@@ -28,7 +28,9 @@ starting drafter's teacher-forced acceptance beside the served one's (per task w
 has several); `thirds` gives their means over the first and the last third of the steps,
 and with `frozen` among the modes `<mode>_versus_frozen` compares each trained drafter with
 the frozen one of its pair over the last third (acceptance length, rollout tokens/s).
-`--pin_arm` (the drift presets: eagle-d6) pins the drafter modes' tuner to one arm.
+`--pin_arm` (the drift presets: eagle-d6) pins the drafter modes' tuner to one arm. The
+drift presets speculate coupled (`rollout.spec_coupled`): every mode draws the samples plain
+decode would, so the policy takes one trajectory whatever the drafter.
 
 Phase times are medians over the steps after `--warmup_steps`; the first steps' excess over
 the median is reported as compile time (both modes compile their decode chunks before the
@@ -222,12 +224,14 @@ PRESETS = {
     # Drift that RL itself makes: cpu_wide_pair's long-tail tasks at a policy learning rate
     # 4x the tiny job's (2e-4), 2 prompts x 4 samples a step (G = 4: GRPO has signal) over
     # 60 steps, the tuner pinned to one EAGLE arm at every batch (`pin_arm`), so that live
-    # acceptance compares drafters, not the arms chosen. The offline drafter learned the
+    # acceptance compares drafters, not the arms chosen; speculation coupled (`coupled`:
+    # rollout.spec_coupled), so that every mode draws the same samples and the policy takes
+    # one trajectory whatever the drafter. The offline drafter learned the
     # dataset's correct traces, so RL may move the policy toward what it drafts well: here
     # TLT must lose nothing against the frozen drafter (docs/tlt.md).
     "cpu_drift_rl": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
                          num_samples=4, max_tokens=288, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
-                         warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True,
+                         warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True, coupled=True,
                          learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                          drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
                          spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
@@ -238,7 +242,7 @@ PRESETS = {
     "cpu_drift_shift": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
                             num_samples=4, max_tokens=224, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
                             warm_start="drift_shift", max_prompt_length=48, pin_arm="eagle-d6", thirds=True,
-                            rl_tasks=tasks_drift_shift, balance_tasks=True,
+                            coupled=True, rl_tasks=tasks_drift_shift, balance_tasks=True,
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                             drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
                             spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
@@ -356,7 +360,8 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"],
-                     decode_mlp_size=_decode_mlp_size(preset, target_dir if built else None))
+                     decode_mlp_size=_decode_mlp_size(preset, target_dir if built else None),
+                     spec_coupled=preset.get("coupled", False))
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 
@@ -967,10 +972,10 @@ def aggregate(runs: list[dict], a: str = "baseline", b: str = "tlt", others: boo
 
 def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
     """Each trained drafter's mode ("tlt", "scratch") against the `stale` one of the same
-    pair, over the last third of the steps: acceptance length and rollout tokens/s (the
-    modes sample different tokens once their drafters differ, so their steps' times compare
-    unlike work; tokens/s does not). `<mode>_versus_<stale>`: per pair and the geometric
-    mean over pairs of each ratio."""
+    pair, over the last third of the steps: acceptance length and rollout tokens/s (unless
+    coupled, the modes sample different tokens once their drafters differ, so their steps'
+    times compare unlike work; tokens/s does not), and the steps both sampled alike.
+    `<mode>_versus_<stale>`: per pair and the geometric mean over pairs of each ratio."""
     out = {}
     last = lambda r, key: (r["result"]["modes"][r["mode"]].get("thirds", {}).get(key) or {}).get("last")
     for mode in sorted({r["mode"] for r in done} & {"tlt", "scratch"}):

@@ -368,20 +368,24 @@ for c in configs.values():
     tuner.from_config(c.tlt.tuner)  # what the run checks first
 print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks, sorted(c.data.tasks),
                       c.data.tasks.countdown.weight, c.tlt.drafter.init, c.tlt.drafter.optimizer.learning_rate,
-                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps] for m, c in configs.items()}))
+                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps, c.rollout.spec_coupled]
+                  for m, c in configs.items()}))
 """
 
 
 @pytest.mark.parametrize("given, arm", [([], "eagle-d6"), (["--pin_arm=eagle-d4"], "eagle-d4")])
 def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tasks(given, arm, tmp_path):
     out = printed_json(_PINNED, f"--run_dir={tmp_path}", *given)
-    for mode in ("tlt", "frozen", "scratch"):
+    modes = ("baseline", "tlt", "frozen", "scratch")
+    for mode in modes[1:]:
         assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
     assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
     # The warm start at 1e-4 with 2 catch-up steps capped at 2%; a drafter from nothing at
     # 1e-3 with 8, up to 10%.
-    assert out["tlt"][5] == "d" and out["tlt"][6:] == [1e-4, 0.02, 2]
-    assert out["scratch"][5:] == ["", 1e-3, 0.1, 8]
+    assert out["tlt"][5] == "d" and out["tlt"][6:9] == [1e-4, 0.02, 2]
+    assert out["scratch"][5:9] == ["", 1e-3, 0.1, 8]
+    # Every mode, the baseline too, speculates coupled: one trajectory of the policy for all.
+    assert all(out[m][9] is True for m in modes)
 
 
 _ENV = r"""
