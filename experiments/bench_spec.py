@@ -39,6 +39,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 from jax import lax
 
@@ -76,6 +77,8 @@ _DECODE_MLP_SIZE = flags.DEFINE_integer("decode_mlp_size", 0, "Decode the target
                                         "reads); 0: the model's own width.")
 _SPEC_STEPS_PER_SYNC = flags.DEFINE_integer("spec_steps_per_sync", RolloutConfig.spec_steps_per_sync,
                                            "Speculative steps per device loop (RolloutConfig.spec_steps_per_sync).")
+_COUPLED = flags.DEFINE_bool("coupled", False, "Verify coupled (rollout.spec_coupled): every speculative rollout "
+                             "returns plain decode's samples; `same_tokens` records whether it did.")
 _REGIME_TOKENS = flags.DEFINE_list("regime_tokens", ["1", "2", "4", "5", "8"], "Tokens per sequence of the verify "
                                    "forwards --regime times.")
 
@@ -97,7 +100,7 @@ def run_once(engine, prompts, g, sp, speculation, key):
     tokens = int(out.lengths.sum())
     return dict(tokens=tokens, seconds=wall, tokens_per_s=tokens / wall, decode_tokens_per_s=tokens / decode_s,
                 acceptance_length=s["acceptance_length"], timeline=out.timeline.groups[0],
-                acceptance_by_depth=out.timeline.acceptance_by_depth(),
+                acceptance_by_depth=out.timeline.acceptance_by_depth(), answers=out.tokens,
                 tuner_s=timed.seconds if timed is not None else 0.0)
 
 
@@ -230,7 +233,7 @@ def main(argv):
                   target=_TARGET.value, drafter=_DRAFTER.value, target_params=model_cfg.num_params(),
                   target_weight_bytes=_weight_bytes(params), decode_mlp_size=_DECODE_MLP_SIZE.value,
                   decode_weight_bytes=_decode_weight_bytes(params, model_cfg),
-                  spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, rows=rows)
+                  spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, coupled=_COUPLED.value, rows=rows)
     if _REGIME.value:
         result["regime"] = run_regime(model_cfg, params, all_prompts, batches, mesh)
         _write(result)
@@ -256,7 +259,8 @@ def main(argv):
                            max_length=max(map(len, prompts)) + preset["max_tokens"] + 1, steps_per_sync=16,
                            eos_token_id=model_cfg.eos_token_id,
                            max_draft_depth=max(s.depth for s in strategies),
-                           spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, decode_mlp_size=_DECODE_MLP_SIZE.value)
+                           spec_steps_per_sync=_SPEC_STEPS_PER_SYNC.value, decode_mlp_size=_DECODE_MLP_SIZE.value,
+                           spec_coupled=_COUPLED.value)
         engine = RolloutEngine(model_cfg, params, mesh, rc, drafter_cfg, drafter_params)
         for temperature in temperatures:
             sp = sampling.SamplingParams(temperature=temperature, max_tokens=preset["max_tokens"])
@@ -272,7 +276,9 @@ def main(argv):
                            decode_speedup=spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                            acceptance_length=spec["acceptance_length"],
                            acceptance_by_depth=spec["acceptance_by_depth"], plain_tokens=plain["tokens"],
-                           spec_tokens=spec["tokens"])
+                           spec_tokens=spec["tokens"],
+                           # Token for token plain decode's answers (always so at temperature 0 and coupled).
+                           same_tokens=all(np.array_equal(a, b) for a, b in zip(plain["answers"], spec["answers"])))
                 if _BREAKDOWN.value:
                     row.update(breakdown_row(engine, all_prompts, sp, key, strategy, plain, spec, plain_chunk))
                 rows.append(row)
@@ -291,6 +297,8 @@ def main(argv):
         print(f"{r['batch']:5d} {r['temperature']:3.1f} {r['strategy']:20} {r['plain_tokens_per_s']:11.0f} "
               f"{r['spec_tokens_per_s']:10.0f} {r['speedup']:5.2f} {r['decode_speedup']:8.2f} "
               f"{r['acceptance_length']:7.2f}  {by_depth}")
+    print(("coupled: " if _COUPLED.value else "") + "speculative answers token for token plain decode's in "
+          f"{sum(r['same_tokens'] for r in rows)} of {len(rows)} rows")
     print("largest batch where speculation pays:", json.dumps(result["breakeven_batch"]))
     if _BREAKDOWN.value:
         print_breakdown(rows)
