@@ -19,3 +19,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tlt_jax", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+# A data=2 mesh's second rollout group loads the programs the first compiled (the launchers
+# do the same: `launch.enable_compilation_cache`), for the tests that run in this process.
+from tlt_jax import launch  # noqa: E402 (after the environment above, which jax reads)
+
+launch.cache_programs_for_any_devices()

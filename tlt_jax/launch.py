@@ -337,6 +337,26 @@ def enable_compilation_cache(directory: str) -> None:
     together they are most of a short job's start-up."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    cache_programs_for_any_devices()
+
+
+def cache_programs_for_any_devices() -> None:
+    """Keys the persistent cache's programs without the devices they run on, on every
+    backend, as jax itself does on GPUs (`jax._src.cache_key`, strip_device_assignment) but
+    not on CPUs: each rollout group of a CPU mesh with data > 1 (its own devices) then loads
+    the program the first group compiled, placed on its own devices, rather than compiling
+    the same program again. A jax without that hook keeps its own keys."""
+    from jax._src import cache_key
+
+    hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
+    if hash_options is None or getattr(hash_options, "any_devices", False):
+        return
+
+    def any_devices(hash_obj, compile_options, strip_device_assignment=False):
+        return hash_options(hash_obj, compile_options, strip_device_assignment=True)
+
+    any_devices.any_devices = True
+    cache_key._hash_serialized_compile_options = any_devices
 
 
 def _configure_console() -> None:
