@@ -101,8 +101,9 @@ class RolloutConfig:
     decode_mlp_size: int = 0
     # Speculative steps emit exactly the tokens plain decode would draw with the same
     # keys (`speculative.coupled_verify`): the samples, and so an RL run, do not depend on
-    # whether or with which drafter a chunk speculated, at an acceptance somewhat below
-    # rejection sampling's. For comparing drafters on one policy's trajectory.
+    # whether or with which drafter a chunk speculated, at an acceptance per drafted token
+    # at most rejection sampling's (docs/speculative.md: within noise of it with the shipped
+    # drafter). For comparing drafters on one trajectory of the policy.
     spec_coupled: bool = False
 
     def __post_init__(self):

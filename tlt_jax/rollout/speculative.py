@@ -429,8 +429,8 @@ def coupled_verify(tree: DraftTree, target_logp_BTV, keys_BT):
     same samples with speculation on or off, with any drafter (up to the rounding by
     which a tree forward's logits differ from a one-token step's). A drafter that draws
     its tokens with the same keys (a shared Gumbel noise) proposes the target's draw
-    whenever the two distributions put it first; acceptance is then somewhat below
-    rejection sampling's. Returns (path_BT, num_accepted_B, next_token_B) as
+    whenever the two distributions put it first; per drafted token that accepts at most
+    as often as rejection sampling (1 - total variation). Returns (path_BT, num_accepted_B, next_token_B) as
     `verify_rows`."""
     b, t = tree.tokens.shape
     draws_BT = jax.vmap(jax.vmap(jax.random.categorical))(keys_BT, target_logp_BTV).astype(jnp.int32)
