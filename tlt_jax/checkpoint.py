@@ -33,11 +33,17 @@ import pathlib
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
 from tlt_jax import faults
+
+try:  # orbax's per-process count of saves (see `align_save_counts`); private, so optional
+    from orbax.checkpoint._src.futures.synchronization import OperationIdGenerator as _OrbaxSaveCount
+except ImportError:  # pragma: no cover
+    _OrbaxSaveCount = None
 
 MANIFEST_NAME = "COMMITTED.json"
 _MANIFEST_FORMAT = 1
@@ -118,6 +124,25 @@ def resume_step(directory: str | os.PathLike) -> int:
             continue
         return step
     return 0
+
+
+def align_save_counts() -> None:
+    """Brings every process's count of orbax saves to the highest; called by every process
+    after a `this_process_only` save by any of them.
+
+    orbax numbers each save with a per-process counter and keys the signals a multi-process
+    save waits on by that number alone. A save by one process alone advances only its own
+    counter, so the next save of a shared checkpoint would wait on keys the other processes
+    write under another number: a hang (seen in RL runs whose process 0 saves the drafter's
+    checkpoints alone). Returns at once in a one-process run."""
+    if jax.process_count() == 1 or _OrbaxSaveCount is None:
+        return
+    count = int(_OrbaxSaveCount.get_current_operation_id())
+    highest = int(np.max(multihost_utils.process_allgather(np.asarray([count], np.int64))))
+    if highest > count:
+        logging.info("Advancing orbax's save count from %d to %d, with the other processes' saves", count, highest)
+    while int(_OrbaxSaveCount.get_current_operation_id()) < highest:
+        _OrbaxSaveCount.next_operation_id()
 
 
 class Checkpointer:
