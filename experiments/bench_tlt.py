@@ -160,6 +160,13 @@ _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "fl
 # (the drift presets' whole budget; 2 left it at 0.73x the warm start's acceptance, 8 at
 # 0.87-2.1x, docs/benchmarks.md) within a tenth of the run's time, while it has everything
 # to learn.
+# The warm start's online recipe where the policy drifts, chosen on cpu_drift_shift's coupled
+# runs (docs/benchmarks.md, "Drafters compared on one trajectory"): a drafter rate of 3e-4
+# and up to 8 catch-up steps an RL step within 10% of the run's time (catch_up_steps=8):
+# acceptance follows the drafter steps a run takes, and 2 steps capped at 2% kept it at 1.09x
+# frozen's over the last third, 8 at 10% took it to 1.34x.
+_DRIFT_DRAFTER = dict(batch_size=4, optimizer=dict(learning_rate=3e-4))
+_DRIFT_SPOT = dict(catch_up_max_share=0.1)
 _SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
 
 PRESETS = {
@@ -230,22 +237,20 @@ PRESETS = {
     # dataset's correct traces, so RL may move the policy toward what it drafts well: here
     # TLT must lose nothing against the frozen drafter (docs/tlt.md).
     "cpu_drift_rl": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
-                         num_samples=4, max_tokens=288, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
+                         num_samples=4, max_tokens=288, num_slots=8, catch_up_steps=8, max_steps_per_rl_step=8,
                          warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True, coupled=True,
                          learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
-                         drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
-                         spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
+                         drafter=_DRIFT_DRAFTER, spot=_DRIFT_SPOT, scratch=_SCRATCH),
     # A change of response style between warm start and RL: the warm start (configs/sft.py:
     # drift_shift) and its offline drafter saw additions (A) and a small share of countdowns
     # (B); RL trains on both, one prompt of each a step (balance_tasks), so B's completions
     # change as B is learned and the frozen drafter goes stale there.
     "cpu_drift_shift": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
-                            num_samples=4, max_tokens=224, num_slots=8, catch_up_steps=2, max_steps_per_rl_step=8,
+                            num_samples=4, max_tokens=224, num_slots=8, catch_up_steps=8, max_steps_per_rl_step=8,
                             warm_start="drift_shift", max_prompt_length=48, pin_arm="eagle-d6", thirds=True,
                             coupled=True, rl_tasks=tasks_drift_shift, balance_tasks=True,
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
-                            drafter=dict(batch_size=4, optimizer=dict(learning_rate=1e-4)),
-                            spot=dict(catch_up_max_share=0.02), scratch=_SCRATCH),
+                            drafter=_DRIFT_DRAFTER, spot=_DRIFT_SPOT, scratch=_SCRATCH),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
     # environment step between them that sleeps a fixed time (`env`: latency_ms;
     # --env_latency_ms): the worked answer up to "answer:", the step, then the answer
