@@ -398,8 +398,6 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     pin_arm = preset.get("pin_arm", "") if _PIN_ARM.value is None else _PIN_ARM.value
     if pin_arm and mode in ("tlt", "frozen", "scratch"):  # one arm at every batch: drafters compared, not arms
         c.tlt.tuner.update(buckets=[1], arms=[[pin_arm]], max_active=preset["num_slots"])
-    if mode == "frozen":
-        c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     if mode == "scratch":  # a drafter from nothing, with the preset's recipe for one (`scratch`)
         c.tlt.drafter.init = ""
         c.tlt.drafter.update(preset.get("scratch", {}).get("drafter", {}))
@@ -412,6 +410,8 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     _override(c, _SET.value)
     if mode != "baseline":
         _override(c, _TLT_SET.value)
+    if mode == "frozen":  # never trained, whatever --tlt_set gives the trained modes
+        c.tlt.spot.update(catch_up_steps=0, max_steps_per_rl_step=0)
     return c
 
 

@@ -388,6 +388,11 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
     assert all(out[m][9] is True for m in modes)
 
 
+def test_a_tlt_override_trains_the_trained_modes_and_never_the_frozen_one(tmp_path):
+    out = printed_json(_PINNED, f"--run_dir={tmp_path}", "--tlt_set=tlt.spot.catch_up_steps=4")
+    assert out["tlt"][8] == out["scratch"][8] == 4 and out["frozen"][8] == 0
+
+
 _ENV = r"""
 import json, sys
 from absl import flags
