@@ -277,7 +277,7 @@ def main(argv):
                            acceptance_length=spec["acceptance_length"],
                            acceptance_by_depth=spec["acceptance_by_depth"], plain_tokens=plain["tokens"],
                            spec_tokens=spec["tokens"],
-                           # Token for token plain decode's answers (always so at temperature 0 and coupled).
+                           # Token for token plain decode's answers (so at temperature 0 and coupled, up to rounding).
                            same_tokens=all(np.array_equal(a, b) for a, b in zip(plain["answers"], spec["answers"])))
                 if _BREAKDOWN.value:
                     row.update(breakdown_row(engine, all_prompts, sp, key, strategy, plain, spec, plain_chunk))

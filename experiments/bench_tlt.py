@@ -155,18 +155,18 @@ PLOTTED_MODES = ("tlt", "frozen", "scratch", "ngram")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
-# A drafter from nothing (mode scratch) learns at the online default's 1e-3, not at the
-# 1e-4 that keeps a warm start where it drafts well, and takes 8 catch-up steps an RL step
-# (the drift presets' whole budget; 2 left it at 0.73x the warm start's acceptance, 8 at
-# 0.87-2.1x, docs/benchmarks.md) within a tenth of the run's time, while it has everything
-# to learn.
-# The warm start's online recipe where the policy drifts, chosen on cpu_drift_shift's coupled
-# runs (docs/benchmarks.md, "Drafters compared on one trajectory"): a drafter rate of 3e-4
-# and up to 8 catch-up steps an RL step within 10% of the run's time (catch_up_steps=8):
-# acceptance follows the drafter steps a run takes, and 2 steps capped at 2% kept it at 1.09x
-# frozen's over the last third, 8 at 10% took it to 1.34x.
+# The warm start's online recipe where the policy drifts (the drift presets, with their
+# catch_up_steps=8), chosen on cpu_drift_shift's coupled runs (docs/benchmarks.md, "Drafters
+# compared on one trajectory"): a drafter rate of 3e-4 and up to 8 catch-up steps an RL step
+# within 10% of the run's time. Acceptance follows the drafter steps a run takes: 2 steps
+# within 2% kept it at 1.09x frozen's over the last third, 8 within 10% took it to 1.34x (and
+# cost 2-4% where nothing drifts).
 _DRIFT_DRAFTER = dict(batch_size=4, optimizer=dict(learning_rate=3e-4))
 _DRIFT_SPOT = dict(catch_up_max_share=0.1)
+# A drafter from nothing (mode scratch) learns at the online default's 1e-3, faster than a
+# warm start may, and takes 8 catch-up steps an RL step within a tenth of the run's time
+# whatever its preset gives the warm start: it has everything to learn (2 left it at 0.73x
+# the warm start's acceptance, 8 at 0.87-2.1x, docs/benchmarks.md).
 _SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
 
 PRESETS = {

@@ -25,7 +25,7 @@ def main(directory: str, address: str, process_id: str, align: str) -> None:
         if align == "1":
             checkpoint.align_save_counts()
     count = int(checkpoint._OrbaxSaveCount.get_current_operation_id())
-    counts = multihost_utils.process_allgather(np.asarray([count], np.int64))
+    counts = multihost_utils.process_allgather(np.asarray([count], np.int32))
     print(json.dumps(np.asarray(counts).reshape(-1).tolist()), flush=True)
     if align != "1":
         return

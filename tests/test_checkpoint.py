@@ -277,7 +277,6 @@ def test_resume_returns_the_template_until_a_step_exists(tmp_path):
     assert state["w"].sharding == like["w"].sharding
 
 
-
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "not_aligned"])
 def test_a_save_by_one_process_leaves_every_process_counting_saves_alike(align, tmp_path):
     """orbax numbers each save with a per-process counter and keys a shared save's signals by

@@ -138,7 +138,7 @@ def align_save_counts() -> None:
     if jax.process_count() == 1 or _OrbaxSaveCount is None:
         return
     count = int(_OrbaxSaveCount.get_current_operation_id())
-    highest = int(np.max(multihost_utils.process_allgather(np.asarray([count], np.int64))))
+    highest = int(np.max(multihost_utils.process_allgather(np.asarray([count], np.int32))))
     if highest > count:
         logging.info("Advancing orbax's save count from %d to %d, with the other processes' saves", count, highest)
     while int(_OrbaxSaveCount.get_current_operation_id()) < highest:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -661,8 +662,8 @@ class _Group:
             else:
                 step_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_request_keys(key, state.request,
                                                                                         model_tokens))
-                keys = jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(strategy.depth)))(
-                    step_keys)
+                keys = jax.vmap(lambda k: jax.vmap(functools.partial(jax.random.fold_in, k))(
+                    jnp.arange(strategy.depth)))(step_keys)
             drafter_state, tree = engine.drafter.draft(drafter_params, params, state.spec.drafter, state.last_token,
                                                        strategy, sp, keys)
             state = dataclasses.replace(state, spec=dataclasses.replace(state.spec, drafter=drafter_state))
