@@ -380,9 +380,9 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
     for mode in modes[1:]:
         assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
     assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
-    # The warm start at 3e-4 with 8 catch-up steps capped at 10%; a drafter from nothing at
+    # The warm start at 2e-4 with 8 catch-up steps capped at 10%; a drafter from nothing at
     # 1e-3 with 8, up to 10%.
-    assert out["tlt"][5] == "d" and out["tlt"][6:9] == [3e-4, 0.1, 8]
+    assert out["tlt"][5] == "d" and out["tlt"][6:9] == [2e-4, 0.1, 8]
     assert out["scratch"][5:9] == ["", 1e-3, 0.1, 8]
     # Every mode, the baseline too, speculates coupled: one trajectory of the policy for all.
     assert all(out[m][9] is True for m in modes)
