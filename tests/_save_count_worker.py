@@ -1,9 +1,7 @@
 """One of two processes for tests/test_checkpoint.py: process 0 saves a checkpoint of its
-own twice (`this_process_only`), then both save a shared one; prints every process's count
-of orbax saves as JSON. Run as `python -m tests._save_count_worker DIR HOST:PORT PROCESS_ID
-ALIGN` from the repository root (ALIGN 1: `checkpoint.align_save_counts` after each lone
-save, as the RL run does; 0: not, which leaves the counts apart, and the shared save is
-skipped: it may wait forever)."""
+own twice (`this_process_only`), then both save a shared one; prints every process's count of
+orbax saves as JSON before and after the shared save, then "saved". Run as `python -m
+tests._save_count_worker DIR HOST:PORT PROCESS_ID` from the repository root."""
 import json
 import sys
 
@@ -14,7 +12,13 @@ from jax.experimental import multihost_utils
 from tlt_jax import checkpoint
 
 
-def main(directory: str, address: str, process_id: str, align: str) -> None:
+def _print_counts() -> None:
+    count = int(checkpoint._OrbaxSaveCount.get_current_operation_id())
+    counts = multihost_utils.process_allgather(np.asarray([count], np.int32))
+    print(json.dumps(np.asarray(counts).reshape(-1).tolist()), flush=True)
+
+
+def main(directory: str, address: str, process_id: str) -> None:
     jax.distributed.initialize(coordinator_address=address, num_processes=2, process_id=int(process_id),
                                initialization_timeout=60)
     alone = (checkpoint.Checkpointer(f"{directory}/alone", this_process_only=True, async_save=False)
@@ -22,15 +26,10 @@ def main(directory: str, address: str, process_id: str, align: str) -> None:
     for step in (1, 2):
         if alone is not None:
             alone.save(step, {"x": np.arange(3)})
-        if align == "1":
-            checkpoint.align_save_counts()
-    count = int(checkpoint._OrbaxSaveCount.get_current_operation_id())
-    counts = multihost_utils.process_allgather(np.asarray([count], np.int32))
-    print(json.dumps(np.asarray(counts).reshape(-1).tolist()), flush=True)
-    if align != "1":
-        return
+    _print_counts()
     shared = checkpoint.Checkpointer(f"{directory}/shared", async_save=False)
     shared.save(1, {"x": np.arange(3)})
+    _print_counts()
     shared.close()
     if alone is not None:
         alone.close()

@@ -277,12 +277,11 @@ def test_resume_returns_the_template_until_a_step_exists(tmp_path):
     assert state["w"].sharding == like["w"].sharding
 
 
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "not_aligned"])
-def test_a_save_by_one_process_leaves_every_process_counting_saves_alike(align, tmp_path):
+def test_a_shared_save_after_one_process_saved_alone_counts_saves_alike_on_every_process(tmp_path):
     """orbax numbers each save with a per-process counter and keys a shared save's signals by
-    it: after process 0 saved alone twice, `align_save_counts` brings process 1's count to
-    process 0's and the two then save a shared checkpoint; without it the counts stay apart
-    (the state in which RL runs hung at their next shared save)."""
+    it: after process 0 saved alone twice the counts stand apart ([2, 0]: the state in which
+    RL runs hung at their next shared save); the shared save brings them together first, and
+    completes."""
     import json
     import socket
 
@@ -291,8 +290,8 @@ def test_a_save_by_one_process_leaves_every_process_counting_saves_alike(align, 
         port = s.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     procs = [subprocess.Popen([sys.executable, "-m", "tests._save_count_worker", str(tmp_path), f"localhost:{port}",
-                               str(i), str(int(align))], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+                               str(i)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -301,5 +300,4 @@ def test_a_save_by_one_process_leaves_every_process_counting_saves_alike(align, 
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     for out, _ in outs:
         lines = [line for line in out.splitlines() if not line.startswith("[Gloo]")]  # gloo's own report
-        assert json.loads(lines[0]) == ([2, 2] if align else [2, 0])
-        assert lines[1:] == (["saved"] if align else [])
+        assert [json.loads(line) for line in lines[:2]] == [[2, 0], [3, 3]] and lines[2:] == ["saved"]

@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from tlt_jax import faults
 
-try:  # orbax's per-process count of saves (see `align_save_counts`); private, so optional
+try:  # orbax's per-process count of saves (see `_align_save_counts`); private, so optional
     from orbax.checkpoint._src.futures.synchronization import OperationIdGenerator as _OrbaxSaveCount
 except ImportError:  # pragma: no cover
     _OrbaxSaveCount = None
@@ -126,16 +126,15 @@ def resume_step(directory: str | os.PathLike) -> int:
     return 0
 
 
-def align_save_counts() -> None:
-    """Brings every process's count of orbax saves to the highest; called by every process
-    after a `this_process_only` save by any of them.
+def _align_save_counts() -> None:
+    """Brings every process's count of orbax saves to the highest (collective).
 
     orbax numbers each save with a per-process counter and keys the signals a multi-process
-    save waits on by that number alone. A save by one process alone advances only its own
-    counter, so the next save of a shared checkpoint would wait on keys the other processes
-    write under another number: a hang (seen in RL runs whose process 0 saves the drafter's
-    checkpoints alone). Returns at once in a one-process run."""
-    if jax.process_count() == 1 or _OrbaxSaveCount is None:
+    save waits on by that number alone. A `this_process_only` save advances only its own
+    process's counter (RL runs: process 0 saves the drafter's checkpoints alone), after which a
+    shared save would wait on keys the other processes write under another number: a hang.
+    Every shared save calls this first."""
+    if _OrbaxSaveCount is None:
         return
     count = int(_OrbaxSaveCount.get_current_operation_id())
     highest = int(np.max(multihost_utils.process_allgather(np.asarray([count], np.int32))))
@@ -275,6 +274,8 @@ class Checkpointer:
             raise ValueError(f"meta['step']={meta['step']} disagrees with step={step}")
         self._join_pending()
         self._set_aside_steps_from(step)
+        if self._together:
+            _align_save_counts()
         with self._writing(step):
             saved = self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))

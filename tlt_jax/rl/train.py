@@ -378,10 +378,8 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
             writer.write(step + 1, record)
             bar.update(record)
             loop.check_finite(step + 1)
-            if tlt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
-                if drafter_ckpt is not None:  # process 0 alone: the others keep count with it
-                    save_drafter(step + 1)
-                checkpoint.align_save_counts()
+            if drafter_ckpt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
+                save_drafter(step + 1)
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 save(step + 1)
     finally:
