@@ -995,12 +995,12 @@ def drafter_comparisons(done: list[dict], stale: str = "frozen") -> dict:
                 x, y = last(members[mode], key), last(members[stale], key)
                 if x and y:
                     ratio[key] = x / y
-            digests = [members[m]["result"]["modes"][m].get("samples_digest") or [] for m in (mode, stale)]
-            # Steps on which both drew the very same samples: all of them when coupled, so the
-            # ratios compare drafters on one trajectory of the policy.
-            ratio["same_samples_steps"] = sum(a is not None and a == b for a, b in zip(*digests))
-            if len(ratio) > 1:
-                pairs.append(dict(pair=pair, **ratio))
+            if ratio:
+                digests = [members[m]["result"]["modes"][m].get("samples_digest") or [] for m in (mode, stale)]
+                # Steps on which both drew the very same samples: all of them when coupled, so the
+                # ratios compare drafters on one trajectory of the policy.
+                same = sum(a is not None and a == b for a, b in zip(*digests))
+                pairs.append(dict(pair=pair, **ratio, same_samples_steps=same))
         if pairs:
             entry = dict(pairs=pairs)
             for key in ("acceptance_length", "rollout_tokens_per_s"):
