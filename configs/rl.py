@@ -68,7 +68,10 @@ def tlt_config() -> ml_collections.ConfigDict:
             optimizer=dict(learning_rate=1e-3, warmup_steps=0, schedule="constant", decay_steps=1000,
                            weight_decay=0.01, b1=0.9, b2=0.95, max_grad_norm=1.0),
             checkpoint_every=5,
-            eval_rows=16),  # each RL step's rows scoring the drafter that drafted it (0: none)
+            eval_rows=16,  # each RL step's rows scoring the drafter that drafted it (0: none)
+            # share of each step's samples held out of training to decide whether the drafter
+            # trained on the rest reaches the engine (0: always; OnlineDrafter.publish)
+            publish_holdout=0.0),
     ))
 
 

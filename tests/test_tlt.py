@@ -222,13 +222,16 @@ def test_a_drafter_from_nothing_never_publishes_non_finite_weights():
     assert online.publish() and online.version == 2
 
 
-def _tiny_online(config: OnlineDrafterConfig) -> OnlineDrafter:
-    """An OnlineDrafter of a 1-layer drafter for a 1-layer, 16-wide target, on one device."""
+def _tiny_online(config: OnlineDrafterConfig, head_scale: float = 1.0) -> OnlineDrafter:
+    """An OnlineDrafter of a 1-layer drafter for a 1-layer, 16-wide target, on one device
+    (head_scale: the target's LM head scaled, so that a drafter's logits can be far from flat)."""
     cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=8)
     dcfg = drafter_lib.DrafterConfig(num_layers=1)
     dparams = drafter_lib.init_drafter(cfg, dcfg, jax.random.PRNGKey(1), init_std=0.3)
-    engine = RolloutEngine(cfg, tfm.init_params(cfg, jax.random.PRNGKey(0)),
+    params = tfm.init_params(cfg, jax.random.PRNGKey(0))
+    params["lm_head"] = params["lm_head"] * head_scale
+    engine = RolloutEngine(cfg, params,
                            sharding.make_mesh({"data": 1}, jax.devices()[:1]),
                            RolloutConfig(num_slots=2, max_prompt_length=4, max_length=16), dcfg, dparams)
     return OnlineDrafter(engine, cfg, dcfg, dparams, config, temperature=1.0)
@@ -325,6 +328,46 @@ def test_the_rows_of_each_task_are_scored_on_their_own():
     assert got["drafter/served_accept_rate/a"] != got["drafter/served_accept_rate/b"]
     alone.add(2, tokens, [2, 3, 2], [8, 9, 10], data)  # one task: no per-task figures
     assert not any(k.count("/") > 1 for k in alone.served_metrics(2))
+
+
+def test_a_drafter_reaches_the_engine_only_if_it_beats_the_served_one_on_held_out_samples():
+    """publish_holdout: of a step's samples a share stays out of the buffer until the
+    publish, where the drafter in training must score at least the served one on them. A
+    drafter trained toward other tokens than the held-out samples' is withheld (the engine
+    keeps its version); one trained on samples like them is published. Either way the
+    held-out samples then join the buffer."""
+    online = _tiny_online(OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, publish_holdout=0.5,
+                                              optimizer=OptimizerConfig(learning_rate=3e-2)), head_scale=100.0)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 11, 16)).astype(np.float32)
+    ids = rng.permuted(np.tile(np.arange(32), (11, 1)), axis=1)[None].astype(np.int32)
+    logp = np.log(np.broadcast_to(np.float32([0.7, 0.1, 0.1, 0.05]), (1, 11, 4)))
+    # One sample's tokens and features, with the target's top-4 on ids 0-3 or 4-7 of each
+    # position's shuffle (a drafter that learns one unlearns the other).
+    one = lambda at: DrafterData(hidden=hidden, ids=ids[..., at:at + 4], logp=logp, layers=None)
+    tokens = rng.integers(1, 32, (1, 12))
+    add = lambda step, targets: online.add(step, np.repeat(tokens, 4, 0), [2] * 4, [10] * 4, jax.tree.map(
+        lambda *x: np.concatenate(x), *[one(at) for at in targets]))
+    train = lambda: [online.train_step(spot.ALL) for _ in range(4)]
+    in_engine = lambda: jax.device_get(online.engine.groups[0].drafter_params)
+    start = jax.device_get(online.state.params)
+
+    add(1, [0, 4, 4, 0])
+    assert online.buffer.num_rows_of_step(1) == 2  # samples 0 and 3 held out
+    train()  # toward ids 4-7: worse on the held-out samples' 0-3
+    assert not online.publish() and online.version == 0 and online.withheld == 1
+    scores = online.publish_metrics
+    assert scores["drafter/holdout_candidate_accept_rate"] < scores["drafter/holdout_served_accept_rate"]
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), start)
+    assert online.buffer.num_rows_of_step(1) == 4  # the held-out samples joined after the decision
+
+    online = _tiny_online(online.config, head_scale=100.0)
+    add(2, [0, 0, 0, 0])
+    train()
+    assert online.publish() and online.version == 1 and online.withheld == 0
+    scores = online.publish_metrics
+    assert scores["drafter/holdout_candidate_accept_rate"] > scores["drafter/holdout_served_accept_rate"]
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(online.state.params))
 
 
 def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_with():

@@ -5,6 +5,13 @@ to the rollout engine between rollouts, checkpointed on its own cadence.
     SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
     end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
 
+With `publish_holdout` > 0 a publish is earned: that share of each step's samples stays out
+of training until the end of the step, and the drafter trained meanwhile reaches the
+engine only if, teacher-forced on those samples, it scores at least the served drafter's
+acceptance. Both are then scored on data neither trained on, so a drafter that training
+pulled away from a warm start the policy never left is withheld, while one that follows a
+moving policy beats the stale served one and is published.
+
 One drafter, never diverging copies: with several processes it trains on process 0
 alone, and every publish hands process 0's weights and counters to every process's
 engine (`to_engine`, collective). Its train state lives on the devices of the
@@ -73,8 +80,18 @@ class OnlineDrafterConfig:
     # Rows of each RL step, at most, on which the drafter that drafted its rollouts is
     # scored, teacher-forced (`served_metrics`; 0: never).
     eval_rows: int = 16
+    # Share of each RL step's samples kept out of training until the step's publish, which
+    # they decide (the module docstring); up to eval_rows of their rows are scored. 0:
+    # every changed drafter is published.
+    publish_holdout: float = 0.0
 
     def __post_init__(self):
+        if not 0 <= self.publish_holdout < 1:
+            raise ValueError(f"tlt.drafter.publish_holdout={self.publish_holdout} must be in [0, 1): the share of "
+                             "each step's samples that decides whether the drafter is published (0: always).")
+        if self.publish_holdout and not self.eval_rows:
+            raise ValueError("tlt.drafter.publish_holdout > 0 scores up to eval_rows rows of the held-out samples; "
+                             "set tlt.drafter.eval_rows >= 1, or publish_holdout=0.")
         for name in ("top_k", "batch_size", "keep_steps", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tlt.drafter.{name}={getattr(self, name)} must be >= 1.")
@@ -113,7 +130,10 @@ class OnlineDrafter:
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
+        self.withheld = 0  # changed drafters that scored below the served one (publish_holdout)
         self._published_steps = 0
+        self._held: tuple | None = None  # (rl_step, buffer.add's arguments) of the held-out samples
+        self.publish_metrics: dict[str, float] = {}  # the last publish's scores on them
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -137,22 +157,32 @@ class OnlineDrafter:
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
-        fields = (pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers))
-        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields, observed_nT=observed_nT)
+        samples = (np.asarray(tokens_nT), np.asarray(prompt_lengths_n), np.asarray(response_lengths_n),
+                   pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers),
+                   None if observed_nT is None else np.asarray(observed_nT))
+        n = len(samples[0])
+        held = _spread(n, round(self.config.publish_holdout * n)) if self.config.publish_holdout and n > 1 else []
+        train = np.setdiff1d(np.arange(n), held)
+        pick = lambda idx: tuple(None if x is None else x[idx] for x in samples)
+        self.buffer.add(rl_step, *pick(train)[:7], observed_nT=pick(train)[7])
+        self._held = (rl_step, pick(np.asarray(held, np.int64))) if len(held) else None
         self._rows_by_task = {}
         if tasks_n is not None and len(set(tasks_n)) > 1 and self.config.eval_rows:
             for task in sorted(set(tasks_n)):
-                pick = np.flatnonzero(np.asarray(tasks_n) == task)
-                alone = DrafterBuffer(self.buffer.seq_len, self.buffer.hidden_size, self.buffer.top_k,
-                                      max_bytes=self.buffer.max_bytes,
-                                      num_feature_layers=self.buffer.num_feature_layers,
-                                      feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
-                alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
-                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields),
-                          observed_nT=None if observed_nT is None else np.asarray(observed_nT)[pick])
-                held = alone.num_rows_of_step(rl_step)
-                if held:
-                    self._rows_by_task[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))
+                rows = self._rows_alone(rl_step, pick(np.flatnonzero(np.asarray(tasks_n) == task)))
+                if rows is not None:
+                    self._rows_by_task[task] = rows
+
+    def _rows_alone(self, rl_step: int, samples: tuple) -> dict | None:
+        """Up to eval_rows rows (`eval_batch_rows`) packed from `samples` (`add`'s arguments
+        to the buffer) alone, or None when they fill no row."""
+        b = self.buffer
+        alone = DrafterBuffer(b.seq_len, b.hidden_size, b.top_k, max_bytes=b.max_bytes,
+                              num_feature_layers=b.num_feature_layers, feature_dtype=b.feature_dtype,
+                              prompt_tail=b.prompt_tail)
+        alone.add(rl_step, *samples[:7], observed_nT=samples[7])
+        held = alone.num_rows_of_step(rl_step)
+        return alone.rows_of_step(rl_step, self.eval_batch_rows(held)) if held else None
 
     def served_metrics(self, rl_step: int) -> dict[str, float]:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
@@ -267,16 +297,41 @@ class OnlineDrafter:
     # -- to the engine
 
     def publish(self) -> bool:
-        """Hands the engine the current drafter if it changed since the last publish and
-        every weight is finite (a non-finite drafter never reaches the engine). Collective
-        with several processes: process 0 decides."""
+        """Hands the engine the current drafter if it changed since the last publish, every
+        weight is finite (a non-finite drafter never reaches the engine) and, with
+        publish_holdout, it scores at least the served drafter on the step's held-out
+        samples, which then join the buffer. Collective with several processes: process 0
+        decides."""
+        self.publish_metrics = {}
         changed = self.steps != self._published_steps and self._finite()
+        if changed and not self._beats_served():
+            changed = False
+            self.withheld += 1
+        if self._held is not None:
+            rl_step, samples = self._held
+            self.buffer.add(rl_step, *samples[:7], observed_nT=samples[7])
+            self._held = None
         if not multihost.broadcast_object(changed):
             return False
         self.to_engine()
         self._published_steps = self.steps
         self.version += 1
         return True
+
+    def _beats_served(self) -> bool:
+        """Whether the drafter in training scores at least the served one's acceptance,
+        teacher-forced on the held-out samples (True when none are held or they hold no
+        target); their scores go to `publish_metrics`."""
+        rows = None if self._held is None else self._rows_alone(*self._held)
+        if rows is None:
+            return True
+        candidate = self._evaluate(self._home, rows, self.state.params)
+        served = self._evaluate(self._home, rows)
+        if not candidate["count"]:
+            return True
+        self.publish_metrics = {"drafter/holdout_candidate_accept_rate": candidate["accept_rate"],
+                                "drafter/holdout_served_accept_rate": served["accept_rate"]}
+        return candidate["accept_rate"] >= served["accept_rate"]
 
     def _finite(self) -> bool:
         if bool(_all_finite(self.state.params)):
@@ -296,8 +351,8 @@ class OnlineDrafter:
             params = multihost.broadcast_arrays(jax.device_get(self.state.params))
         else:
             params = _copy(self.state.params)
-        self.version, self.steps, self.skipped, self._published_steps = multihost.broadcast_object(
-            (self.version, self.steps, self.skipped, self._published_steps))
+        self.version, self.steps, self.skipped, self.withheld, self._published_steps = multihost.broadcast_object(
+            (self.version, self.steps, self.skipped, self.withheld, self._published_steps))
         self.engine.update_drafter(params)
 
     # -- checkpoints
@@ -311,7 +366,7 @@ class OnlineDrafter:
         buffer = self.buffer.state_dict()
         shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], buffer)
         return ({"train": jax.device_get(self.state), "buffer": buffer},
-                {"version": self.version, "steps": self.steps, "skipped": self.skipped,
+                {"version": self.version, "steps": self.steps, "skipped": self.skipped, "withheld": self.withheld,
                  "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes})
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
@@ -331,7 +386,15 @@ class OnlineDrafter:
         self.state = tree["train"]
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
+        self.withheld = meta.get("withheld", 0)  # absent from checkpoints written before publish_holdout
         self._published_steps = meta["published_steps"]
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """k of the indices 0..n-1 (at least one, never all), spread evenly: every task and
+    prompt of a step's samples, laid out in order, is held out alike."""
+    k = min(max(k, 1), n - 1)
+    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64)).tolist()
 
 
 @jax.jit
