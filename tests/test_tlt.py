@@ -330,12 +330,12 @@ def test_the_rows_of_each_task_are_scored_on_their_own():
     assert not any(k.count("/") > 1 for k in alone.served_metrics(2))
 
 
-def test_a_drafter_reaches_the_engine_only_if_it_beats_the_served_one_on_held_out_samples():
+def test_the_engine_gets_the_drafter_that_best_drafts_the_held_out_samples():
     """publish_holdout: of a step's samples a share stays out of the buffer until the
-    publish, where the drafter in training must score at least the served one on them. A
-    drafter trained toward other tokens than the held-out samples' is withheld (the engine
-    keeps its version); one trained on samples like them is published. Either way the
-    held-out samples then join the buffer."""
+    publish, and the engine then gets whichever of the drafter in training, the served one
+    and the run's starting one scores best on them: a drafter trained toward other tokens
+    than theirs is withheld and the starting one comes back; one trained on samples like
+    them is published. Either way the held-out samples then join the buffer."""
     online = _tiny_online(OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, publish_holdout=0.5,
                                               optimizer=OptimizerConfig(learning_rate=3e-2)), head_scale=100.0)
     rng = np.random.default_rng(0)
@@ -351,22 +351,31 @@ def test_a_drafter_reaches_the_engine_only_if_it_beats_the_served_one_on_held_ou
     train = lambda: [online.train_step(spot.ALL) for _ in range(4)]
     in_engine = lambda: jax.device_get(online.engine.groups[0].drafter_params)
     start = jax.device_get(online.state.params)
+    scores = lambda: {k.split("_")[1]: v for k, v in online.publish_metrics.items()}
 
-    add(1, [0, 4, 4, 0])
+    add(1, [4, 4, 4, 4])
     assert online.buffer.num_rows_of_step(1) == 2  # samples 0 and 3 held out
-    train()  # toward ids 4-7: worse on the held-out samples' 0-3
-    assert not online.publish() and online.version == 0 and online.withheld == 1
-    scores = online.publish_metrics
-    assert scores["drafter/holdout_candidate_accept_rate"] < scores["drafter/holdout_served_accept_rate"]
-    jax.tree.map(np.testing.assert_array_equal, in_engine(), start)
-    assert online.buffer.num_rows_of_step(1) == 4  # the held-out samples joined after the decision
-
-    online = _tiny_online(online.config, head_scale=100.0)
-    add(2, [0, 0, 0, 0])
     train()
     assert online.publish() and online.version == 1 and online.withheld == 0
-    scores = online.publish_metrics
-    assert scores["drafter/holdout_candidate_accept_rate"] > scores["drafter/holdout_served_accept_rate"]
+    assert scores()["candidate"] > max(scores()["served"], scores()["initial"])
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(online.state.params))
+    assert online.buffer.num_rows_of_step(1) == 4  # the held-out samples joined after the decision
+
+    add(2, [0, 4, 4, 0])
+    train()  # further toward ids 4-7: worse on the held-out samples' 0-3, as is the served drafter
+    assert online.publish() and online.version == 2 and online.withheld == 1
+    assert scores()["initial"] > max(scores()["served"], scores()["candidate"])
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), start)
+
+    add(3, [0, 4, 4, 0])  # the starting drafter, served, is not scored twice, and stays
+    assert not online.publish() and online.version == 2 and online.withheld == 2
+    assert set(scores()) == {"served", "candidate"} and scores()["served"] > scores()["candidate"]
+
+    add(4, [0, 0, 0, 0])
+    online.state = dataclasses.replace(online.state, params=jax.device_put(start))
+    train()
+    assert online.publish() and online.version == 3 and online.withheld == 2
+    assert scores()["candidate"] > scores()["served"]
     jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(online.state.params))
 
 

@@ -6,11 +6,11 @@ to the rollout engine between rollouts, checkpointed on its own cadence.
     end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
 
 With `publish_holdout` > 0 a publish is earned: that share of each step's samples stays out
-of training until the end of the step, and the drafter trained meanwhile reaches the
-engine only if, teacher-forced on those samples, it scores at least the served drafter's
-acceptance. Both are then scored on data neither trained on, so a drafter that training
-pulled away from a warm start the policy never left is withheld, while one that follows a
-moving policy beats the stale served one and is published.
+of training until the end of the step, and the engine then gets whichever of the drafter in
+training, the served one and the run's starting one drafts them best, teacher-forced (none
+of the three trained on them). Where the policy moves, the drafter in training follows it
+and wins; where it stays, the starting drafter (trained offline on far more data than a
+step brings) wins back the engine from versions that training pulled away from it.
 
 One drafter, never diverging copies: with several processes it trains on process 0
 alone, and every publish hands process 0's weights and counters to every process's
@@ -130,9 +130,10 @@ class OnlineDrafter:
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
-        self.withheld = 0  # changed drafters that scored below the served one (publish_holdout)
+        self.withheld = 0  # changed drafters that another outscored (publish_holdout)
         self._published_steps = 0
         self._held: tuple | None = None  # (rl_step, buffer.add's arguments) of the held-out samples
+        self._serving_initial = False  # the engine holds the run's starting drafter (publish_holdout)
         self.publish_metrics: dict[str, float] = {}  # the last publish's scores on them
 
     def _trainer(self, group: int) -> DrafterTrainer:
@@ -297,41 +298,48 @@ class OnlineDrafter:
     # -- to the engine
 
     def publish(self) -> bool:
-        """Hands the engine the current drafter if it changed since the last publish, every
-        weight is finite (a non-finite drafter never reaches the engine) and, with
-        publish_holdout, it scores at least the served drafter on the step's held-out
-        samples, which then join the buffer. Collective with several processes: process 0
-        decides."""
+        """Hands the engine the drafter in training if it changed since the last publish and
+        every weight is finite (a non-finite drafter never reaches the engine); with
+        publish_holdout, whichever of it, the served drafter and the run's starting one
+        scores best on the step's held-out samples (ties: the served one), which then join
+        the buffer. Returns whether the engine's drafter changed. Collective with several
+        processes: process 0 decides."""
         self.publish_metrics = {}
         changed = self.steps != self._published_steps and self._finite()
-        if changed and not self._beats_served():
-            changed = False
-            self.withheld += 1
+        choice = "candidate" if changed else "served"
         if self._held is not None:
             rl_step, samples = self._held
+            choice = self._best_on(self._rows_alone(rl_step, samples), changed)
+            self.withheld += changed and choice != "candidate"
             self.buffer.add(rl_step, *samples[:7], observed_nT=samples[7])
             self._held = None
-        if not multihost.broadcast_object(changed):
+        choice = multihost.broadcast_object(choice)
+        if choice == "served":
             return False
+        self._serving_initial = choice == "initial"
         self.to_engine()
-        self._published_steps = self.steps
+        if choice == "candidate":
+            self._published_steps = self.steps
         self.version += 1
         return True
 
-    def _beats_served(self) -> bool:
-        """Whether the drafter in training scores at least the served one's acceptance,
-        teacher-forced on the held-out samples (True when none are held or they hold no
-        target); their scores go to `publish_metrics`."""
-        rows = None if self._held is None else self._rows_alone(*self._held)
+    def _best_on(self, rows: dict | None, candidate: bool) -> str:
+        """"candidate" (the drafter in training; only if `candidate`), "served" or "initial"
+        (the run's starting drafter, unless it is the served one): the one of the highest
+        teacher-forced acceptance on `rows`, the served one on ties or when `rows` is None or
+        holds no target. Their scores go to `publish_metrics`."""
         if rows is None:
-            return True
-        candidate = self._evaluate(self._home, rows, self.state.params)
-        served = self._evaluate(self._home, rows)
-        if not candidate["count"]:
-            return True
-        self.publish_metrics = {"drafter/holdout_candidate_accept_rate": candidate["accept_rate"],
-                                "drafter/holdout_served_accept_rate": served["accept_rate"]}
-        return candidate["accept_rate"] >= served["accept_rate"]
+            return "candidate" if candidate else "served"
+        scores = {"served": self._evaluate(self._home, rows)}
+        if not scores["served"]["count"]:
+            return "candidate" if candidate else "served"
+        if not self._serving_initial:
+            scores["initial"] = self._evaluate(self._home, rows, self._initial_params(self._home))
+        if candidate:
+            scores["candidate"] = self._evaluate(self._home, rows, self.state.params)
+        self.publish_metrics = {f"drafter/holdout_{name}_accept_rate": score["accept_rate"]
+                                for name, score in scores.items()}
+        return max(scores, key=lambda name: (scores[name]["accept_rate"], name == "served"))
 
     def _finite(self) -> bool:
         if bool(_all_finite(self.state.params)):
@@ -341,13 +349,15 @@ class OnlineDrafter:
         return False
 
     def to_engine(self) -> None:
-        """Hands the engine the current drafter (after `restore`: the restored one). Collective
-        with several processes: every engine gets process 0's drafter, every process its
-        counters."""
+        """Hands the engine the drafter in training (after `restore`: the restored one), or
+        the run's starting drafter while `publish` serves that one. Collective with several
+        processes: every engine gets process 0's drafter, every process its counters."""
         # A copy: the engine must not alias the train state, which each step donates. On the
         # devices with one process (no host round trip of the weights each RL step); through
         # the host with several, where process 0's drafter goes to every process.
-        if multihost.is_multiprocess():
+        if self._serving_initial:  # every process holds it
+            params = _copy(self._initial_params(self._home))
+        elif multihost.is_multiprocess():
             params = multihost.broadcast_arrays(jax.device_get(self.state.params))
         else:
             params = _copy(self.state.params)
@@ -367,7 +377,8 @@ class OnlineDrafter:
         shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], buffer)
         return ({"train": jax.device_get(self.state), "buffer": buffer},
                 {"version": self.version, "steps": self.steps, "skipped": self.skipped, "withheld": self.withheld,
-                 "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes})
+                 "serving_initial": self._serving_initial, "published_steps": self._published_steps,
+                 "home": self._home, "buffer_shapes": shapes})
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
         """Restores drafter checkpoint `step` (train state on its home group, or on this
@@ -386,7 +397,8 @@ class OnlineDrafter:
         self.state = tree["train"]
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
-        self.withheld = meta.get("withheld", 0)  # absent from checkpoints written before publish_holdout
+        # Absent from checkpoints written before publish_holdout.
+        self.withheld, self._serving_initial = meta.get("withheld", 0), meta.get("serving_initial", False)
         self._published_steps = meta["published_steps"]
 
 
