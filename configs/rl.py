@@ -69,9 +69,9 @@ def tlt_config() -> ml_collections.ConfigDict:
                            weight_decay=0.01, b1=0.9, b2=0.95, max_grad_norm=1.0),
             checkpoint_every=5,
             eval_rows=16,  # each RL step's rows scoring the drafter that drafted it (0: none)
-            # share of each step's samples held out of training to decide whether the drafter
-            # trained on the rest reaches the engine (0: always; OnlineDrafter.publish)
-            publish_holdout=0.0),
+            # publish only the best, scored on the next step's samples, of the last step's
+            # drafter, the served one and the starting one (OnlineDrafter._publish_best)
+            publish_scored=False),
     ))
 
 

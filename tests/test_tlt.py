@@ -330,53 +330,64 @@ def test_the_rows_of_each_task_are_scored_on_their_own():
     assert not any(k.count("/") > 1 for k in alone.served_metrics(2))
 
 
-def test_the_engine_gets_the_drafter_that_best_drafts_the_held_out_samples():
-    """publish_holdout: of a step's samples a share stays out of the buffer until the
-    publish, and the engine then gets whichever of the drafter in training, the served one
-    and the run's starting one scores best on them: a drafter trained toward other tokens
-    than theirs is withheld and the starting one comes back; one trained on samples like
-    them is published. Either way the held-out samples then join the buffer."""
-    online = _tiny_online(OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, publish_holdout=0.5,
-                                              optimizer=OptimizerConfig(learning_rate=3e-2)), head_scale=100.0)
+def test_a_scored_publish_hands_the_engine_the_drafter_that_best_drafts_the_next_step(tmp_path):
+    """publish_scored: each step's end snapshots the drafter in training, and the next
+    step's samples choose among that snapshot, the served drafter and the starting one. A
+    snapshot trained toward the tokens that step samples is published; a served drafter
+    that step's samples disown gives the engine back to the starting one; a snapshot they
+    disown is withheld, and stays a contender. The engine's drafter survives a checkpoint
+    round trip."""
+    config = OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, keep_steps=1, publish_scored=True,
+                                 optimizer=OptimizerConfig(learning_rate=3e-2))
+    online = _tiny_online(config, head_scale=100.0)
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((1, 11, 16)).astype(np.float32)
     ids = rng.permuted(np.tile(np.arange(32), (11, 1)), axis=1)[None].astype(np.int32)
     logp = np.log(np.broadcast_to(np.float32([0.7, 0.1, 0.1, 0.05]), (1, 11, 4)))
-    # One sample's tokens and features, with the target's top-4 on ids 0-3 or 4-7 of each
-    # position's shuffle (a drafter that learns one unlearns the other).
-    one = lambda at: DrafterData(hidden=hidden, ids=ids[..., at:at + 4], logp=logp, layers=None)
     tokens = rng.integers(1, 32, (1, 12))
-    add = lambda step, targets: online.add(step, np.repeat(tokens, 4, 0), [2] * 4, [10] * 4, jax.tree.map(
-        lambda *x: np.concatenate(x), *[one(at) for at in targets]))
-    train = lambda: [online.train_step(spot.ALL) for _ in range(4)]
+
+    def step(rl_step, at, train=False):
+        """An RL step of four copies of one sample whose target's top-4 are ids at..at+3 of
+        each position's shuffle (a drafter that learns 4-7 unlearns 0-3): its samples,
+        their scores, drafter steps, the publish. Returns (published, the scores)."""
+        data = DrafterData(hidden=np.repeat(hidden, 4, 0), ids=np.repeat(ids[..., at:at + 4], 4, 0),
+                           logp=np.repeat(logp, 4, 0), layers=None)
+        online.add(rl_step, np.repeat(tokens, 4, 0), [2] * 4, [10] * 4, data)
+        scored = online.served_metrics(rl_step)
+        for _ in range(4 * train):
+            online.train_step(spot.ALL)
+        return online.publish(), scored
+
     in_engine = lambda: jax.device_get(online.engine.groups[0].drafter_params)
     start = jax.device_get(online.state.params)
-    scores = lambda: {k.split("_")[1]: v for k, v in online.publish_metrics.items()}
 
-    add(1, [4, 4, 4, 4])
-    assert online.buffer.num_rows_of_step(1) == 2  # samples 0 and 3 held out
-    train()
-    assert online.publish() and online.version == 1 and online.withheld == 0
-    assert scores()["candidate"] > max(scores()["served"], scores()["initial"])
-    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(online.state.params))
-    assert online.buffer.num_rows_of_step(1) == 4  # the held-out samples joined after the decision
+    published, scored = step(1, 4, train=True)  # nothing scored the trained drafter yet
+    assert not published and online.version == 0 and "drafter/snapshot_accept_rate" not in scored
+    trained = [jax.device_get(online.state.params)]
+    published, scored = step(2, 4, train=True)
+    assert published and online.version == 1
+    assert scored["drafter/snapshot_accept_rate"] > scored["drafter/served_accept_rate"]
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), trained[0])  # the snapshot scored, not the latest
+    trained.append(jax.device_get(online.state.params))
 
-    add(2, [0, 4, 4, 0])
-    train()  # further toward ids 4-7: worse on the held-out samples' 0-3, as is the served drafter
-    assert online.publish() and online.version == 2 and online.withheld == 1
-    assert scores()["initial"] > max(scores()["served"], scores()["candidate"])
+    published, scored = step(3, 0)  # the served drafter and the snapshot learned 4-7; this step samples 0-3
+    assert published and online.version == 2 and online.withheld == 1
+    assert scored["drafter/initial_accept_rate"] > max(scored["drafter/served_accept_rate"],
+                                                       scored["drafter/snapshot_accept_rate"])
     jax.tree.map(np.testing.assert_array_equal, in_engine(), start)
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "drafter"))
+    ckpt.save(3, *online.checkpoint())
+    ckpt.wait()
 
-    add(3, [0, 4, 4, 0])  # the starting drafter, served, is not scored twice, and stays
-    assert not online.publish() and online.version == 2 and online.withheld == 2
-    assert set(scores()) == {"served", "candidate"} and scores()["served"] > scores()["candidate"]
+    published, scored = step(4, 4)  # the withheld snapshot is still a contender
+    assert published and online.version == 3 and online.withheld == 1
+    jax.tree.map(np.testing.assert_array_equal, in_engine(), trained[1])
 
-    add(4, [0, 0, 0, 0])
-    online.state = dataclasses.replace(online.state, params=jax.device_put(start))
-    train()
-    assert online.publish() and online.version == 3 and online.withheld == 2
-    assert scores()["candidate"] > scores()["served"]
-    jax.tree.map(np.testing.assert_array_equal, in_engine(), jax.device_get(online.state.params))
+    resumed = _tiny_online(config, head_scale=100.0)
+    resumed.restore(ckpt, 3)
+    resumed.to_engine()
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.engine.groups[0].drafter_params), start)
+    assert resumed.version == 2
 
 
 def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_with():

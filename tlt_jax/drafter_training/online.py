@@ -5,12 +5,15 @@ to the rollout engine between rollouts, checkpointed on its own cadence.
     SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
     end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
 
-With `publish_holdout` > 0 a publish is earned: that share of each step's samples stays out
-of training until the end of the step, and the engine then gets whichever of the drafter in
-training, the served one and the run's starting one drafts them best, teacher-forced (none
-of the three trained on them). Where the policy moves, the drafter in training follows it
-and wins; where it stays, the starting drafter (trained offline on far more data than a
-step brings) wins back the engine from versions that training pulled away from it.
+With `publish_scored` a version reaches the engine only after it has been scored on
+samples none of its rivals trained on. Each step's end snapshots the drafter in training;
+the next step's samples (new prompts) score, teacher-forced, that snapshot, the served
+drafter and the run's starting one, and that step's end hands the engine the best. Where
+the policy moves, the snapshot follows it and wins; where it stays, the starting drafter
+(trained offline on far more data than a step brings) keeps or wins back the engine from
+versions that a step's few prompts pulled toward themselves. The price: a trained version
+drafts one step later than it would unscored. (Samples held out of the same step do not
+score it: they share their prompts with the samples it trained on.)
 
 One drafter, never diverging copies: with several processes it trains on process 0
 alone, and every publish hands process 0's weights and counters to every process's
@@ -80,18 +83,14 @@ class OnlineDrafterConfig:
     # Rows of each RL step, at most, on which the drafter that drafted its rollouts is
     # scored, teacher-forced (`served_metrics`; 0: never).
     eval_rows: int = 16
-    # Share of each RL step's samples kept out of training until the step's publish, which
-    # they decide (the module docstring); up to eval_rows of their rows are scored. 0:
-    # every changed drafter is published.
-    publish_holdout: float = 0.0
+    # Publish only the best scored on the next step's samples of the last step's drafter,
+    # the served one and the starting one (the module docstring); False: every changed drafter.
+    publish_scored: bool = False
 
     def __post_init__(self):
-        if not 0 <= self.publish_holdout < 1:
-            raise ValueError(f"tlt.drafter.publish_holdout={self.publish_holdout} must be in [0, 1): the share of "
-                             "each step's samples that decides whether the drafter is published (0: always).")
-        if self.publish_holdout and not self.eval_rows:
-            raise ValueError("tlt.drafter.publish_holdout > 0 scores up to eval_rows rows of the held-out samples; "
-                             "set tlt.drafter.eval_rows >= 1, or publish_holdout=0.")
+        if self.publish_scored and not self.eval_rows:
+            raise ValueError("tlt.drafter.publish_scored scores drafters on up to eval_rows rows of each step; set "
+                             "tlt.drafter.eval_rows >= 1, or publish_scored=False.")
         for name in ("top_k", "batch_size", "keep_steps", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tlt.drafter.{name}={getattr(self, name)} must be >= 1.")
@@ -130,11 +129,14 @@ class OnlineDrafter:
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
-        self.withheld = 0  # changed drafters that another outscored (publish_holdout)
         self._published_steps = 0
-        self._held: tuple | None = None  # (rl_step, buffer.add's arguments) of the held-out samples
-        self._serving_initial = False  # the engine holds the run's starting drafter (publish_holdout)
-        self.publish_metrics: dict[str, float] = {}  # the last publish's scores on them
+        # publish_scored: the drafter in training as of the last step's end (on the home
+        # group; None: unchanged since), what this step's samples scored, snapshots outscored.
+        self._snapshot = None
+        self._snapshot_steps = 0
+        self._scores: dict[str, float] = {}
+        self._chosen = None  # publish_scored: the drafter the engine holds (None: the one in training)
+        self.withheld = 0
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -158,45 +160,37 @@ class OnlineDrafter:
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
-        samples = (np.asarray(tokens_nT), np.asarray(prompt_lengths_n), np.asarray(response_lengths_n),
-                   pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers),
-                   None if observed_nT is None else np.asarray(observed_nT))
-        n = len(samples[0])
-        held = _spread(n, round(self.config.publish_holdout * n)) if self.config.publish_holdout and n > 1 else []
-        train = np.setdiff1d(np.arange(n), held)
-        pick = lambda idx: tuple(None if x is None else x[idx] for x in samples)
-        self.buffer.add(rl_step, *pick(train)[:7], observed_nT=pick(train)[7])
-        self._held = (rl_step, pick(np.asarray(held, np.int64))) if len(held) else None
+        fields = (pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers))
+        self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields, observed_nT=observed_nT)
         self._rows_by_task = {}
         if tasks_n is not None and len(set(tasks_n)) > 1 and self.config.eval_rows:
             for task in sorted(set(tasks_n)):
-                rows = self._rows_alone(rl_step, pick(np.flatnonzero(np.asarray(tasks_n) == task)))
-                if rows is not None:
-                    self._rows_by_task[task] = rows
-
-    def _rows_alone(self, rl_step: int, samples: tuple) -> dict | None:
-        """Up to eval_rows rows (`eval_batch_rows`) packed from `samples` (`add`'s arguments
-        to the buffer) alone, or None when they fill no row."""
-        b = self.buffer
-        alone = DrafterBuffer(b.seq_len, b.hidden_size, b.top_k, max_bytes=b.max_bytes,
-                              num_feature_layers=b.num_feature_layers, feature_dtype=b.feature_dtype,
-                              prompt_tail=b.prompt_tail)
-        alone.add(rl_step, *samples[:7], observed_nT=samples[7])
-        held = alone.num_rows_of_step(rl_step)
-        return alone.rows_of_step(rl_step, self.eval_batch_rows(held)) if held else None
+                pick = np.flatnonzero(np.asarray(tasks_n) == task)
+                alone = DrafterBuffer(self.buffer.seq_len, self.buffer.hidden_size, self.buffer.top_k,
+                                      max_bytes=self.buffer.max_bytes,
+                                      num_feature_layers=self.buffer.num_feature_layers,
+                                      feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
+                alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
+                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields),
+                          observed_nT=None if observed_nT is None else np.asarray(observed_nT)[pick])
+                held = alone.num_rows_of_step(rl_step)
+                if held:
+                    self._rows_by_task[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))
 
     def served_metrics(self, rl_step: int) -> dict[str, float]:
         """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
         rollouts) predicts that step's own sequences, teacher-forced on up to `eval_rows` of
-        its rows (`eval_batch_rows`): "drafter/served_accept_rate" (the chance its first draft is accepted, whatever
-        strategies the tuner chose), "drafter/served_top1_agree", "drafter/served_kl", with
-        ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the chance of acceptance at draft
-        position i + 1, where the drafter reads its own earlier drafts; a pass with no
-        entries is left out), the same of the run's starting drafter on the same rows
-        ("drafter/initial_accept_rate", "drafter/initial_top1_agree", "drafter/initial_kl":
-        how stale it would be by now), the same two per task where the step's samples came
-        from several ("drafter/served_accept_rate/<task>", "drafter/initial_accept_rate/<task>"),
-        and the seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
+        its rows (`eval_batch_rows`): "drafter/served_accept_rate" (the chance its first
+        draft is accepted, whatever strategies the tuner chose), "drafter/served_top1_agree",
+        "drafter/served_kl", with ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the
+        chance of acceptance at draft position i + 1, where the drafter reads its own earlier
+        drafts; a pass with no entries is left out), the same of the run's starting drafter
+        on the same rows ("drafter/initial_accept_rate", "drafter/initial_top1_agree",
+        "drafter/initial_kl": how stale it would be by now), with publish_scored the last
+        step's snapshot's ("drafter/snapshot_accept_rate"; these scores choose the step's
+        publish), the same two per task where the step's samples came from several
+        ("drafter/served_accept_rate/<task>", "drafter/initial_accept_rate/<task>"), and the
+        seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
         held = self.buffer.num_rows_of_step(rl_step)
         if not self.config.eval_rows or not held:
             return {}
@@ -206,6 +200,11 @@ class OnlineDrafter:
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
         initial = self._evaluate(self._home, rows, self._initial_params(self._home))
+        if self.config.publish_scored:
+            self._scores = {"served": out["accept_rate"], "initial": initial["accept_rate"]}
+            if self._snapshot is not None:
+                self._scores["snapshot"] = self._evaluate(self._home, rows,
+                                                          self._on_home(self._snapshot))["accept_rate"]
         by_pass = {f"drafter/served_{k}": v for k, v in out.items()
                    if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
         for task, task_rows in self._rows_by_task.items():
@@ -216,6 +215,7 @@ class OnlineDrafter:
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
                 "drafter/served_kl": out["kl"], **by_pass,
                 **{f"drafter/initial_{k}": initial[k] for k in ("accept_rate", "top1_agree", "kl")},
+                **({"drafter/snapshot_accept_rate": self._scores["snapshot"]} if "snapshot" in self._scores else {}),
                 "time_served_eval_s": time.perf_counter() - t0}
 
     def eval_batch_rows(self, held: int) -> int:
@@ -228,6 +228,10 @@ class OnlineDrafter:
     def _fsdp(self) -> int:
         """Devices of the home group that a drafter batch is split over."""
         return self.engine.groups[self._home].mesh.shape["fsdp"]
+
+    def _on_home(self, params):
+        """`params` (a drafter's) on the devices of the home group, where the train state is."""
+        return jax.device_put(params, self._trainer(self._home).drafter_shardings(params))
 
     def _initial_params(self, group: int):
         """The starting drafter on the devices of rollout `group` (copied there once)."""
@@ -300,46 +304,37 @@ class OnlineDrafter:
     def publish(self) -> bool:
         """Hands the engine the drafter in training if it changed since the last publish and
         every weight is finite (a non-finite drafter never reaches the engine); with
-        publish_holdout, whichever of it, the served drafter and the run's starting one
-        scores best on the step's held-out samples (ties: the served one), which then join
-        the buffer. Returns whether the engine's drafter changed. Collective with several
-        processes: process 0 decides."""
-        self.publish_metrics = {}
+        publish_scored, the best scored this step (`_publish_best`). Returns whether the
+        engine's drafter changed. Collective with several processes: process 0 decides."""
+        if self.config.publish_scored:
+            return self._publish_best()
         changed = self.steps != self._published_steps and self._finite()
-        choice = "candidate" if changed else "served"
-        if self._held is not None:
-            rl_step, samples = self._held
-            choice = self._best_on(self._rows_alone(rl_step, samples), changed)
-            self.withheld += changed and choice != "candidate"
-            self.buffer.add(rl_step, *samples[:7], observed_nT=samples[7])
-            self._held = None
-        choice = multihost.broadcast_object(choice)
-        if choice == "served":
+        if not multihost.broadcast_object(changed):
             return False
-        self._serving_initial = choice == "initial"
         self.to_engine()
-        if choice == "candidate":
-            self._published_steps = self.steps
+        self._published_steps = self.steps
         self.version += 1
         return True
 
-    def _best_on(self, rows: dict | None, candidate: bool) -> str:
-        """"candidate" (the drafter in training; only if `candidate`), "served" or "initial"
-        (the run's starting drafter, unless it is the served one): the one of the highest
-        teacher-forced acceptance on `rows`, the served one on ties or when `rows` is None or
-        holds no target. Their scores go to `publish_metrics`."""
-        if rows is None:
-            return "candidate" if candidate else "served"
-        scores = {"served": self._evaluate(self._home, rows)}
-        if not scores["served"]["count"]:
-            return "candidate" if candidate else "served"
-        if not self._serving_initial:
-            scores["initial"] = self._evaluate(self._home, rows, self._initial_params(self._home))
-        if candidate:
-            scores["candidate"] = self._evaluate(self._home, rows, self.state.params)
-        self.publish_metrics = {f"drafter/holdout_{name}_accept_rate": score["accept_rate"]
-                                for name, score in scores.items()}
-        return max(scores, key=lambda name: (scores[name]["accept_rate"], name == "served"))
+    def _publish_best(self) -> bool:
+        """Of the last step's snapshot, the served drafter and the starting one, hands the
+        engine the best scored on this step's samples (`served_metrics`; ties and no scores:
+        the served one stays), then snapshots the drafter in training, if it changed and is
+        finite, for the next step to score."""
+        scores, self._scores = self._scores, {}
+        choice = max(scores, key=lambda name: (scores[name], name == "served")) if scores else "served"
+        choice = multihost.broadcast_object(choice)
+        chosen = {"snapshot": self._snapshot, "initial": self._initial_params(self._home)}.get(choice)
+        self.withheld += "snapshot" in scores and choice != "snapshot"
+        if self.steps != self._snapshot_steps and self._finite():
+            self._snapshot, self._snapshot_steps = _copy(self.state.params), self.steps
+        elif choice == "snapshot":
+            self._snapshot = None  # served now: nothing new to score
+        if choice == "served":
+            return False
+        self.to_engine(chosen)
+        self.version += 1
+        return True
 
     def _finite(self) -> bool:
         if bool(_all_finite(self.state.params)):
@@ -348,19 +343,21 @@ class OnlineDrafter:
                         self.steps, self.version)
         return False
 
-    def to_engine(self) -> None:
-        """Hands the engine the drafter in training (after `restore`: the restored one), or
-        the run's starting drafter while `publish` serves that one. Collective with several
-        processes: every engine gets process 0's drafter, every process its counters."""
+    def to_engine(self, params=None) -> None:
+        """Hands the engine `params` (a drafter's; default: the drafter in training, after
+        `restore` the restored one, or with publish_scored the one last chosen). Collective
+        with several processes: every engine gets process 0's drafter, every process its
+        counters."""
+        if params is not None and self.config.publish_scored:
+            self._chosen = params
+        params = params if params is not None else self._chosen if self._chosen is not None else self.state.params
         # A copy: the engine must not alias the train state, which each step donates. On the
         # devices with one process (no host round trip of the weights each RL step); through
         # the host with several, where process 0's drafter goes to every process.
-        if self._serving_initial:  # every process holds it
-            params = _copy(self._initial_params(self._home))
-        elif multihost.is_multiprocess():
-            params = multihost.broadcast_arrays(jax.device_get(self.state.params))
+        if multihost.is_multiprocess():
+            params = multihost.broadcast_arrays(jax.device_get(params))
         else:
-            params = _copy(self.state.params)
+            params = _copy(params)
         self.version, self.steps, self.skipped, self.withheld, self._published_steps = multihost.broadcast_object(
             (self.version, self.steps, self.skipped, self.withheld, self._published_steps))
         self.engine.update_drafter(params)
@@ -375,10 +372,12 @@ class OnlineDrafter:
         varies: restoring needs them)."""
         buffer = self.buffer.state_dict()
         shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], buffer)
-        return ({"train": jax.device_get(self.state), "buffer": buffer},
-                {"version": self.version, "steps": self.steps, "skipped": self.skipped, "withheld": self.withheld,
-                 "serving_initial": self._serving_initial, "published_steps": self._published_steps,
-                 "home": self._home, "buffer_shapes": shapes})
+        tree = {"train": jax.device_get(self.state), "buffer": buffer}
+        if self._chosen is not None:  # publish_scored: the engine's drafter is not the one in training
+            tree["chosen"] = jax.device_get(self._chosen)
+        return (tree, {"version": self.version, "steps": self.steps, "skipped": self.skipped, "withheld": self.withheld,
+                       "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes,
+                       "chosen": self._chosen is not None})
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
         """Restores drafter checkpoint `step` (train state on its home group, or on this
@@ -393,20 +392,19 @@ class OnlineDrafter:
         like_buffer = jax.tree.map(lambda spec: jax.ShapeDtypeStruct(tuple(spec[0]), np.dtype(spec[1])),
                                    meta["buffer_shapes"], is_leaf=lambda x: isinstance(x, list) and len(x) == 2
                                    and isinstance(x[1], str))
-        tree, _ = ckpt.restore(step, target={"train": like_train, "buffer": like_buffer})
+        target = {"train": like_train, "buffer": like_buffer}
+        if meta.get("chosen"):
+            target["chosen"] = like_train.params
+        tree, _ = ckpt.restore(step, target=target)
         self.state = tree["train"]
+        # publish_scored: the drafter the engine held, and the state as the step's end snapshot it.
+        self._chosen = tree.get("chosen")
+        if self.config.publish_scored:
+            self._snapshot, self._snapshot_steps = _copy(self.state.params), meta["steps"]
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
-        # Absent from checkpoints written before publish_holdout.
-        self.withheld, self._serving_initial = meta.get("withheld", 0), meta.get("serving_initial", False)
+        self.withheld = meta.get("withheld", 0)  # absent from checkpoints written before publish_scored
         self._published_steps = meta["published_steps"]
-
-
-def _spread(n: int, k: int) -> list[int]:
-    """k of the indices 0..n-1 (at least one, never all), spread evenly: every task and
-    prompt of a step's samples, laid out in order, is held out alike."""
-    k = min(max(k, 1), n - 1)
-    return np.unique(np.linspace(0, n - 1, k).round().astype(np.int64)).tolist()
 
 
 @jax.jit

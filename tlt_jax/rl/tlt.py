@@ -14,8 +14,8 @@ and the events of a step (`RLLoop.step` calls them in this order):
     after_rollout()          the group gaps close (each waits for at most one drafter step)
     gap(name)                host phases (reward scoring, batch building, checkpoint writes)
     add(...)                 the learner forward's DrafterData into the buffer
-    end()                    owed catch-up steps, the new drafter to the engine (if it earned
-                             it on held-out samples: OnlineDrafter.publish), metrics
+    end()                    owed catch-up steps, the new drafter to the engine (with
+                             publish_scored, the best scored on the step's samples), metrics
 
 With several processes the drafter trains on process 0 alone (its rollout groups' gaps
 and the host phases; its buffer holds the whole batch's data), and each version it
@@ -107,7 +107,6 @@ class TLT:
                 stats = self.spot.end_rl_step()
                 out.update({f"spot/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
             out.update(self._served)
-            out.update(self.drafter.publish_metrics)
             out.update({"drafter_version": self.drafter.version, "drafter_steps_total": self.drafter.steps,
                         "drafter_withheld_total": self.drafter.withheld,
                         "drafter_skipped_total": self.drafter.skipped, "buffer_rows": self.drafter.buffer.num_rows,
