@@ -38,6 +38,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -329,9 +330,10 @@ class _Group:
         body differs with the state's layout carries that layout in its name)."""
         key = (name, static_argnums)
         if key not in self._compiled:
-            self._compiled[key] = sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                                                       static_argnums=static_argnums,
-                                                       donate_argnums=donate_argnums)
+            self._compiled[key] = _CompiledInTurn(
+                sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                     static_argnums=static_argnums, donate_argnums=donate_argnums),
+                name, static_argnums, self.engine._compiling)
         return self._compiled[key]
 
     def _shardings(self, speculative: bool, history: bool = False, turns: bool = False) -> SlotState:
@@ -983,6 +985,33 @@ def _done(fn, *args) -> concurrent.futures.Future:
     return future
 
 
+class _CompiledInTurn:
+    """A group's jitted step whose first call at each signature (the shapes and dtypes of
+    its arguments after the weights, its static arguments) waits for `lock`: the groups of
+    one process run `generate` in threads at once, and a program compiled by two groups at
+    once is compiled twice, while one compiled after the other loads from the persistent
+    compilation cache (keyed without its devices: `launch.cache_programs_for_any_devices`).
+    Later calls do not wait. `lower` and the rest are the jitted function's own."""
+
+    def __init__(self, jitted, name, static_argnums, lock: threading.Lock):
+        self.jitted, self.name, self.static_argnums, self.lock = jitted, name, static_argnums, lock
+        self.seen: set = set()
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten([a for i, a in enumerate(args[2:], 2) if i not in self.static_argnums])
+        signature = (tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves),
+                     tuple(args[i] for i in self.static_argnums))
+        if signature in self.seen:
+            return self.jitted(*args)
+        with self.lock:
+            out = self.jitted(*args)
+        self.seen.add(signature)
+        return out
+
+    def __getattr__(self, attr):
+        return getattr(self.jitted, attr)
+
+
 def _context_length(rc: RolloutConfig) -> int:
     """Context buffer per slot: everything the cache holds, the pending last token, and
     room for a speculative step's overshoot (dropped writes past it are harmless)."""
@@ -1037,6 +1066,7 @@ class RolloutEngine:
             drafter_lib.check_drafter_params(drafter_params, model_config, drafter_config)
             self.drafter = spec_lib.Drafter(model_config, drafter_config)
             self._drafter_shapes = jax.eval_shape(lambda p: p, drafter_params)
+        self._compiling = threading.Lock()  # a program's first compile, one group at a time (_CompiledInTurn)
         self.groups = [_Group(g, Mesh(mesh.devices[g:g + 1], mesh.axis_names), self)
                        for g in range(mesh.devices.shape[0])]
         spanning = [g for g in self.groups if len(g.processes) > 1]
