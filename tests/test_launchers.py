@@ -166,6 +166,33 @@ def test_compilation_cache_is_filled_unless_turned_off(tmp_path):
     assert not (tmp_path / "off").exists()
 
 
+_ON_TWO_DEVICES = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tlt_jax import launch
+launch.enable_compilation_cache(sys.argv[1])
+devices = jax.devices()[int(sys.argv[2]):][:2]
+x = jax.device_put(jnp.arange(8.0), NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x")))
+print(jax.jit(lambda a: (a * 2).sum())(x))
+"""
+
+
+def test_a_program_on_one_process_s_devices_loads_in_a_process_of_other_devices(tmp_path):
+    """A CPU program's cache key names neither its devices nor the process's others: a
+    process of 4 devices loads what one of 8 compiled on devices 4-5 (an 8-device process's
+    second rollout group, a process of a 2-process run)."""
+    cache = str(tmp_path / "cache")
+    for count, first in ((8, 4), (4, 0)):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}")
+        out = subprocess.run([sys.executable, "-c", _ON_TWO_DEVICES, cache, str(first)], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 0 and out.stdout.strip() == "56.0", out.stderr
+        if count == 8:
+            entries = set(os.listdir(cache))
+    assert entries and set(os.listdir(cache)) == entries
+
+
 def test_partial_multihost_flags_are_refused():
     out = _run("experiments.generate", "--config=configs/generate.py:tiny", "--num_processes=2")
     assert out.returncode != 0

@@ -25,6 +25,7 @@ transport of our own.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -345,18 +346,41 @@ def cache_programs_for_any_devices() -> None:
     backend, as jax itself does on GPUs (`jax._src.cache_key`, strip_device_assignment) but
     not on CPUs: each rollout group of a CPU mesh with data > 1 (its own devices) then loads
     the program the first group compiled, placed on its own devices, rather than compiling
-    the same program again. A jax without that hook keeps its own keys."""
+    the same program again. On a CPU, a program on one process's devices is also keyed
+    without the process's other devices: jax hashes the whole client's topology (every
+    device's process and id, and the target CPU's features), so a process of 8 devices and
+    one of 4, or process 0 and process 1 of a run, never load each other's programs; here
+    the topology is that of a one-device client (the same target features) and the
+    program's device count. A jax without these hooks keeps its own keys."""
     from jax._src import cache_key
 
     hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
-    if hash_options is None or getattr(hash_options, "any_devices", False):
+    hash_topology = getattr(cache_key, "_hash_accelerator_config", None)
+    if hash_options is None or hash_topology is None or getattr(hash_options, "any_devices", False):
         return
 
     def any_devices(hash_obj, compile_options, strip_device_assignment=False):
         return hash_options(hash_obj, compile_options, strip_device_assignment=True)
 
+    def one_process_cpu(hash_obj, devices):
+        flat = list(devices.flat)
+        if any(d.platform != "cpu" for d in flat) or len({d.process_index for d in flat}) > 1:
+            return hash_topology(hash_obj, devices)
+        hash_obj.update(_cpu_target_fingerprint().to_bytes(8, byteorder="big"))
+        hash_obj.update(len(flat).to_bytes(8, byteorder="big"))
+
     any_devices.any_devices = True
     cache_key._hash_serialized_compile_options = any_devices
+    cache_key._hash_accelerator_config = one_process_cpu
+
+
+@functools.cache
+def _cpu_target_fingerprint() -> int:
+    """The topology fingerprint of a one-device CPU client: this machine's target CPU
+    features (what a CPU program is compiled for), and no other device."""
+    from jax._src.lib import xla_client
+
+    return xla_client.get_topology_for_devices(xla_client.make_cpu_client(num_devices=1).devices()).fingerprint()
 
 
 def _configure_console() -> None:
