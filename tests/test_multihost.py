@@ -91,14 +91,15 @@ def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_star
     resumed across the process count with one update (on-policy: no old-policy pass, the
     update's own forward gives the old log-probs and the drafter's data, gathered from both
     processes to process 0's buffer)."""
-    # The launches share the launchers' compilation cache: the resumed runs reuse the
-    # rollout and drafter programs the first two compiled.
+    # The launches share the launchers' compilation cache and run one after the other, so
+    # that each loads the programs the runs before it compiled (a rollout group's programs
+    # are the same in one process and in two): launched at once, each compiles them again.
     config = (CONFIG, f"--config.model_dir={warm_start}")
     on_policy = ("--config.steps=3", "--config.learner.num_minibatches=1",
                  "--config.resume_changes=learner.num_minibatches")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    first = _finish(_launch(1, *config, f"--config.run_dir={one}", "--config.steps=2"),
-                    _launch(2, *config, f"--config.run_dir={two}", "--config.steps=2"))
+    first = _finish(_launch(1, *config, f"--config.run_dir={one}", "--config.steps=2"))
+    first += _finish(_launch(2, *config, f"--config.run_dir={two}", "--config.steps=2"))
     for results in first:
         _check_ok(results)
     summaries = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in first[1]]
@@ -106,11 +107,11 @@ def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_star
 
     # Crossing over: one process takes the two processes' run from step 2 to step 3, two
     # processes a copy of the one process's; the one process's own run goes on alone (the
-    # reference). The one-process runs one after the other: the second loads the first's programs.
+    # reference), first: it compiles the one-update programs the others load.
     crossed = str(tmp_path / "one_then_two")
     shutil.copytree(one, crossed)
-    second = _finish(_launch(1, *config, f"--config.run_dir={one}", *on_policy),
-                     _launch(2, *config, f"--config.run_dir={crossed}", *on_policy))
+    second = _finish(_launch(1, *config, f"--config.run_dir={one}", *on_policy))
+    second += _finish(_launch(2, *config, f"--config.run_dir={crossed}", *on_policy))
     second += _finish(_launch(1, *config, f"--config.run_dir={two}", *on_policy))
     for results in second:
         _check_ok(results)
