@@ -65,13 +65,15 @@ def tlt_config() -> ml_collections.ConfigDict:
             top_k=8, batch_size=16, seq_len=0, buffer_max_bytes=256 << 20, keep_steps=2, replay_share=0.0,
             prompt_tail=-1,  # prompt tokens a row keeps before the last one (-1: the whole prompt)
             feature_weight=1.0, kl_weight=1.0, feature_noise=0.2, ttt_steps=1, trust_region=0.0,
-            optimizer=dict(learning_rate=1e-3, warmup_steps=0, schedule="constant", decay_steps=1000,
+            # A warm start's recipe (docs/tlt.md): rate 3e-4 with the scored publish below. A
+            # drafter from nothing learns at 1e-3 and publishes every version (hf_config).
+            optimizer=dict(learning_rate=3e-4, warmup_steps=0, schedule="constant", decay_steps=1000,
                            weight_decay=0.01, b1=0.9, b2=0.95, max_grad_norm=1.0),
             checkpoint_every=5,
             eval_rows=16,  # each RL step's rows scoring the drafter that drafted it (0: none)
             # publish only the best, scored on the next step's samples, of the last step's
             # drafter, the served one and the starting one (OnlineDrafter._publish_best)
-            publish_scored=False),
+            publish_scored=True),
     ))
 
 
@@ -176,7 +178,10 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
     c.track_kl = False  # no reference copy of the policy in memory
     c.steps, c.eval_every, c.checkpoint_every = 100, 20, 20
     c.tlt.drafter.init = ""  # from scratch; or an offline export (experiments.train_drafter)
-    c.tlt.drafter.update(seq_len=1024, batch_size=8)
+    # From nothing: a faster rate, and every version published (its starting drafter drafts
+    # nothing worth scoring against). A warm start: the tiny config's recipe.
+    c.tlt.drafter.update(seq_len=1024, batch_size=8, publish_scored=False)
+    c.tlt.drafter.optimizer.learning_rate = 1e-3
     c.mesh.update(data=-1, fsdp=1, tensor=1)
     c.run_dir = "runs/rl_hf"
     if preset == "qwen2.5-math-1.5b-gsm8k":

@@ -155,20 +155,21 @@ PLOTTED_MODES = ("tlt", "frozen", "scratch", "ngram")
 # Flags of this process alone, never passed on to a run.
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
-# The warm start's online recipe where the policy drifts (the drift presets, with their
-# catch_up_steps=8), chosen on coupled runs (docs/benchmarks.md, "Drafters compared on one
-# trajectory"): a drafter rate of 2e-4 and up to 8 catch-up steps an RL step within 10% of the
-# run's time. Acceptance follows the drafter steps a run takes (2 steps within 2% kept it at
-# 1.09x frozen's over the last third on cpu_drift_shift, 8 within 10% took it to 1.32x) and the
-# rate trades drift against no drift (1e-4: 1.24x, and 0.98-1.00x where nothing drifts; 2e-4:
-# 0.98-0.99x there; 3e-4: 1.34x, and 0.96-0.98x there).
-_DRIFT_DRAFTER = dict(batch_size=4, optimizer=dict(learning_rate=2e-4))
-_DRIFT_SPOT = dict(catch_up_max_share=0.1)
+# The warm start's online recipe (the drift presets, with their catch_up_steps=8 and no cap on
+# their time, so that a run takes the same drafter steps whatever the machine's load), chosen
+# on coupled runs (docs/benchmarks.md, "A scored publish"): a drafter rate of 3e-4 and the
+# scored publish (tlt.drafter.publish_scored). Acceptance follows the drafter steps a run takes,
+# and without the scored publish the rate traded drift against no drift (2e-4: 1.32x frozen's
+# over the last third on cpu_drift_shift and 0.98-0.99x where nothing drifts). Scored, 3e-4
+# holds 1.36x there and 0.999-1.000x where nothing drifts.
+_DRIFT_DRAFTER = dict(batch_size=4, optimizer=dict(learning_rate=3e-4), publish_scored=True)
 # A drafter from nothing (mode scratch) learns at the online default's 1e-3, faster than a
 # warm start may, and takes 8 catch-up steps an RL step within a tenth of the run's time
 # whatever its preset gives the warm start: it has everything to learn (2 left it at 0.73x
-# the warm start's acceptance, 8 at 0.87-2.1x, docs/benchmarks.md).
-_SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3)), spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
+# the warm start's acceptance, 8 at 0.87-2.1x, docs/benchmarks.md). Every version it trains is
+# published: its starting drafter drafts nothing worth scoring against.
+_SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3), publish_scored=False),
+                spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
 
 PRESETS = {
     # 16 prompts x 8 samples; traces of up to 8-digit additions (Zipf-distributed digit
@@ -241,7 +242,7 @@ PRESETS = {
                          num_samples=4, max_tokens=288, num_slots=8, catch_up_steps=8, max_steps_per_rl_step=8,
                          warm_start="long_tail", max_prompt_length=64, pin_arm="eagle-d6", thirds=True, coupled=True,
                          learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
-                         drafter=_DRIFT_DRAFTER, spot=_DRIFT_SPOT, scratch=_SCRATCH),
+                         drafter=_DRIFT_DRAFTER, scratch=_SCRATCH),
     # A change of response style between warm start and RL: the warm start (configs/sft.py:
     # drift_shift) and its offline drafter saw additions (A) and a small share of countdowns
     # (B); RL trains on both, one prompt of each a step (balance_tasks), so B's completions
@@ -251,7 +252,7 @@ PRESETS = {
                             warm_start="drift_shift", max_prompt_length=48, pin_arm="eagle-d6", thirds=True,
                             coupled=True, rl_tasks=tasks_drift_shift, balance_tasks=True,
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
-                            drafter=_DRIFT_DRAFTER, spot=_DRIFT_SPOT, scratch=_SCRATCH),
+                            drafter=_DRIFT_DRAFTER, scratch=_SCRATCH),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
     # environment step between them that sleeps a fixed time (`env`: latency_ms;
     # --env_latency_ms): the worked answer up to "answer:", the step, then the answer

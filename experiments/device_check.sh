@@ -206,14 +206,14 @@ fi
 # starting drafter's teacher-forced rate, first against last third), and does TLT hold
 # (tlt_versus_frozen: acceptance and rollout tokens/s over the last third). Coupled, as the CPU
 # drift presets: both modes draw the same samples (same_samples_steps), so rollout tokens/s
-# compares like work; the warm start trains by the CPU drift presets' recipe (2e-4, up to 8
-# catch-up steps an RL step within 10% of the run).
+# compares like work; the warm start trains by the CPU drift presets' recipe (rate 3e-4, 8
+# catch-up steps an RL step, the scored publish).
 if want drift; then
   block_start drift
   DRIFT=(--preset=gpu --modes=tlt,frozen --pin_arm=eagle-d6 --set=rollout.kv_bucket=0
          --set=learner.optimizer.learning_rate=2e-4 --steps=30 --set=rollout.spec_coupled=True
-         --tlt_set=tlt.drafter.optimizer.learning_rate=2e-4 --tlt_set=tlt.spot.catch_up_steps=8
-         --tlt_set=tlt.spot.catch_up_max_share=0.1)
+         --tlt_set=tlt.drafter.optimizer.learning_rate=3e-4 --tlt_set=tlt.spot.catch_up_steps=8
+         --tlt_set=tlt.spot.catch_up_max_share=1.0 --tlt_set=tlt.drafter.publish_scored=True)
   dry && DRIFT=(--preset=gpu --modes=tlt,frozen --pin_arm=eagle-d4 --set=learner.optimizer.learning_rate=2e-4 --steps=2)
   if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"

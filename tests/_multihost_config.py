@@ -38,6 +38,6 @@ def get_config(preset: str = "tlt"):
     # Two drafter steps an RL step, whatever the gaps hold (catch-up makes up what they did not
     # run): the count is then a function of the seed too, not of the machine's load.
     c.tlt.spot.update(catch_up_steps=2, max_steps_per_rl_step=2)
-    c.tlt.drafter.update(init="", batch_size=4, seq_len=48, checkpoint_every=1, eval_rows=0)
+    c.tlt.drafter.update(init="", batch_size=4, seq_len=48, checkpoint_every=1, eval_rows=0, publish_scored=False)
     c.tlt.drafter.optimizer.learning_rate = 0.0
     return c

@@ -368,7 +368,8 @@ for c in configs.values():
     tuner.from_config(c.tlt.tuner)  # what the run checks first
 print(json.dumps({m: [c.tlt.tuner.arms, c.tlt.tuner.max_active, c.balance_tasks, sorted(c.data.tasks),
                       c.data.tasks.countdown.weight, c.tlt.drafter.init, c.tlt.drafter.optimizer.learning_rate,
-                      c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps, c.rollout.spec_coupled]
+                      c.tlt.drafter.publish_scored, c.tlt.spot.catch_up_max_share, c.tlt.spot.catch_up_steps,
+                      c.rollout.spec_coupled]
                   for m, c in configs.items()}))
 """
 
@@ -380,17 +381,17 @@ def test_the_drift_presets_pin_one_arm_for_the_drafter_modes_and_balance_the_tas
     for mode in modes[1:]:
         assert out[mode][:5] == [[[arm]], 8, True, ["addition", "countdown"], 1.0]
     assert out["baseline"][0] != [[arm]] and out["baseline"][2:5] == [True, ["addition", "countdown"], 1.0]
-    # The warm start at 2e-4 with 8 catch-up steps capped at 10%; a drafter from nothing at
-    # 1e-3 with 8, up to 10%.
-    assert out["tlt"][5] == "d" and out["tlt"][6:9] == [2e-4, 0.1, 8]
-    assert out["scratch"][5:9] == ["", 1e-3, 0.1, 8]
+    # The warm start at 3e-4, scored, with 8 catch-up steps uncapped; a drafter from nothing
+    # at 1e-3, every version published, with 8 up to 10% of the run.
+    assert out["tlt"][5] == "d" and out["tlt"][6:10] == [3e-4, True, 1.0, 8]
+    assert out["scratch"][5:10] == ["", 1e-3, False, 0.1, 8]
     # Every mode, the baseline too, speculates coupled: one trajectory of the policy for all.
-    assert all(out[m][9] is True for m in modes)
+    assert all(out[m][10] is True for m in modes)
 
 
 def test_a_tlt_override_trains_the_trained_modes_and_never_the_frozen_one(tmp_path):
     out = printed_json(_PINNED, f"--run_dir={tmp_path}", "--tlt_set=tlt.spot.catch_up_steps=4")
-    assert out["tlt"][8] == out["scratch"][8] == 4 and out["frozen"][8] == 0
+    assert out["tlt"][9] == out["scratch"][9] == 4 and out["frozen"][9] == 0
 
 
 _ENV = r"""

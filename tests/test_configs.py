@@ -44,7 +44,9 @@ def test_tlt_defaults_are_the_documented_ones():
     d = c.drafter
     assert (d.init, d.top_k, d.kl_weight, d.feature_weight, d.batch_size, d.seq_len, d.keep_steps,
             d.checkpoint_every) == ("assets/drafter_tiny", 8, 1.0, 1.0, 16, 0, 2, 5)
-    assert (d.optimizer.learning_rate, d.optimizer.b1, d.optimizer.b2) == (1e-3, 0.9, 0.95)
+    assert (d.optimizer.learning_rate, d.optimizer.b1, d.optimizer.b2, d.publish_scored) == (3e-4, 0.9, 0.95, True)
+    hf = rl.get_config("hf").tlt.drafter  # from nothing: its own recipe
+    assert (hf.init, hf.optimizer.learning_rate, hf.publish_scored) == ("", 1e-3, False)
     assert rl.get_config("tiny").checkpoint_every == 5
 
 

@@ -31,6 +31,7 @@ from tlt_jax.train_state import OptimizerConfig
 TLT = {**OVERRIDES, "tlt.enabled": True, "learner.num_minibatches": 1, "steps": 3, "eval_every": 3,
        "checkpoint_every": 1,
        "tlt.drafter.init": "", "tlt.drafter.batch_size": 4, "tlt.drafter.seq_len": 48,
+       "tlt.drafter.publish_scored": False,  # from nothing: every version published
        "tlt.drafter.checkpoint_every": 1, "tlt.drafter.optimizer.learning_rate": 3e-3,
        "tlt.spot.catch_up_steps": 2, "tlt.spot.max_steps_per_rl_step": 6,
        # every chunk picks among one EAGLE chain, one n-gram trie and plain decode
