@@ -330,10 +330,11 @@ class _Group:
         body differs with the state's layout carries that layout in its name)."""
         key = (name, static_argnums)
         if key not in self._compiled:
-            self._compiled[key] = _CompiledInTurn(
-                sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                                     static_argnums=static_argnums, donate_argnums=donate_argnums),
-                name, static_argnums, self.engine._compiling)
+            step = sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                        static_argnums=static_argnums, donate_argnums=donate_argnums)
+            if len(self.engine.local_groups) > 1:  # groups that run at once in threads
+                step = _CompiledInTurn(step, static_argnums, self.engine._compiling)
+            self._compiled[key] = step
         return self._compiled[key]
 
     def _shardings(self, speculative: bool, history: bool = False, turns: bool = False) -> SlotState:
@@ -986,21 +987,23 @@ def _done(fn, *args) -> concurrent.futures.Future:
 
 
 class _CompiledInTurn:
-    """A group's jitted step whose first call at each signature (the shapes and dtypes of
-    its arguments after the weights, its static arguments) waits for `lock`: the groups of
-    one process run `generate` in threads at once, and a program compiled by two groups at
-    once is compiled twice, while one compiled after the other loads from the persistent
-    compilation cache (keyed without its devices: `launch.cache_programs_for_any_devices`).
-    Later calls do not wait. `lower` and the rest are the jitted function's own."""
+    """A group's jitted step whose first call at each signature waits for `lock`: the
+    groups of one process run `generate` in threads at once, and a program compiled by two
+    groups at once is compiled twice, while one compiled after the other loads from the
+    persistent compilation cache (keyed without its devices:
+    `launch.cache_programs_for_any_devices`). Later calls do not wait. The signature: the
+    static arguments, each array argument's shape and each pytree argument's
+    structure (the slot state's shapes follow from the step's name and the static
+    sampling parameters; one that did not would only compile without waiting). `lower`
+    and the rest are the jitted function's own."""
 
-    def __init__(self, jitted, name, static_argnums, lock: threading.Lock):
-        self.jitted, self.name, self.static_argnums, self.lock = jitted, name, static_argnums, lock
+    def __init__(self, jitted, static_argnums, lock: threading.Lock):
+        self.jitted, self.static_argnums, self.lock = jitted, static_argnums, lock
         self.seen: set = set()
 
     def __call__(self, *args):
-        leaves, tree = jax.tree.flatten([a for i, a in enumerate(args[2:], 2) if i not in self.static_argnums])
-        signature = (tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves),
-                     tuple(args[i] for i in self.static_argnums))
+        signature = tuple(a if i in self.static_argnums else a.shape if isinstance(a, np.ndarray) else
+                          jax.tree.structure(a) for i, a in enumerate(args[2:], 2))
         if signature in self.seen:
             return self.jitted(*args)
         with self.lock:
