@@ -376,7 +376,10 @@ class _Group:
 
         key = ("empty", m, speculative, history_width, live, turns)
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0, turns))
+            step = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0, turns))
+            if len(engine.local_groups) > 1:
+                step = _CompiledInTurn(step, (), engine._compiling)
+            self._compiled[key] = step
         return self._compiled[key]()
 
     def _target_layer_ids(self, state):
