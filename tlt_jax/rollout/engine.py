@@ -995,10 +995,10 @@ class _CompiledInTurn:
     groups at once is compiled twice, while one compiled after the other loads from the
     persistent compilation cache (keyed without its devices:
     `launch.cache_programs_for_any_devices`). Later calls do not wait. The signature: the
-    static arguments, each array argument's shape and each pytree argument's
-    structure (the slot state's shapes follow from the step's name and the static
-    sampling parameters; one that did not would only compile without waiting). `lower`
-    and the rest are the jitted function's own."""
+    static arguments, each host array's shape (the prompts' buckets) and each other
+    argument's pytree structure (the slot state's shapes follow from the step's name and
+    the static sampling parameters; a change the signature misses only compiles without
+    waiting). `lower` and the rest are the jitted function's own."""
 
     def __init__(self, jitted, static_argnums, lock: threading.Lock):
         self.jitted, self.static_argnums, self.lock = jitted, static_argnums, lock
