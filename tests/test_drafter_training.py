@@ -191,7 +191,7 @@ def test_served_metrics_report_each_training_time_test_pass(target, rows):
     out = {k: float(v) for k, v in aux.items()}
 
     def served(out):
-        drafter = types.SimpleNamespace(config=types.SimpleNamespace(eval_rows=4), _home=0,
+        drafter = types.SimpleNamespace(config=types.SimpleNamespace(eval_rows=4, publish_scored=False), _home=0,
                                         _evaluate=lambda g, r, params=None: out, _initial_params=lambda g: None,
                                         _rows_by_task={},
                                         eval_batch_rows=lambda held: 4,
@@ -212,6 +212,7 @@ def test_the_version_moves_only_when_the_drafter_has_stepped():
     once."""
     handed = []
     drafter = types.SimpleNamespace(steps=0, _published_steps=0, version=0, _finite=lambda: True,
+                                    config=types.SimpleNamespace(publish_scored=False),
                                     to_engine=lambda: handed.append(drafter.steps))
     for _ in range(3):
         assert not OnlineDrafter.publish(drafter)

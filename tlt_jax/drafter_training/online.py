@@ -200,11 +200,13 @@ class OnlineDrafter:
         if not out["count"]:  # no trained entry among the step's rows: nothing to score
             return {}
         initial = self._evaluate(self._home, rows, self._initial_params(self._home))
+        snapshot = {}  # publish_scored: the last step's snapshot's score, when there is one
         if self.config.publish_scored:
             self._scores = {"served": out["accept_rate"], "initial": initial["accept_rate"]}
             if self._snapshot is not None:
                 self._scores["snapshot"] = self._evaluate(self._home, rows,
                                                           self._on_home(self._snapshot))["accept_rate"]
+                snapshot = {"drafter/snapshot_accept_rate": self._scores["snapshot"]}
         by_pass = {f"drafter/served_{k}": v for k, v in out.items()
                    if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
         for task, task_rows in self._rows_by_task.items():
@@ -215,7 +217,7 @@ class OnlineDrafter:
         return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
                 "drafter/served_kl": out["kl"], **by_pass,
                 **{f"drafter/initial_{k}": initial[k] for k in ("accept_rate", "top1_agree", "kl")},
-                **({"drafter/snapshot_accept_rate": self._scores["snapshot"]} if "snapshot" in self._scores else {}),
+                **snapshot,
                 "time_served_eval_s": time.perf_counter() - t0}
 
     def eval_batch_rows(self, held: int) -> int:
