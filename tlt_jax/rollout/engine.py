@@ -330,12 +330,17 @@ class _Group:
         body differs with the state's layout carries that layout in its name)."""
         key = (name, static_argnums)
         if key not in self._compiled:
-            step = sharding.jit_sharded(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                                        static_argnums=static_argnums, donate_argnums=donate_argnums)
-            if len(self.engine.local_groups) > 1:  # groups that run at once in threads
-                step = _CompiledInTurn(step, static_argnums, self.engine._compiling)
-            self._compiled[key] = step
+            self._compiled[key] = self._in_turn(sharding.jit_sharded(
+                fn, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums,
+                donate_argnums=donate_argnums), static_argnums)
         return self._compiled[key]
+
+    def _in_turn(self, jitted, static_argnums=()):
+        """`jitted`, compiled in turn with the other groups' (`_CompiledInTurn`) where several
+        groups of this process run at once in threads."""
+        if len(self.engine.local_groups) > 1:
+            return _CompiledInTurn(jitted, static_argnums, self.engine._compiling)
+        return jitted
 
     def _shardings(self, speculative: bool, history: bool = False, turns: bool = False) -> SlotState:
         if history:
@@ -376,10 +381,8 @@ class _Group:
 
         key = ("empty", m, speculative, history_width, live, turns)
         if key not in self._compiled:
-            step = jax.jit(make, out_shardings=self._shardings(speculative, history_width > 0, turns))
-            if len(engine.local_groups) > 1:
-                step = _CompiledInTurn(step, (), engine._compiling)
-            self._compiled[key] = step
+            self._compiled[key] = self._in_turn(jax.jit(make, out_shardings=self._shardings(
+                speculative, history_width > 0, turns)))
         return self._compiled[key]()
 
     def _target_layer_ids(self, state):
