@@ -334,7 +334,8 @@ class OnlineDrafter:
             self._snapshot = None  # served now: nothing new to score
         if choice == "served":
             return False
-        self.to_engine(chosen)
+        self._chosen = chosen
+        self.to_engine()
         self.version += 1
         return True
 
@@ -345,14 +346,11 @@ class OnlineDrafter:
                         self.steps, self.version)
         return False
 
-    def to_engine(self, params=None) -> None:
-        """Hands the engine `params` (a drafter's; default: the drafter in training, after
-        `restore` the restored one, or with publish_scored the one last chosen). Collective
-        with several processes: every engine gets process 0's drafter, every process its
-        counters."""
-        if params is not None and self.config.publish_scored:
-            self._chosen = params
-        params = params if params is not None else self._chosen if self._chosen is not None else self.state.params
+    def to_engine(self) -> None:
+        """Hands the engine the drafter in training (after `restore`: the restored one), or
+        with publish_scored the one last chosen. Collective with several processes: every
+        engine gets process 0's drafter, every process its counters."""
+        params = self.state.params if self._chosen is None else self._chosen
         # A copy: the engine must not alias the train state, which each step donates. On the
         # devices with one process (no host round trip of the weights each RL step); through
         # the host with several, where process 0's drafter goes to every process.
