@@ -131,6 +131,7 @@ c.tlt.drafter.seq_len = 160
 if SMOKE:  # one bucket with one drafting strategy beside plain decode, one attention bucket: a few programs
     c.tlt.tuner.update(buckets=[1], arms=[["eagle-d3", "plain"]], max_active=8)
     c.rollout.kv_bucket = 0
+    c.tlt.drafter.update(batch_size=1, eval_rows=1)  # one shape of drafter step and of its scoring
 c.mesh.data = jax.device_count()
 summary = train_rl(c)
 {k: summary[k] for k in ("sft_eval_accuracy", "final_eval_accuracy", "final_eval_truncated_share",
