@@ -43,6 +43,8 @@ if SMOKE:
         "track_kl": False, "rollout.kv_bucket": 0,  # attention over every slot: one program per chunk
         # one bucket of 1-8 running sequences with one drafting strategy beside plain decode
         "tlt.tuner.buckets": [1], "tlt.tuner.arms": [["eagle-d3", "plain"]], "tlt.tuner.max_active": 8,
+        # one shape of drafter step and of its scoring (the batch sizes up to these are compiled each)
+        "tlt.drafter.batch_size": 1, "tlt.drafter.eval_rows": 1,
     }
 elif ACCELERATOR:
     OVERRIDES = {}  # the main job as configured: 60 RL steps
@@ -133,7 +135,7 @@ engine = RolloutEngine(
     model_cfg, params, sharding.make_mesh({"data": 1}, jax.devices()[:1]),
     RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
                   max_length=r.max_prompt_length + r.max_tokens, steps_per_sync=r.steps_per_sync,
-                  eos_token_id=model_cfg.eos_token_id,
+                  spec_steps_per_sync=r.spec_steps_per_sync, kv_bucket=r.kv_bucket, eos_token_id=model_cfg.eos_token_id,
                   max_draft_depth=max(s.depth for s in tuner.strategies)),
     drafter_cfg, drafter_params)
 sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
