@@ -35,10 +35,16 @@ TEMPERATURE = 1.0  # the RL rollout temperature; speculation is lossless at any 
 MAX_TOKENS = 96
 if SMOKE:
     SLOTS, NUM_PROMPTS, DIST_SAMPLES = 16, 8, 256
+    # the distribution test's samples a generate call at a time: each call fills every slot once, so its
+    # prefills take one shape (one call of them all refills slots as they free, in batches of each size)
+    DIST_PER_CALL = SLOTS
     STRATEGIES = ["eagle-d4", "ngram-d4-b2"]
+    KV_BUCKET = 0  # attention over every cache slot: one compiled program per strategy
 else:
     SLOTS, NUM_PROMPTS, DIST_SAMPLES = (64, 64, 8192) if ACCELERATOR else (32, 32, 2048)
     STRATEGIES = ["eagle-d4", "eagle-d3", "eagle-d6", "eagle-d5-k3-t16", "ngram-d4-b2"]
+    DIST_PER_CALL = DIST_SAMPLES  # one generate call: continuous batching refills slots as they free
+    KV_BUCKET = 64  # attention reads the smallest of 64, 128, ... cache slots that holds every sequence
 print(f"backend {jax.default_backend()}: {SLOTS} slots, {NUM_PROMPTS} prompts, strategies {STRATEGIES}")
 
 # %% [markdown]
@@ -60,7 +66,7 @@ from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
-from tlt_jax.rollout.timeline import SpecChunk
+from tlt_jax.rollout.timeline import RolloutTimeline, SpecChunk
 from tlt_jax.tokenizer import load_tokenizer
 
 model_cfg, params = load_hf(TARGET)
@@ -73,7 +79,7 @@ print(f"target: {model_cfg.num_params() / 1e6:.2f}M parameters, {model_cfg.num_l
 strategies = [Strategy.from_name(name) for name in STRATEGIES]
 engine = RolloutEngine(
     model_cfg, params, sharding.make_mesh({"data": 1}, jax.devices()[:1]),
-    RolloutConfig(num_slots=SLOTS, max_prompt_length=24, max_length=24 + MAX_TOKENS,
+    RolloutConfig(num_slots=SLOTS, max_prompt_length=24, max_length=24 + MAX_TOKENS, kv_bucket=KV_BUCKET,
                   eos_token_id=model_cfg.eos_token_id, max_draft_depth=max(s.depth for s in strategies)),
     drafter_cfg, drafter_params)
 sp = sampling.SamplingParams(temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
@@ -160,11 +166,20 @@ from scipy import stats
 
 PROMPT = "add 57+38\n"
 ids = tokenizer(PROMPT)["input_ids"]
-draws = {"plain": engine.generate([ids], DIST_SAMPLES, sp, jax.random.PRNGKey(1)),
-         "speculative": engine.generate([ids], DIST_SAMPLES, sp, jax.random.PRNGKey(2),
-                                        speculation=FixedSpeculation(strategies[0], max_active=SLOTS))}
-answers = {mode: [rewards.parse_answer(c) or "(none)" for c in evaluation.decode_completions(tokenizer, out.tokens)]
-           for mode, out in draws.items()}
+
+
+def draw(key, speculation=None):
+    """DIST_SAMPLES answers to PROMPT, DIST_PER_CALL per generate call: the answers' tokens and the calls'
+    timeline."""
+    outs = [engine.generate([ids], DIST_PER_CALL, sp, k, speculation=speculation)
+            for k in jax.random.split(key, DIST_SAMPLES // DIST_PER_CALL)]
+    return [t for out in outs for t in out.tokens], RolloutTimeline([g for out in outs for g in out.timeline.groups])
+
+
+draws = {"plain": draw(jax.random.PRNGKey(1)),
+         "speculative": draw(jax.random.PRNGKey(2), FixedSpeculation(strategies[0], max_active=SLOTS))}
+answers = {mode: [rewards.parse_answer(c) or "(none)" for c in evaluation.decode_completions(tokenizer, tokens)]
+           for mode, (tokens, _) in draws.items()}
 values, pooled = np.unique(answers["plain"] + answers["speculative"], return_counts=True)
 kept = [v for v, n in sorted(zip(values, pooled), key=lambda x: -x[1]) if n >= 10]
 categories = kept + ["other"]
@@ -174,7 +189,7 @@ if counts[:, -1].sum() < 10:  # too few pooled answers to form a cell of their o
     counts, categories = counts[:, :-1], categories[:-1]
 test = stats.chi2_contingency(counts)
 print(f"{DIST_SAMPLES} samples each; speculative acceptance length "
-      f"{draws['speculative'].timeline.summary()['acceptance_length']:.2f}; chi-square {test.statistic:.1f} "
+      f"{draws['speculative'][1].summary()['acceptance_length']:.2f}; chi-square {test.statistic:.1f} "
       f"on {test.dof} degrees of freedom, p-value {test.pvalue:.3f}")
 
 x = np.arange(len(categories))
