@@ -28,7 +28,7 @@ jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(RUNS, "jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 TASKS = "reasoning_gym:basic_arithmetic,chain_sum,leg_counting"
-SFT_STEPS, RL_STEPS = (20, 2) if SMOKE else (300, 6)
+SFT_STEPS, RL_STEPS = (5, 2) if SMOKE else (300, 6)
 print(f"backend {jax.default_backend()}; SFT {SFT_STEPS} steps, RL {RL_STEPS} steps")
 
 # %% [markdown]
