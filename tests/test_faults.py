@@ -73,6 +73,8 @@ _SLOW = {"rollout", "drafter_step", "reward", "learner"}
 # configuration compiles.
 _RUN = """
 import json, pickle, sys
+from tlt_jax import launch
+launch.cache_programs_for_any_devices()  # a program of one rollout group serves the other (tests/conftest.py)
 from tests import _rewards
 from tests.test_faults import _spy
 from tests.test_rl_train import _config

@@ -119,8 +119,12 @@ def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_pat
     assert all(changed(a, b) for a, b in zip(received, received[1:]))
 
 
+# Keyed as this process keys its programs (tests/conftest.py), so that the resume below
+# loads the programs the killed run compiled.
 _KILLED_RUN = """
 import sys
+from tlt_jax import launch
+launch.cache_programs_for_any_devices()
 from tests.test_tlt import TLT, _config
 from tlt_jax.rl.train import train_rl
 train_rl(_config(sys.argv[1], sys.argv[2], **{**TLT, "steps": 6}), progress=False)
