@@ -130,7 +130,8 @@ if want spec; then
   block_start spec
   if dry; then
     note "spec: the gpu presets (float32 masters, bfloat16 compute) at 2 layers of 64 and 2 steps, the drafter" \
-      "without acceptance rollouts; bench_spec --preset=cpu at batch 1 (8 left to the time budget); spec_verify impl=auto" \
+      "without acceptance rollouts; bench_spec --preset=cpu with eagle-d3 at batch 1 (8 left to the time budget);" \
+      "spec_verify impl=auto" \
       "is the jnp reference on the CPU"
     SFT=(--config=configs/sft.py:gpu --config.model.num_layers=2 --config.model.hidden_size=64
       --config.model.intermediate_size=128 --config.model.head_dim=16 --config.model.num_heads=4
@@ -140,19 +141,21 @@ if want spec; then
       --config.steps=2 --config.eval_every=2 --config.checkpoint_every=2 --config.data.num_train=256
       --config.data.num_eval=16 --config.eval_batch_size=8)
     SPEC=(--preset=cpu --batches=1,8 --time_budget_s=1)
+    SPEC_STRATEGY=eagle-d3  # a chain 3 deep compiles in less than half eagle-d8's time; the same code path
   else
     SFT=(--config=configs/sft.py:gpu --config.data.num_eval=32)
     # No acceptance rollouts after training (the 16 prompts' did not finish in 70 s on the
     # H200, 2026-12-04): bench_spec and bench_tlt measure acceptance.
     DRAFTER=(--config=configs/drafter.py:gpu --config.acceptance.num_prompts=0)
     SPEC=(--preset=gpu --batches=1,8 --time_budget_s=30)
+    SPEC_STRATEGY=eagle-d8
   fi
   step sft 100 "$OUT/sft.log" "$PYTHON" -m experiments.sft "${SFT[@]}" --config.run_dir="$OUT/sft_gpu"
   step train_drafter 55 "$OUT/train_drafter.log" "$PYTHON" -m experiments.train_drafter "${DRAFTER[@]}" \
     --config.target_dir="$OUT/sft_gpu/hf" --config.run_dir="$OUT/drafter_gpu"
   # shellcheck disable=SC2086  # SPEC_ARGS is a list of flags
   step bench_spec 85 "$OUT/bench_spec.log" "$PYTHON" -m experiments.bench_spec "${SPEC[@]}" --target="$OUT/sft_gpu/hf" \
-    --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=eagle-d8 --temperatures=1} \
+    --drafter="$OUT/drafter_gpu/drafter" --dtype=bfloat16 ${SPEC_ARGS:---strategies=$SPEC_STRATEGY --temperatures=1} \
     --out="$OUT/bench_spec.json"
   if ! plan; then
     tail -n 3 "$OUT/sft.log" "$OUT/train_drafter.log"
@@ -181,8 +184,10 @@ if want tlt; then
        "--tlt_set=tlt.tuner.arms=[['eagle-d8','eagle-d6','plain']]")
   if dry; then
     note "tlt: bench_tlt --preset=gpu as on the GPU, 1 step per run, on the spec block's tiny target; 16 eval" \
-      "prompts, drafter batches of 2 rows (the warm-up compiles a drafter step per power of two up to the batch)"
-    TLT+=(--steps=1 --set=data.num_eval=16 --tlt_set=tlt.drafter.batch_size=2)
+      "prompts, drafter batches of 2 rows (the warm-up compiles a drafter step per power of two up to the batch);" \
+      "arms eagle-d3, eagle-d2 and plain (shallower chains compile faster)"
+    TLT+=(--steps=1 --set=data.num_eval=16 --tlt_set=tlt.drafter.batch_size=2
+          "--tlt_set=tlt.tuner.arms=[['eagle-d3','eagle-d2','plain']]")
   fi
   if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
     BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
