@@ -49,20 +49,29 @@ def test_drafter_bookkeeping_matches_teacher_forced_forward(params):
     drafter = spec_lib.Drafter(CFG, DCFG)
     b, total, p = 2, 18, 5
     x = jax.random.randint(jax.random.PRNGKey(2), (b, total), 0, CFG.vocab_size)
-    h = tfm.forward(params, CFG, x)
-    g = drafter_lib.forward(dparams, params, CFG, DCFG, x[:, 1:], h[:, :-1])  # entry t: (x_{t+1}, h_t)
+
+    @jax.jit
+    def teacher_forced(x):
+        h = tfm.forward(params, CFG, x)
+        return h, drafter_lib.forward(dparams, params, CFG, DCFG, x[:, 1:], h[:, :-1])  # entry t: (x_{t+1}, h_t)
+
+    # Each step jitted, as the engine runs it (run op by op, each of their operations
+    # compiles a program of its own: 2.3x the CPU from an empty compilation cache).
+    prefill_rows, append, catch_up = map(jax.jit, (drafter.prefill_rows, drafter.append, drafter.catch_up))
+    h, g = jax.device_get(teacher_forced(x))
+    x = np.asarray(x)
     state = drafter.init_state(b, 32, capacity=4)
-    lengths = jnp.array([p, p - 2])
-    tokens = jnp.stack([jnp.where(jnp.arange(p) < n - 1, x[i, 1:p + 1], x[i, n]) for i, n in enumerate(lengths)])
-    state = drafter.prefill_rows(dparams, params, state, jnp.arange(b), tokens, h[:, :p], lengths)
-    committed = np.asarray(lengths)  # target length + 1 = entries the drafter has seen or holds pending
+    lengths = np.array([p, p - 2], np.int32)
+    tokens = np.stack([np.where(np.arange(p) < n - 1, x[i, 1:p + 1], x[i, n]) for i, n in enumerate(lengths)])
+    state = prefill_rows(dparams, params, state, np.arange(b, dtype=np.int32), tokens, h[:, :p], lengths)
+    committed = lengths  # target length + 1 = entries the drafter has seen or holds pending
     for count in ([3, 1], [1, 4], [2, 2]):
-        count = jnp.asarray(count)
+        count = np.asarray(count, np.int32)
         at = committed[:, None] + np.arange(4)[None]
-        state = drafter.append(dparams, params, state, jnp.take_along_axis(x, jnp.asarray(at + 1), 1),
-                               jnp.take_along_axis(h, jnp.asarray(at)[..., None], 1), count)
-        committed = committed + np.asarray(count)
-        state, _, g_last = drafter.catch_up(dparams, params, state)
+        state = append(dparams, params, state, np.take_along_axis(x, at + 1, 1),
+                       np.take_along_axis(h, at[..., None], 1), count)
+        committed = committed + count
+        state, _, g_last = catch_up(dparams, params, state)
         np.testing.assert_array_equal(state.cache.lengths, committed)
         np.testing.assert_allclose(g_last, g[np.arange(b), committed - 1], atol=2e-5, rtol=2e-5)
 
@@ -515,7 +524,7 @@ def test_ancestors_match_walking_up_the_parents():
                 j = i
                 while j >= 0:
                     expected[b, i, j], j = True, row[j]
-        np.testing.assert_array_equal(spec_lib.ancestors(jnp.asarray(parents, jnp.int32)), expected)
+        np.testing.assert_array_equal(jax.jit(spec_lib.ancestors)(jnp.asarray(parents, jnp.int32)), expected)
 
 
 class _TableDrafter(spec_lib.Drafter):
@@ -560,7 +569,9 @@ def test_tree_strategy_drafts_the_eagle2_tree():
     drafter = _TableDrafter(CFG.replace(vocab_size=v), drafter_lib.DrafterConfig(num_layers=1))
     cache = tfm.KVCache(jnp.zeros((1, b, 1, 1, 1)), jnp.zeros((1, b, 1, 1, 1)), jnp.zeros((b,), jnp.int32))
     root = jnp.array([5, 6, 7], jnp.int32)
-    tree = drafter._tree(table, None, cache, root, root_logits, jnp.zeros((b, 4)), strategy)
+    # Jitted, as the engine runs it (op by op, each of its operations compiles a program of its own).
+    tree = jax.jit(functools.partial(drafter._tree, strategy=strategy))(table, None, cache, root, root_logits,
+                                                                       jnp.zeros((b, 4)))
     assert tree.tokens.shape == tree.parents.shape == (b, strategy.num_nodes)
     for i in range(b):
         tokens, parents = _eagle2_by_hand(np.asarray(root_logits[i]), np.asarray(table), strategy.topk,
