@@ -32,8 +32,23 @@ def _engine(params, num_slots, data=1, steps=8, max_length=40, tensor=1, eos_tok
 
 
 @pytest.fixture(scope="module")
-def reference(params):
-    return _engine(params, 4).generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
+def engine(params):
+    """The module's engines, one per configuration: the tests that run the same one share
+    its compiled programs rather than tracing and compiling them again."""
+    built = {}
+
+    def get(num_slots, **kw):
+        key = (num_slots, *sorted(kw.items()))
+        if key not in built:
+            built[key] = _engine(params, num_slots, **kw)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return engine(4).generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
 
 
 def test_every_request_once_and_logprobs_match_forward(params, reference):
@@ -41,24 +56,30 @@ def test_every_request_once_and_logprobs_match_forward(params, reference):
     assert len(r) == 15
     assert sorted(zip(r.prompt_index.tolist(), r.sample_index.tolist())) == [(p, s) for p in range(5) for s in range(3)]
     assert set(r.finish_reason) <= {"eos", "max_tokens"} and "max_tokens" in r.finish_reason
+    # One forward over every transcript, right-padded to one length (causal: the padding
+    # changes no earlier position's logits), so it compiles once.
+    seqs = [PROMPTS[r.prompt_index[i]] + r.tokens[i].tolist() for i in range(len(r))]
+    batch = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        batch[i, :len(seq)] = seq
+    logp_all = np.asarray(jax.jit(lambda p, x: sampling.processed_logprobs(
+        tfm.logits_from_hidden(p, CFG, tfm.forward(p, CFG, x)), SP))(params, batch))
     for i in range(len(r)):
         prompt, answer = PROMPTS[r.prompt_index[i]], r.tokens[i]
         assert len(answer) == len(r.logprobs[i]) >= 1
         assert (r.finish_reason[i] == "eos") == (answer[-1] == 0)
         assert (answer[:-1] != 0).all()
-        seq = jnp.asarray([prompt + answer.tolist()])
-        logits = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, seq))[0]
-        logp = sampling.processed_logprobs(logits[len(prompt) - 1:-1], SP)
-        expected = np.take_along_axis(np.asarray(logp), answer[:, None], axis=1)[:, 0]
+        logp = logp_all[i, len(prompt) - 1:len(prompt) - 1 + len(answer)]
+        expected = np.take_along_axis(logp, answer[:, None], axis=1)[:, 0]
         np.testing.assert_allclose(r.logprobs[i], expected, atol=1e-4)
     tokens, logp, mask = r.padded()
     assert tokens.shape == (15, r.lengths.max()) and mask.sum() == r.lengths.sum()
 
 
-def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference):
+def test_same_output_alone_with_few_or_many_slots_and_same_key(engine, reference):
     stacked = dict(per_layer_weights=False, fused_projections=False)
-    for engine in (_engine(params, 1, steps=3), _engine(params, 8, steps=5, **stacked), _engine(params, 4)):
-        other = engine.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
+    for e in (engine(1, steps=3), engine(8, steps=5, **stacked), engine(4)):
+        other = e.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)
             # Float32 sums in another order (another slot count, the stacked layout): the tests
@@ -66,30 +87,33 @@ def test_same_output_alone_with_few_or_many_slots_and_same_key(params, reference
             np.testing.assert_allclose(la, lb, rtol=2e-5, atol=1e-5)
     # Named by its id, a prompt run alone (or beside another, in another order) gives the
     # answers it gave in the full batch; unnamed, it is request 0 and draws other tokens.
+    # (The reference's engine: its programs are compiled.)
     for prompts, ids in (([PROMPTS[2]], [2]), ([PROMPTS[4], PROMPTS[2]], [4, 2])):
-        alone = _engine(params, 2).generate(prompts, 3, SP, jax.random.PRNGKey(7), prompt_ids=ids)
+        alone = engine(4).generate(prompts, 3, SP, jax.random.PRNGKey(7), prompt_ids=ids)
         for p, s, tokens in zip(alone.prompt_index, alone.sample_index, alone.tokens):
             np.testing.assert_array_equal(tokens, reference.tokens[ids[p] * 3 + s])
-    unnamed = _engine(params, 2).generate([PROMPTS[2]], 3, SP, jax.random.PRNGKey(7))
+    unnamed = engine(4).generate([PROMPTS[2]], 3, SP, jax.random.PRNGKey(7))
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(unnamed.tokens, reference.tokens[6:9]))
     with pytest.raises(ValueError, match="prompt_ids must name each"):
-        _engine(params, 2).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7), prompt_ids=[1, 1])
-    different = _engine(params, 4).generate(PROMPTS, 3, SP, jax.random.PRNGKey(8))
+        engine(4).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7), prompt_ids=[1, 1])
+    different = engine(4).generate(PROMPTS, 3, SP, jax.random.PRNGKey(8))
     assert any(len(a) != len(b) or (a != b).any() for a, b in zip(reference.tokens, different.tokens))
 
 
-def test_the_samples_of_a_prompt_share_one_prefill(params):
+def test_the_samples_of_a_prompt_share_one_prefill(engine):
     """Each distinct prompt is prefilled once for all the samples it starts, and they
     sample what they sample with one slot (one prefill each)."""
-    engine = _engine(params, 4)
-    group = engine.groups[0]
+    group = engine(4).groups[0]
     prefilled, insert = [], group.insert
     group.insert = lambda state, prompts_UP, *a, **k: prefilled.append(len(prompts_UP)) or insert(
         state, prompts_UP, *a, **k)
-    out = engine.generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    try:
+        out = engine(4).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    finally:
+        del group.insert  # the shared engine's own again
     # The first insert starts prompt 0's three samples and one of prompt 1's: two rows.
     assert prefilled[0] == 2 and sum(prefilled) < len(out)
-    alone = _engine(params, 1).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    alone = engine(1, steps=3).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
     for a, b, la, lb in zip(alone.tokens, out.tokens, alone.logprobs, out.logprobs):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(la, lb, atol=1e-5)
@@ -177,13 +201,15 @@ def test_projections_stay_unfused_when_kv_heads_do_not_split():
 
 def test_cache_full_and_update_params(params, tmp_path):
     engine = _engine(params, 2, max_length=9)
-    r = engine.generate([[1, 2, 3, 4]], 2, sampling.SamplingParams(temperature=0.0, max_tokens=50),
-                        jax.random.PRNGKey(0))
+    greedy = sampling.SamplingParams(temperature=0.0, max_tokens=50)
+    r = engine.generate([[1, 2, 3, 4]], 2, greedy, jax.random.PRNGKey(0))
     for tokens, reason in zip(r.tokens, r.finish_reason):
         assert reason == "cache_full" and len(tokens) == 9 - 4 + 1 or reason == "eos"
     engine.update_params(jax.tree.map(jnp.zeros_like, params))
-    r = engine.generate([[1, 2]], 1, sampling.SamplingParams(temperature=0.0, max_tokens=3), jax.random.PRNGKey(0))
-    assert r.tokens[0].tolist() == [0] and r.finish_reason == ["eos"]  # all-zero logits: argmax 0 = eos
+    # The same sampling parameters and prefill shape (2 samples of one prompt): no new program.
+    r = engine.generate([[1, 2]], 2, greedy, jax.random.PRNGKey(0))
+    # All-zero logits: argmax 0 = eos.
+    assert [t.tolist() for t in r.tokens] == [[0], [0]] and r.finish_reason == ["eos"] * 2
     metrics.plot_rollout_timeline(r.timeline, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
@@ -208,8 +234,8 @@ def test_every_end_token_stops_a_sequence(params):
     assert set(ended_by) == set(ends)
 
 
-def test_bad_input(params):
-    engine = _engine(params, 2)
+def test_bad_input(engine):
+    engine = engine(4)
     assert len(engine.generate([], 4, SP, jax.random.PRNGKey(0))) == 0
     with pytest.raises(ValueError, match="num_samples"):
         engine.generate(PROMPTS, 0, SP, jax.random.PRNGKey(0))
