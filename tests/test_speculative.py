@@ -193,10 +193,17 @@ STRATEGIES = [spec_lib.Strategy("eagle", depth=3), spec_lib.Strategy("eagle", de
               spec_lib.Strategy("ngram", depth=3, topk=2)]
 
 
-@pytest.mark.parametrize("dcfg", [DCFG, FUSED], ids=["final", "fused"])
-def test_greedy_speculation_equals_plain_greedy(params, dcfg):
+@pytest.fixture(scope="module")
+def plain_greedy(params):
+    """Plain greedy decode of PROMPTS, 2 samples each: what both drafters' runs must match."""
     sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
-    plain = _engine(params).generate(PROMPTS, 2, sp, jax.random.PRNGKey(3))
+    return _engine(params).generate(PROMPTS, 2, sp, jax.random.PRNGKey(3))
+
+
+@pytest.mark.parametrize("dcfg", [DCFG, FUSED], ids=["final", "fused"])
+def test_greedy_speculation_equals_plain_greedy(params, plain_greedy, dcfg):
+    sp = sampling.SamplingParams(temperature=0.0, max_tokens=20)
+    plain = plain_greedy
     dparams = drafter_lib.init_drafter(CFG, dcfg, jax.random.PRNGKey(4), init_std=0.3)
     # The fused drafter runs each step as two timed device calls, the other in device loops.
     engine = _engine(params, dcfg, dparams, time_spec_phases=dcfg is FUSED)
@@ -290,13 +297,22 @@ SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_laye
                     num_kv_heads=1, head_dim=8)
 
 
+# Eight prompts, greedy, whose stop tokens end the answers at staggered lengths.
+STAGGERED_PROMPTS = PROMPTS + [[11, 12], [13], [14, 15, 16], [17, 18, 19, 20]]
+STAGGERED_GREEDY = sampling.SamplingParams(temperature=0.0, max_tokens=20, stop_tokens=(18, 29))
+
+
 def test_speculation_starts_as_soon_as_the_batch_drains(params):
     """A plain chunk stops once the active count falls to the policy's threshold, so the
     next chunk speculates at once (not up to steps_per_sync steps later)."""
-    engine = _engine(params, num_slots=8, max_length=40)
-    policy = spec_lib.FixedSpeculation(spec_lib.Strategy("ngram", depth=3, topk=1), max_active=3)
-    sp = sampling.SamplingParams(temperature=1.0, max_tokens=30, stop_tokens=(5, 6, 7))  # staggered ends
-    out = engine.generate(PROMPTS * 2, 1, sp, jax.random.PRNGKey(11), speculation=policy)
+    # The engine, prompts and sampling parameters of the unbucketed runs of
+    # test_attention_buckets_keep_every_token (the same programs, compiled once): stop
+    # tokens stagger the ends (answers of 1, 2, 3, 7, 10, 10, 14 and 20 tokens), so the
+    # active count falls from 4 to 2 at the first step of the third plain chunk.
+    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
+    engine = _engine(params, DCFG, dparams, num_slots=8, kv_bucket=0)
+    policy = spec_lib.FixedSpeculation(STRATEGIES[2], max_active=3)
+    out = engine.generate(STAGGERED_PROMPTS, 1, STAGGERED_GREEDY, jax.random.PRNGKey(3), speculation=policy)
     chunks = out.timeline.groups[0].chunks
     plain = [c for c in chunks if not isinstance(c, SpecChunk)]
     assert plain and all(a > 3 for c in plain for a in c.active_per_step)
@@ -336,8 +352,7 @@ def test_switching_between_plain_and_speculative_mid_run_keeps_greedy_tokens(par
     """One generate that decodes plainly, then speculatively, then plainly again (a fixed
     band of active counts; stop tokens stagger the ends, one prompt ends at its first
     token) gives the all-plain greedy tokens."""
-    prompts = PROMPTS + [[11, 12], [13], [14, 15, 16], [17, 18, 19, 20]]
-    sp = sampling.SamplingParams(temperature=0.0, max_tokens=20, stop_tokens=(18, 29))
+    prompts, sp = STAGGERED_PROMPTS, STAGGERED_GREEDY
     plain = _engine(params, num_slots=8).generate(prompts, 1, sp, jax.random.PRNGKey(3))
     assert sorted(plain.lengths.tolist()) == [1, 2, 3, 7, 10, 10, 14, 20]
     dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
@@ -354,26 +369,40 @@ def test_attention_buckets_keep_every_token(params):
     """Chunks whose attention reads only the cache slots their sequences reach (buckets of
     4, 8, 16 and 32 slots) give the tokens of chunks that read all 32: plain and each
     speculative strategy greedy, plain and an EAGLE chain sampled."""
-    prompts = PROMPTS + [[11, 12], [13], [14, 15, 16], [17, 18, 19, 20]]
+    prompts, greedy = STAGGERED_PROMPTS, STAGGERED_GREEDY
     dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
-    greedy = sampling.SamplingParams(temperature=0.0, max_tokens=20, stop_tokens=(18, 29))
     sampled = sampling.SamplingParams(temperature=1.0, max_tokens=20)
+    # At max_length 32 the unbucketed engine's chunks are the bucketed engine's widest (the
+    # same programs, compiled once); each engine runs every case.
+    engines = {bucket: _engine(params, DCFG, dparams, num_slots=8, max_length=32, kv_bucket=bucket)
+               for bucket in (0, 4)}
+    read = {bucket: _record_buckets(engine.groups[0]) for bucket, engine in engines.items()}
     for sp, strategies in ((greedy, STRATEGIES), (sampled, STRATEGIES[:1])):
         for strategy in strategies:
             speculation = _Band(strategy, lo=0, hi=5)  # plain while more than 5 run, then speculative
             runs = {}
-            for bucket in (0, 4):
-                # At max_length 32 the unbucketed run's chunks are the bucketed run's widest
-                # (the same programs, compiled once).
-                engine = _engine(params, DCFG, dparams, num_slots=8, max_length=32, kv_bucket=bucket)
+            for bucket, engine in engines.items():
+                read[bucket].clear()
                 runs[bucket] = engine.generate(prompts, 1, sp, jax.random.PRNGKey(3), speculation=speculation)
-                read = {key[0][-1] for key in engine.groups[0]._compiled if key[0][0] == "chunk"}
-                assert read == {32} if bucket == 0 else len(read) >= 2 and min(read) <= 16, (strategy.name, read)
+                assert read[bucket] == {32} if bucket == 0 else len(read[bucket]) >= 2 and min(read[bucket]) <= 16, (
+                    strategy.name, read[bucket])
             assert _modes(runs[4]) == "PS", strategy.name
             for a, b in zip(runs[0].tokens, runs[4].tokens):
                 np.testing.assert_array_equal(a, b, err_msg=strategy.name)
             assert runs[0].finish_reason == runs[4].finish_reason
             np.testing.assert_allclose(np.concatenate(runs[0].logprobs), np.concatenate(runs[4].logprobs), atol=1e-5)
+
+
+def _record_buckets(group):
+    """Records in the returned set the cache slots each chunk the group runs reads."""
+    read, run_chunk = set(), group.run_chunk
+
+    def recorded(state, key, refill_wanted, strategy, sp, floor=0, attended=None):
+        read.add(attended)
+        return run_chunk(state, key, refill_wanted, strategy, sp, floor, attended)
+
+    group.run_chunk = recorded
+    return read
 
 
 def test_a_chunk_stops_where_its_bucket_is_full(params):
@@ -403,7 +432,8 @@ def _mimic_drafter(params, config):
     token in view, so its drafts are often, not always, what the target would sample."""
     d = config.hidden_size
     return (drafter_lib.DrafterConfig(num_layers=config.num_layers),
-            {"fc": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))]), "layers": params["layers"]})
+            {"fc": np.concatenate([np.eye(d, dtype=np.float32), np.zeros((d, d), np.float32)]),
+             "layers": params["layers"]})
 
 
 def _exact_answer_probabilities(params, prompt, sp, eos_id):
@@ -413,11 +443,17 @@ def _exact_answer_probabilities(params, prompt, sp, eos_id):
     m, v = sp.max_tokens, SMALL.vocab_size
     answers = np.stack(np.meshgrid(*[np.arange(v)] * m, indexing="ij"), -1).reshape(-1, m)
     seqs = jnp.asarray(np.concatenate([np.tile(prompt, (len(answers), 1)), answers], 1))
-    logp = sampling.processed_logprobs(tfm.logits_from_hidden(params, SMALL, tfm.forward(params, SMALL, seqs)), sp)
+    logp = _processed_logprobs(params, seqs, sp)
     logp = np.take_along_axis(np.asarray(logp[:, len(prompt) - 1:-1], np.float64), answers[..., None], 2)[..., 0]
     after_eos = np.cumsum(answers == eos_id, 1) - (answers == eos_id) > 0
     keys, first = np.unique(_answer_keys(np.where(after_eos, v, answers)), return_index=True)
     return keys, np.exp(np.where(after_eos, 0.0, logp).sum(1))[first]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _processed_logprobs(params, seqs, sp):
+    """The processed target log-probs after every position of seqs (one program, not one per operation)."""
+    return sampling.processed_logprobs(tfm.logits_from_hidden(params, SMALL, tfm.forward(params, SMALL, seqs)), sp)
 
 
 def _answer_keys(tokens_NM):
