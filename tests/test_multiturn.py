@@ -33,6 +33,24 @@ def _engine(params, num_slots=4, drafter_params=None):
     return RolloutEngine(CFG, params, mesh, rc, DCFG if drafter_params is not None else None, drafter_params)
 
 
+@pytest.fixture(scope="module")
+def engine(params):
+    """The 4-slot engine without a drafter, shared by the tests that need no fresh one."""
+    return _engine(params)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(params):
+    """The 4-slot engine with an EAGLE drafter, shared by the speculative tests: each
+    program they have in common compiles once."""
+    return _engine(params, drafter_params=drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3))
+
+
+# Log-probs of every position of a batch of transcripts, right-padded to the cache length
+# (causal: the padding changes no earlier position's logits): one program for every check.
+_forward = jax.jit(lambda p, x: jax.nn.log_softmax(tfm.logits_from_hidden(p, CFG, tfm.forward(p, CFG, x))))
+
+
 class Scripted:
     """Fixed observations, the same for every request; records each turn it is handed."""
 
@@ -55,13 +73,16 @@ def _check_against_one_prefill(params, rollouts, episodes):
     """Every model token's log-prob equals, within 1e-4 (float32), the one forward over
     the whole transcript (prompt, turns and observations) gives it; the observations sit
     where the mask says, and each turn the environment saw is the transcript's."""
-    forward = jax.jit(lambda x: jax.nn.log_softmax(tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, x))))
+    batch = np.zeros((len(rollouts), 48), np.int32)
+    for i in range(len(rollouts)):
+        x = PROMPTS[rollouts.prompt_index[i]] + rollouts.tokens[i].tolist()
+        batch[i, :len(x)] = x
+    logp_all = np.asarray(_forward(params, batch))
     turns_seen = 0
     for i in range(len(rollouts)):
         prompt, tokens, observed = PROMPTS[rollouts.prompt_index[i]], rollouts.tokens[i], rollouts.observation_mask[i]
         assert len(observed) == len(tokens) == len(rollouts.logprobs[i])
-        x = np.asarray(prompt + tokens.tolist(), np.int32)
-        logp = np.asarray(forward(x[None]))[0]
+        logp = logp_all[i]
         model = np.flatnonzero(~observed)
         expected = logp[len(prompt) + model - 1, tokens[model]]
         np.testing.assert_allclose(rollouts.logprobs[i][model], expected, atol=1e-4, err_msg=f"sample {i}")
@@ -80,9 +101,9 @@ def _check_against_one_prefill(params, rollouts, episodes):
     return turns_seen
 
 
-def test_continuation_equals_one_prefill_of_the_whole_transcript(params):
+def test_continuation_equals_one_prefill_of_the_whole_transcript(params, engine):
     episodes = Scripted()
-    rollouts = _engine(params).generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=episodes)
+    rollouts = engine.generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=episodes)
     assert _check_against_one_prefill(params, rollouts, episodes) >= 2 * len(rollouts)
     assert set(rollouts.finish_reason) <= {"stop", "eos"}  # the episode's end keeps the turn's reason
     # The key stream counts the model's tokens alone: the same samples on 2 slots, where
@@ -118,25 +139,24 @@ def test_warm_up_runs_the_multi_turn_chunks_and_serial_environments_change_no_sa
 
 @pytest.mark.parametrize("strategy", [spec_lib.Strategy("eagle", depth=3), spec_lib.Strategy("ngram", depth=3)],
                          ids=lambda s: s.name)
-def test_continuation_under_speculation_is_lossless(params, strategy):
+def test_continuation_under_speculation_is_lossless(params, spec_engine, strategy):
     """Speculative turns after a continuation: the drafter's entries and the n-gram
     context were extended with the observation, and what is committed is still exactly
     the target's distribution (log-probs of one prefill)."""
-    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
     episodes = Scripted()
-    rollouts = _engine(params, drafter_params=dparams).generate(
+    rollouts = spec_engine.generate(
         PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=episodes,
         speculation=spec_lib.FixedSpeculation(strategy, max_active=8))
     _check_against_one_prefill(params, rollouts, episodes)
     assert rollouts.timeline.summary()["speculative_steps"] > 0
 
 
-def test_stop_sequence_of_two_tokens_cuts_speculative_tokens_past_it(params):
+def test_stop_sequence_of_two_tokens_cuts_speculative_tokens_past_it(engine, spec_engine):
     """A stop sequence of two tokens ends each greedy answer right after its first
     occurrence, finish reason "stop", wherever it falls among the tokens a speculative
     step commits at once (plain decode, EAGLE chains, n-gram drafts)."""
     greedy = sampling.SamplingParams(temperature=0.0, max_tokens=30)
-    free = _engine(params).generate(PROMPTS, 1, greedy, jax.random.PRNGKey(3))
+    free = engine.generate(PROMPTS, 1, greedy, jax.random.PRNGKey(3))
     stop = tuple(int(t) for t in free.tokens[0][3:5])
     sp = sampling.SamplingParams(temperature=0.0, max_tokens=30, stop_sequences=(stop,))
 
@@ -146,11 +166,9 @@ def test_stop_sequence_of_two_tokens_cuts_speculative_tokens_past_it(params):
 
     expected = [cut(t) for t in free.tokens]
     assert len(expected[0]) == 5
-    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(4), init_std=0.3)
-    engine = _engine(params, drafter_params=dparams)
     for strategy in (None, spec_lib.Strategy("eagle", depth=4), spec_lib.Strategy("ngram", depth=4)):
         speculation = None if strategy is None else spec_lib.FixedSpeculation(strategy, max_active=8)
-        r = engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(3), speculation=speculation)
+        r = spec_engine.generate(PROMPTS, 1, sp, jax.random.PRNGKey(3), speculation=speculation)
         for want, got in zip(expected, r.tokens):
             np.testing.assert_array_equal(got, want, err_msg=str(strategy))
         assert r.finish_reason[0] == "stop"
