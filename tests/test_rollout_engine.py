@@ -157,8 +157,8 @@ def test_warm_up_without_a_policy_compiles_every_plain_chunk(params, reference):
         np.testing.assert_array_equal(a, b)
 
 
-def test_data_parallel_groups_signal_done(params, reference):
-    engine = _engine(params, 2, data=2, tensor=2)  # fused q/k/v split by kv head across the tensor axis
+def test_data_parallel_groups_signal_done(engine, reference):
+    engine = engine(2, data=2, tensor=2)  # fused q/k/v split by kv head across the tensor axis
     assert engine.num_groups == 2
     assert engine.groups[0].params["layers"][0]["wqkv"].sharding.spec == P(None, "tensor", None, None)
     done, lock = [], threading.Lock()
@@ -192,11 +192,11 @@ def test_data_parallel_groups_signal_done(params, reference):
         assert between["prefill"] > 0 and between["harvest"] > 0 and between["other"] >= 0
 
 
-def test_projections_stay_unfused_when_kv_heads_do_not_split():
-    params = tfm.init_params(CFG, jax.random.PRNGKey(0))
+def test_projections_stay_unfused_when_kv_heads_do_not_split(params, engine):
     split = _engine(params, 2, tensor=4).groups[0].params["layers"][0]  # 2 kv heads, 4 devices
     assert "wqkv" not in split and split["wq"].sharding.spec == P(None, "tensor", None)
-    assert "wqkv" in _engine(params, 2, tensor=2).groups[0].params["layers"][0]
+    # 2 kv heads, 2 devices: fused (the data-parallel test's engine, built once).
+    assert "wqkv" in engine(2, data=2, tensor=2).groups[0].params["layers"][0]
 
 
 def test_cache_full_and_update_params(params, tmp_path):
