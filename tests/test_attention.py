@@ -43,8 +43,13 @@ def _inputs(t, s, seed=0, dtype=jnp.float32):
 
 
 def _out_and_grads(impl, q, k, v, mask, d_out, **blocks):
-    out, vjp = jax.vjp(lambda q, k, v: attn.attention(q, k, v, mask, impl=impl, **blocks), q, k, v)
-    return out, vjp(d_out)
+    # Jitted, as the model runs it (op by op, each operation compiles a program of its own).
+    @jax.jit
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: attn.attention(q, k, v, mask, impl=impl, **blocks), q, k, v)
+        return out, vjp(d_out)
+
+    return run(q, k, v, d_out)
 
 
 def _segments(t, seed=0):
@@ -147,7 +152,7 @@ CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layer
 def test_forward_and_prefill_blockwise_equal_dense():
     """The model's paths with impl="blockwise" (one block at these lengths) against
     "dense": packed forward and its parameter gradients, right-padded prefill."""
-    params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
+    params = jax.jit(tfm.init_params, static_argnums=(0, 2))(CFG, jax.random.PRNGKey(0), 0.2)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 13), 0, CFG.vocab_size)
     seg = jnp.array([[0] * 5 + [1] * 8, [0] * 13])
     pos = jnp.where(seg == 1, jnp.arange(13) - 5, jnp.arange(13))
@@ -156,13 +161,16 @@ def test_forward_and_prefill_blockwise_equal_dense():
         h = tfm.forward(p, CFG, tokens, positions_BT=pos, segment_ids_BT=seg, attention_impl=impl)
         return jnp.sum(h ** 2), h
 
-    (_, h_blk), g_blk = jax.value_and_grad(loss, has_aux=True)(params, "blockwise")
-    (_, h_dense), g_dense = jax.value_and_grad(loss, has_aux=True)(params, "dense")
+    # Jitted, as training runs it (op by op, each operation compiles a program of its own).
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, h_blk), g_blk = value_and_grad(params, "blockwise")
+    (_, h_dense), g_dense = value_and_grad(params, "dense")
     np.testing.assert_allclose(h_blk, h_dense, atol=1e-5, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), g_blk, g_dense)
 
     cache = tfm.init_cache(CFG, 2, 20)
     lengths = jnp.array([13, 6])
-    outs = [tfm.prefill(params, CFG, cache, tokens, lengths, return_logits=True, attention_impl=impl)
+    prefill = jax.jit(tfm.prefill, static_argnums=1, static_argnames=("return_logits", "attention_impl"))
+    outs = [prefill(params, CFG, cache, tokens, lengths, return_logits=True, attention_impl=impl)
             for impl in ("blockwise", "dense")]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5), outs[0], outs[1])
