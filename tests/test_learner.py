@@ -89,9 +89,14 @@ def _prepare(learner, state, batch):
 def test_token_logprobs_match_dense():
     params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.2)
     tokens = jnp.asarray(_one_per_row(*SAMPLES)["tokens"])
-    logp, ent = token_logprobs(params, CFG, tokens, temperature=0.7, with_entropy=True)
-    logits = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, tokens[:, :-1])) / 0.7
-    ref = jax.nn.log_softmax(logits)
+
+    @jax.jit  # as the learner runs them (op by op, each operation compiles a program of its own)
+    def run(params, tokens):
+        logp, ent = token_logprobs(params, CFG, tokens, temperature=0.7, with_entropy=True)
+        logits = tfm.logits_from_hidden(params, CFG, tfm.forward(params, CFG, tokens[:, :-1])) / 0.7
+        return logp, ent, jax.nn.log_softmax(logits)
+
+    logp, ent, ref = run(params, tokens)
     np.testing.assert_allclose(logp, jnp.take_along_axis(ref, tokens[:, 1:, None], -1)[..., 0], atol=1e-5)
     np.testing.assert_allclose(ent, -(jnp.exp(ref) * ref).sum(-1), atol=1e-4)
 
@@ -130,11 +135,16 @@ def test_old_policy_outputs_share_the_forward_with_the_logprobs():
         np.testing.assert_allclose(np.asarray(logp), np.asarray(ref_logp), rtol=0, atol=atol)
         np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), rtol=0, atol=atol)
     tokens, positions, segment_ids = (x[:, :-1] for x in rows)
-    h, layers = tfm.forward(params, CFG, tokens, positions_BT=positions, segment_ids_BT=segment_ids, layer_ids=(0, 1))
+
+    @jax.jit  # as the learner runs them (op by op, each operation compiles a program of its own)
+    def run(params, tokens, positions, segment_ids):
+        h, layers = tfm.forward(params, CFG, tokens, positions_BT=positions, segment_ids_BT=segment_ids,
+                                layer_ids=(0, 1))
+        return h, layers, jax.lax.top_k(jax.nn.log_softmax(tfm.logits_from_hidden(params, CFG, h) / 0.9), 5)
+
+    h, layers, (top, top_ids) = run(params, tokens, positions, segment_ids)
     np.testing.assert_allclose(data.hidden, h, atol=1e-5)
     np.testing.assert_allclose(data.layers, jnp.moveaxis(layers, 0, 2), atol=1e-5)
-    ref = jax.nn.log_softmax(tfm.logits_from_hidden(params, CFG, h) / 0.9)
-    top, top_ids = jax.lax.top_k(ref, 5)
     np.testing.assert_array_equal(data.ids, top_ids)
     np.testing.assert_allclose(data.logp, top, atol=1e-5)
 
@@ -225,7 +235,8 @@ def _grpo_problem(cfg: grpo.GRPOConfig, temperature: float):
     ref_params = tfm.init_params(CFG, jax.random.PRNGKey(3), init_std=0.2)
     alone = _one_per_row(*SAMPLES)
     tokens = jnp.asarray(alone["tokens"])
-    lp = lambda p: token_logprobs(p, CFG, tokens, temperature=temperature)
+    # Jitted, as the learner runs it (op by op, each operation compiles a program of its own).
+    lp = jax.jit(lambda p: token_logprobs(p, CFG, tokens, temperature=temperature))
     old, ref = np.asarray(lp(old_params)), np.asarray(lp(ref_params))
     rollout = old + np.random.RandomState(0).normal(0, 0.3, old.shape).astype(np.float32)
     mask, adv = alone["loss_mask"], alone["advantages"]
@@ -262,7 +273,7 @@ def test_packed_loss_and_gradient_equal_one_sample_per_row(aggregation):
     cfg = grpo.GRPOConfig(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, tis_cap=1.5, aggregation=aggregation)
     learner = Learner(CFG, LearnerConfig(micro_batch_size=2, temperature=0.9, grpo=cfg), _mesh((1, 1, 1)))
     params, reference, logps = _grpo_problem(cfg, 0.9)
-    want_loss, want_grads = jax.value_and_grad(reference)(params)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(reference))(params)
     batch = _packed_batch(logps, minibatch_rows=lambda r: 10)
     assert not batch["segment_ids"][5:].any()  # 5 rows of padding, the last two micro-batches of 2 rows
     loss, metrics, grads = learner.loss_and_grads(params, batch)
@@ -281,7 +292,7 @@ def test_update_applies_the_full_batch_gradient_whatever_the_split_and_mesh():
     exactly the gradient it was given."""
     cfg = grpo.GRPOConfig(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, tis_cap=1.5)
     params, reference, logps = _grpo_problem(cfg, 0.9)
-    want_loss, want = jax.value_and_grad(reference)(params)
+    want_loss, want = jax.jit(jax.value_and_grad(reference))(params)
     want_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(want))))
     opt = OptimizerConfig(learning_rate=1e-3, b1=0.0, max_grad_norm=1e30)
     # (mesh, micro-batch rows) -> micro-batches of the padded minibatch: 5, 1, 5 (of an
