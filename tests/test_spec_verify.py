@@ -61,6 +61,9 @@ def _exact_probs(target_table):
     return probs
 
 
+# The sampling helpers run jitted (op by op, each operation per shape compiles a program
+# of its own); parents (a tuple) and drafts are static.
+@functools.partial(jax.jit, static_argnums=1)
 def _draft_tree(key, parents, draft_table):
     """Per-sample tokens [N, T]: each node's children drawn one after another without
     replacement from the draft row of the node's prefix."""
@@ -92,6 +95,7 @@ def _top_k_tree(parents, draft_table):
     return jnp.asarray(tokens, jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def _node_codes(tokens_NT, parents):
     codes = [jnp.zeros(tokens_NT.shape[0], jnp.int32)]
     for i in range(1, len(parents)):
@@ -99,6 +103,7 @@ def _node_codes(tokens_NT, parents):
     return jnp.stack(codes, 1)
 
 
+@jax.jit
 def _outcomes(key, tokens_NT, path_NT, n_acc_N, next_N, target_table):
     """Emitted tokens completed to length L with fresh target draws -> base-V codes [N]."""
     emitted_NT = jnp.take_along_axis(tokens_NT, jnp.maximum(path_NT, 0), axis=1)
@@ -150,6 +155,16 @@ def _lossless_run(drafts, parents, seed, verifier=None):
     else:
         tokens_NT = _draft_tree(key_draft, parents, draft_table)
     parents_NT = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens_NT.shape)
+    target_NTV, draft_NTV = _node_rows(tokens_NT, parents, drafts, target_table, draft_table)
+    verifier = verifier or sv.verify
+    path_NT, n_acc_N, next_N = verifier(tokens_NT, parents_NT, target_NTV, draft_NTV, key_verify)
+    outcomes_N = _outcomes(key_complete, tokens_NT, path_NT, n_acc_N, next_N, target_table)
+    return _chi2_pvalue(outcomes_N, _exact_probs(target_table)), path_NT, n_acc_N
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _node_rows(tokens_NT, parents, drafts, target_table, draft_table):
+    """Target and draft rows [N, T, V] of each node's prefix (draft None unless sampled)."""
     codes_NT = _node_codes(tokens_NT, parents)
     # Padding nodes' rows are NaN: the walk must never read them into r or q.
     padding_T1 = (jnp.asarray(parents) < 0).at[0].set(False)[:, None]
@@ -158,10 +173,7 @@ def _lossless_run(drafts, parents, seed, verifier=None):
         "sampled": jnp.where(padding_T1, jnp.nan, draft_table[codes_NT]),
         "draft_told_target": target_NTV,
     }.get(drafts)
-    verifier = verifier or sv.verify
-    path_NT, n_acc_N, next_N = verifier(tokens_NT, parents_NT, target_NTV, draft_NTV, key_verify)
-    outcomes_N = _outcomes(key_complete, tokens_NT, path_NT, n_acc_N, next_N, target_table)
-    return _chi2_pvalue(outcomes_N, _exact_probs(target_table)), path_NT, n_acc_N
+    return target_NTV, draft_NTV
 
 
 @pytest.mark.parametrize("drafts", ["sampled", "fixed", "sampled_as_fixed"])
