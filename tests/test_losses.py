@@ -187,8 +187,10 @@ def test_logprob_and_entropy_match_log_softmax(impl, with_entropy):
 def test_logprob_without_entropy_is_kl_with_k1():
     h, w, _, _, _ = _inputs(seed=6, k=1, dtype=jnp.float32, masked=False)
     targets = np.random.default_rng(7).integers(0, V, size=N).astype(np.int32)
-    logp = losses.linear_logprob(h, w, targets, block_sizes={"tokens": 16})
-    kl = losses.linear_topk_kl(h, w, targets[:, None], np.zeros((N, 1), np.float32), block_sizes={"tokens": 16})
+    # One jitted program, as the learner runs them (op by op, each operation compiles a program of its own).
+    logp, kl = jax.jit(lambda h, w: (
+        losses.linear_logprob(h, w, targets, block_sizes={"tokens": 16}),
+        losses.linear_topk_kl(h, w, targets[:, None], np.zeros((N, 1), np.float32), block_sizes={"tokens": 16})))(h, w)
     np.testing.assert_allclose(np.asarray(logp), -np.asarray(kl), rtol=1e-6, atol=1e-6)
 
 
