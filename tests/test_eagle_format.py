@@ -70,9 +70,21 @@ def _inputs(cfg, seed=2):
     return tokens_T, hidden_TD
 
 
+def _logits(dparams, tparams, tokens_T, hidden_TD, cfg, dcfg):
+    g = drafter_lib.forward(dparams, tparams, cfg, dcfg, tokens_T[None], hidden_TD[None])
+    return tfm.logits_from_hidden(tparams, cfg, g)[0]
+
+
+_jit_logits = jax.jit(_logits, static_argnums=(4, 5))
+
+
 def _our_logits(cfg, dcfg, dparams, tparams, tokens_T, hidden_TD):
-    g = drafter_lib.forward(dparams, tparams, cfg, dcfg, jnp.asarray(tokens_T)[None], jnp.asarray(hidden_TD)[None])
-    return np.asarray(tfm.logits_from_hidden(tparams, cfg, g)[0])
+    # Jitted, as the engine runs it (op by op, each operation compiles a program of its own).
+    return np.asarray(_jit_logits(dparams, tparams, jnp.asarray(tokens_T), jnp.asarray(hidden_TD), cfg, dcfg))
+
+
+# Jitted, as the engine runs it (op by op, each operation compiles a program of its own).
+_decode = jax.jit(drafter_lib.decode, static_argnums=(2, 3))
 
 
 # ----------------------------------------------------------------------------- the engines' forward
@@ -179,13 +191,13 @@ def test_export_computes_what_the_engines_compute(tmp_path, name, engine):
     cache = drafter_lib.init_cache(cfg, EAGLE, 1, T + 1)
     logits = []
     for lo, hi in ((0, 10), (10, T)):
-        out, g, cache = drafter_lib.decode(dparams, tparams, cfg, EAGLE, cache, jnp.asarray(tokens[lo:hi])[None],
+        out, g, cache = _decode(dparams, tparams, cfg, EAGLE, cache, jnp.asarray(tokens[lo:hi])[None],
                                            jnp.asarray(hidden[lo:hi])[None], jnp.arange(lo, hi)[None])
         logits.append(np.asarray(out[0]))
     _close(np.concatenate(logits), theirs)
     drafted = int(np.argmax(theirs[-1]))
     np.testing.assert_allclose(np.asarray(g[0, -1]), y[-1], rtol=0, atol=2e-6 * np.abs(y).max())
-    out, _, _ = drafter_lib.decode(dparams, tparams, cfg, EAGLE, cache, jnp.asarray([[drafted]]), g[:, -1:],
+    out, _, _ = _decode(dparams, tparams, cfg, EAGLE, cache, jnp.asarray([[drafted]]), g[:, -1:],
                                    jnp.asarray([[T]]))
     theirs_next, _ = _engine(path, engine)(tparams["embed"], tparams["lm_head"], np.append(tokens, drafted),
                                            np.concatenate([hidden, y[-1:]]))
