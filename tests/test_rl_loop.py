@@ -1,5 +1,6 @@
 """Pieces of one RL step: the learner's packed batch layout, its unpacking, and reward
 scoring in a process pool."""
+import functools
 
 import numpy as np
 import pytest
@@ -127,21 +128,28 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
     # The reference: a plain forward of each sample, its sampled tokens' log-probs under
     # the temperature-only and the processed (top-p) distributions.
     prompt_ids = evaluation.encode_prompts(tokenizer, rl.prompts_for(0))
+    # One jitted program per (prompt, answer) shape, not op by op.
+    @functools.partial(jax.jit, static_argnums=4)
+    def picked_logps(params, ref_params, seq, answer, prompt_len):
+        h = tfm.forward(params, cfg, seq)
+        logits = tfm.logits_from_hidden(params, cfg, h)[0, prompt_len - 1:-1]
+        plain = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
+        processed = sampling.processed_logprobs(logits, sp)
+        pick = lambda lp: jnp.take_along_axis(lp, answer[:, None], 1)[:, 0]
+        ref_logits = tfm.logits_from_hidden(ref_params, cfg, tfm.forward(ref_params, cfg, seq))
+        ref = jax.nn.log_softmax(ref_logits[0, prompt_len - 1:-1].astype(jnp.float32) / temperature)
+        return pick(plain), pick(processed), pick(ref)
+
     gaps, engine_errors, kls = [], [], []
     for i, answer in enumerate(rollouts.tokens):
         prompt = np.asarray(prompt_ids[rollouts.prompt_index[i]], np.int32)
         seq = np.concatenate([prompt, answer])[None]
-        h = tfm.forward(params, cfg, jnp.asarray(seq))
-        logits = tfm.logits_from_hidden(params, cfg, h)[0, len(prompt) - 1:-1]
-        plain = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
-        processed = sampling.processed_logprobs(logits, sp)
-        pick = lambda lp, answer=answer: np.asarray(jnp.take_along_axis(lp, jnp.asarray(answer)[:, None], 1)[:, 0])
-        gaps.append(np.abs(pick(plain) - pick(processed)))
-        ref_logits = tfm.logits_from_hidden(ref_params, cfg, tfm.forward(ref_params, cfg, jnp.asarray(seq)))
-        d = pick(jax.nn.log_softmax(ref_logits[0, len(prompt) - 1:-1].astype(jnp.float32) / temperature)) - \
-            pick(plain)
+        plain, processed, ref = map(np.asarray, picked_logps(params, ref_params, jnp.asarray(seq),
+                                                             jnp.asarray(answer), len(prompt)))
+        gaps.append(np.abs(plain - processed))
+        d = ref - plain
         kls.append(np.exp(d) - d - 1)
-        engine_errors.append(np.abs(pick(processed) - rollouts.logprobs[i]))
+        engine_errors.append(np.abs(processed - rollouts.logprobs[i]))
     assert max(e.max() for e in engine_errors) < 1e-4  # the engine's log-probs are the processed ones
     want = np.concatenate(gaps).mean()
     np.testing.assert_allclose(step_metrics["rollout_logp_gap"], want, rtol=1e-3, atol=1e-5)
