@@ -64,24 +64,31 @@ def test_loss_matches_a_dense_reference_on_the_shifted_positions(target, rows):
     batch = _batch(target, rows, PLAIN, topk_block=5)
     loss, aux = _loss(PLAIN)(dparams, target, batch)
 
-    h = tfm.forward(target, CFG, rows["tokens"], positions_BT=rows["positions"], segment_ids_BT=rows["segment_ids"])
-    target_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, h))  # [B, T, V], position t over x_{t+1}
-    g = drafter_lib.forward(dparams, target, CFG, PLAIN, rows["tokens"][:, 1:-1], h[:, :-2],
-                            positions_BT=rows["positions"][:, :-2], segment_ids_BT=rows["segment_ids"][:, :-2])
-    drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, g))
-    p_next = target_logp[:, 1:-1]
-    top_ids = jnp.argsort(-p_next, axis=-1)[..., :K]
-    top_p = jnp.take_along_axis(p_next, top_ids, -1)
-    kl_BT = jnp.sum(jnp.exp(top_p) * (top_p - jnp.take_along_axis(drafter_logp, top_ids, -1)), -1)
-    huber_BT = jnp.mean(optax.losses.huber_loss(g, h[:, 1:-1]), -1)
-    agree_BT = jnp.argmax(drafter_logp, -1) == top_ids[..., 0]
-    accept_BT = jnp.sum(jnp.minimum(jnp.exp(top_p), jnp.exp(jnp.take_along_axis(drafter_logp, top_ids, -1))), -1)
     # x_{t+2} is a target of segment 1 for t = 1..6, of segment 2 for t = 10..11.
     mask = np.zeros((B, T - 2), bool)
     mask[:, 1:7] = mask[:, 10:12] = True
+
+    @jax.jit  # the dense reference in one program, not op by op
+    def reference(dparams, target, rows):
+        h = tfm.forward(target, CFG, rows["tokens"], positions_BT=rows["positions"],
+                        segment_ids_BT=rows["segment_ids"])
+        target_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, h))  # [B, T, V], t over x_{t+1}
+        g = drafter_lib.forward(dparams, target, CFG, PLAIN, rows["tokens"][:, 1:-1], h[:, :-2],
+                                positions_BT=rows["positions"][:, :-2], segment_ids_BT=rows["segment_ids"][:, :-2])
+        drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, g))
+        p_next = target_logp[:, 1:-1]
+        top_ids = jnp.argsort(-p_next, axis=-1)[..., :K]
+        top_p = jnp.take_along_axis(p_next, top_ids, -1)
+        kl_BT = jnp.sum(jnp.exp(top_p) * (top_p - jnp.take_along_axis(drafter_logp, top_ids, -1)), -1)
+        huber_BT = jnp.mean(optax.losses.huber_loss(g, h[:, 1:-1]), -1)
+        agree_BT = jnp.argmax(drafter_logp, -1) == top_ids[..., 0]
+        accept_BT = jnp.sum(jnp.minimum(jnp.exp(top_p), jnp.exp(jnp.take_along_axis(drafter_logp, top_ids, -1))),
+                            -1)
+        ref = {"kl": kl_BT, "feature_loss": huber_BT, "top1_agree": agree_BT, "accept_rate": accept_BT}
+        return {k: jnp.sum(jnp.where(mask, v, 0.0)) / mask.sum() for k, v in ref.items()}
+
     np.testing.assert_array_equal(dt.entry_mask(batch), mask)
-    ref = {"kl": kl_BT, "feature_loss": huber_BT, "top1_agree": agree_BT, "accept_rate": accept_BT}
-    ref = {k: float(jnp.sum(jnp.where(mask, v, 0.0)) / mask.sum()) for k, v in ref.items()}
+    ref = {k: float(v) for k, v in reference(dparams, target, rows).items()}
     assert int(aux["count"]) == mask.sum()
     for name, want in ref.items():
         np.testing.assert_allclose(float(aux[name]), want, rtol=1e-4, atol=1e-6, err_msg=name)
@@ -144,8 +151,9 @@ def test_training_time_test_passes_are_the_chain_drafts_of_inference(target):
                                            err_msg=f"pass {i} entry {e}")
                 feature = g
     # Pass 0 is the teacher-forced forward.
-    g0 = drafter_lib.forward(dparams, target, CFG, dcfg, tokens, features, positions_BT=positions,
-                             segment_ids_BT=segment_ids)
+    g0 = jax.jit(lambda dparams, target: drafter_lib.forward(dparams, target, CFG, dcfg, tokens, features,
+                                                             positions_BT=positions,
+                                                             segment_ids_BT=segment_ids))(dparams, target)
     np.testing.assert_allclose(np.asarray(passes[0]), np.asarray(g0), rtol=2e-5, atol=2e-5)
 
 
@@ -159,25 +167,36 @@ def test_training_time_test_loss_is_the_mean_of_its_passes(target, rows):
     loss3, aux3 = _loss(PLAIN, ttt_steps=3)(dparams, target, batch)
     for name in ("kl", "feature_loss", "top1_agree", "accept_rate", "count"):
         np.testing.assert_allclose(float(aux3[name]), float(aux1[name]), rtol=1e-4, atol=1e-6, err_msg=name)
-    h = batch["hidden"]
     cut, nxt = (lambda x: x[:, :-2]), (lambda x: x[:, 1:-1])
-    passes = drafter_lib.forward_unrolled(dparams, target, CFG, PLAIN, nxt(rows["tokens"]), h[:, :-2], 3,
-                                          positions_BT=cut(rows["positions"]), segment_ids_BT=cut(rows["segment_ids"]))
-    ids, logp = nxt(batch["ids"]), nxt(batch["logp"])
-    total = float(loss1)
+    masks = {}
     for i in (1, 2):
-        drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, passes[i]))
-        kl_BT = jnp.sum(jnp.exp(logp) * (logp - jnp.take_along_axis(drafter_logp, ids, -1)), -1)
-        huber_BT = jnp.mean(optax.losses.huber_loss(passes[i], h[:, 1:-1]), -1)
-        accept_BT = jnp.sum(jnp.minimum(jnp.exp(logp), jnp.exp(jnp.take_along_axis(drafter_logp, ids, -1))), -1)
         # Trained entries are 1..6 and 10..11 (segments of entries 0..8, 9..13): two back
         # from entries 1 and 10 leaves the segment.
-        mask = np.array(dt.entry_mask(batch))
+        masks[i] = np.array(dt.entry_mask(batch))
         if i == 2:
-            mask[:, 1] = mask[:, 10] = False
-        mean = lambda x, mask=mask: float(jnp.sum(jnp.where(mask, x, 0.0)) / mask.sum())
-        total += 0.3 * mean(huber_BT) + 0.7 * mean(kl_BT)
-        np.testing.assert_allclose(float(aux3[f"accept_rate_pass{i}"]), mean(accept_BT), rtol=1e-4)
+            masks[i][:, 1] = masks[i][:, 10] = False
+
+    @jax.jit  # the passes' dense reference in one program, not op by op
+    def reference(dparams, target, rows, batch):
+        h = batch["hidden"]
+        passes = drafter_lib.forward_unrolled(dparams, target, CFG, PLAIN, nxt(rows["tokens"]), h[:, :-2], 3,
+                                              positions_BT=cut(rows["positions"]),
+                                              segment_ids_BT=cut(rows["segment_ids"]))
+        ids, logp = nxt(batch["ids"]), nxt(batch["logp"])
+        out = {}
+        for i in (1, 2):
+            drafter_logp = jax.nn.log_softmax(tfm.logits_from_hidden(target, CFG, passes[i]))
+            kl_BT = jnp.sum(jnp.exp(logp) * (logp - jnp.take_along_axis(drafter_logp, ids, -1)), -1)
+            huber_BT = jnp.mean(optax.losses.huber_loss(passes[i], h[:, 1:-1]), -1)
+            accept_BT = jnp.sum(jnp.minimum(jnp.exp(logp), jnp.exp(jnp.take_along_axis(drafter_logp, ids, -1))), -1)
+            mean = lambda x, mask=masks[i]: jnp.sum(jnp.where(mask, x, 0.0)) / mask.sum()
+            out[i] = (mean(huber_BT), mean(kl_BT), mean(accept_BT))
+        return out
+
+    total = float(loss1)
+    for i, (huber, kl, accept) in reference(dparams, target, rows, batch).items():
+        total += 0.3 * float(huber) + 0.7 * float(kl)
+        np.testing.assert_allclose(float(aux3[f"accept_rate_pass{i}"]), float(accept), rtol=1e-4)
     np.testing.assert_allclose(float(loss3), total / 3, rtol=1e-4)
     with pytest.raises(ValueError, match="ttt_steps=0 must be >= 1"):
         dt.DrafterTrainer(CFG, PLAIN, OptimizerConfig(), None, top_k=K, feature_weight=1.0, kl_weight=1.0, ttt_steps=0)
