@@ -3,7 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.sampling import SamplingParams, processed_logprobs, sample
+from tlt_jax.sampling import SamplingParams
+from tlt_jax.sampling import processed_logprobs as _processed_logprobs
+from tlt_jax.sampling import sample as _sample
+
+# Jitted, as the engine runs them (op by op, each operation compiles a program of its own).
+processed_logprobs = jax.jit(_processed_logprobs, static_argnums=1)
+sample = jax.jit(_sample, static_argnums=2)
 
 
 def _logits():
