@@ -23,8 +23,9 @@ DCFG = drafter_lib.DrafterConfig(num_layers=1)
 
 @pytest.fixture(scope="module")
 def group():
-    params = tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.05)
-    dparams = drafter_lib.init_drafter(CFG, DCFG, jax.random.PRNGKey(1))
+    # Initialized jitted (one program each), not op by op.
+    params = jax.jit(lambda key: tfm.init_params(CFG, key, init_std=0.05))(jax.random.PRNGKey(0))
+    dparams = jax.jit(lambda key: drafter_lib.init_drafter(CFG, DCFG, key))(jax.random.PRNGKey(1))
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     rc = RolloutConfig(num_slots=4, max_prompt_length=4, max_length=96, steps_per_sync=8, spec_steps_per_sync=4,
                        eos_token_id=None, max_draft_depth=3)
