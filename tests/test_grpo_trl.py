@@ -9,6 +9,7 @@ line for line: the advantages and the token-truncated importance-sampling ratio.
 docs/grpo.md says where the two objectives differ, and why.
 """
 import collections
+import functools
 import types
 
 import jax
@@ -59,17 +60,27 @@ def _ours(b, aggregation, kl_coef, tis_cap, *, max_len=MAX_COMPLETION, segment_i
     mask = jnp.asarray(b["mask"])
     if segment_ids is None:  # one completion per row
         segment_ids = jnp.ones((mask.shape[0], mask.shape[1] + 1), jnp.int32)
+    adv = b["adv_nT"] if "adv_nT" in b else b["adv"]
+    (value, metrics), grad = _ours_jit(jnp.asarray(b["logp"]), mask, segment_ids, jnp.asarray(adv), b["old"],
+                                       b["rollout"], b["ref"], aggregation=aggregation, kl_coef=kl_coef,
+                                       tis_cap=tis_cap, max_len=max_len, per_token_adv="adv_nT" in b)
+    return float(value), np.asarray(grad), metrics
+
+
+# Jitted, as the learner runs it (op by op, each operation compiles a program of its own).
+@functools.partial(jax.jit, static_argnames=("aggregation", "kl_coef", "tis_cap", "max_len", "per_token_adv"))
+def _ours_jit(logp, mask, segment_ids, adv, old, rollout, ref, *, aggregation, kl_coef, tis_cap, max_len,
+              per_token_adv):
     weights = grpo.get_aggregation(aggregation)(mask, *grpo.sequence_stats(mask, segment_ids), max_len=max_len)
     config = grpo.GRPOConfig(clip_eps=EPS, clip_eps_high=EPS_HIGH, kl_coef=kl_coef, tis_cap=tis_cap,
                              aggregation=aggregation)
-    adv = b["adv_nT"] if "adv_nT" in b else jnp.where(mask, jnp.asarray(b["adv"])[:, None], 0.0)
+    if not per_token_adv:
+        adv = jnp.where(mask, adv[:, None], 0.0)
 
     def loss(logp):
-        return grpo.policy_loss(logp, b["old"], b["rollout"], adv, weights, grpo.token_mean(mask), config,
-                                ref_logp_nT=b["ref"])
+        return grpo.policy_loss(logp, old, rollout, adv, weights, grpo.token_mean(mask), config, ref_logp_nT=ref)
 
-    (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(b["logp"]))
-    return float(value), np.asarray(grad), metrics
+    return jax.value_and_grad(loss, has_aux=True)(logp)
 
 
 # ----------------------------------------------------------------------------- TRL's
