@@ -1,5 +1,6 @@
 """Hugging Face checkpoints: logits parity with transformers' torch forward, exact save/load
 round trips (single file, sharded, bf16), clear errors, and the check_hf CLI."""
+import functools
 import json
 import os
 import re
@@ -32,9 +33,14 @@ def _save(model, path, dtype=torch.float32):
     return str(path)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(config, params, ids_T):
+    return tfm.logits_from_hidden(params, config, tfm.forward(params, config, ids_T[None]))[0]
+
+
 def _our_logits(config, params, ids_T=IDS_T):
-    h = tfm.forward(params, config, jnp.asarray(ids_T, jnp.int32)[None])
-    return np.asarray(tfm.logits_from_hidden(params, config, h)[0])
+    # Jitted, as the library's callers run it (op by op, each operation compiles a program of its own).
+    return np.asarray(_logits(config, params, jnp.asarray(ids_T, jnp.int32)))
 
 
 def _torch_logits(model, ids_T=IDS_T):
