@@ -38,6 +38,22 @@ def tasks_drift_shift(countdown_weight: float = 1.0):
         "countdown": {"weight": countdown_weight, "num_numbers": 3, "max_number": 8, "max_trace_lines": 24}})
 
 
+# The worked trace's share of the drift_learn warm start's SFT targets (the rest are bare
+# answers): rare enough that the warm start mostly answers bare, common enough that it
+# learns the trace well and samples it now and then, for RL to find (docs/tlt.md).
+WARM_START_TRACE_SHARE = 0.15
+
+
+def tasks_drift_learn(trace_share: float = WARM_START_TRACE_SHARE):
+    """Additions of 2 to 8 digits, each SFT target the worked trace (reliable, long) with
+    probability `trace_share` and otherwise a bare answer (short, and wrong more often past
+    a few digits), nothing in the prompt choosing (bench_tlt's cpu_drift_learn). Correctness
+    alone moves RL toward the trace: accuracy rises while responses lengthen and change
+    format, away from what a drafter trained on the warm start's outputs drafts."""
+    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 8, "min_digits": 2,
+                                                   "digits_zipf": 1.6, "trace_share": trace_share}})
+
+
 def code_config(**overrides) -> ml_collections.ConfigDict:
     """The `code` reward's options (`rewards.CodeReward`; docs/code.md): read when
     reward="code", as get_reward("code", **config.code)."""

@@ -2,7 +2,8 @@
 
 Presets: tiny (0.8M parameters from random weights, the RL job's policy, minutes on a
 CPU), gpu (180M parameters, the speculative-decoding target of
-experiments/device_check.sh), long_tail (bench_tlt's warm start), hf (your checkpoint,
+experiments/device_check.sh), long_tail (bench_tlt's warm start), drift_shift and
+drift_learn (the warm starts of bench_tlt's cpu_drift_shift and cpu_drift_learn), hf (your checkpoint,
 --config.model_dir, on your data in its chat template) and example (the README's CPU
 example: the small model of experiments.make_example_model on reasoning-gym tasks)."""
 import ml_collections
@@ -12,6 +13,7 @@ from configs.common import (
     WARM_START_COUNTDOWN_WEIGHT,
     code_config,
     data_config,
+    tasks_drift_learn,
     tasks_drift_shift,
     tasks_long_tail,
     tasks_tiny,
@@ -69,6 +71,15 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.optimizer.decay_steps = 300
         c.steps, c.eval_every, c.checkpoint_every = 300, 300, 100
         c.run_dir = "runs/sft_drift_shift"
+    elif preset == "drift_learn":
+        # bench_tlt's cpu_drift_learn warm start: additions answered mostly bare, now and
+        # then by the worked trace (configs/common.py: tasks_drift_learn). Trained to the
+        # end of its cosine: RL's headroom is the format, not undertraining.
+        c.data.update(tasks=tasks_drift_learn(), seq_len=112)  # the longest prompt (22) and trace (85), <bos> and <eos>
+        c.eval.max_prompt_length = 24
+        c.optimizer.decay_steps = 500
+        c.steps, c.eval_every, c.checkpoint_every = 500, 500, 100
+        c.run_dir = "runs/sft_drift_learn"
     elif preset in ("hf", "example"):
         # Your checkpoint on your data (docs/your_model.md): its tokenizer's chat template, the
         # answers (data.response_field, default data.answer_field) as targets.
@@ -88,5 +99,6 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
             c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 300, 100, 100, 32
             c.run_dir = "runs/example/sft"
     elif preset != "tiny":
-        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, drift_shift, hf, example.")
+        raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, drift_shift, drift_learn, hf, "
+                         "example.")
     return c

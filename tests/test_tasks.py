@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from tlt_jax.data import packing, tasks
+from tlt_jax.data import packing, rewards, tasks
 
 NUM_SAMPLES = 300
 
@@ -133,3 +133,21 @@ def test_tokenizer_round_trip(tmp_path, train_examples):
             assert tok.decode(ids, skip_special_tokens=True) == e.prompt + e.solution
             completion = [i for i, m in zip(ids, mask) if m]
             assert tok.decode(completion, skip_special_tokens=False) == e.solution + "<eos>"
+
+
+def test_addition_trace_share_mixes_formats_both_checked():
+    task = tasks.get_task("addition", max_digits=8, min_digits=2, digits_zipf=1.6, trace_share=0.25)
+    examples = tasks.make_split(task, "train", 400, seed=0)
+    formats = [tasks.solution_format(e.solution) for e in examples]
+    assert 0.18 <= formats.count("trace") / len(examples) <= 0.32, formats.count("trace")
+    for e, kind in zip(examples, formats):
+        *lines, last = e.solution.split("\n")
+        assert last == tasks.ANSWER_PREFIX + e.answer and int(e.answer) == e.fields["a"] + e.fields["b"]
+        assert lines == [tasks.BARE_ANSWER_LINE] if kind == "bare" else len(lines) == len(str(max(
+            e.fields["a"], e.fields["b"])))
+        assert min(len(str(e.fields["a"])), len(str(e.fields["b"]))) >= 2
+        # Either format is scored by its final answer alone, well-formed both ways.
+        assert rewards.task_reward([e.prompt], [e.solution], [e.answer], [e.task]) == [1.0]
+    for share, only in ((1.0, "trace"), (0.0, "bare")):
+        examples = tasks.make_split(tasks.get_task("addition", trace_share=share), "train", 50, seed=0)
+        assert {tasks.solution_format(e.solution) for e in examples} == {only}

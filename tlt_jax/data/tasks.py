@@ -18,6 +18,8 @@ Tasks (difficulty knobs are dataclass fields; `TASKS` holds the default presets)
              values a line, answer = number of steps.
   addition   "add 487+356\n" -> "7+6=13\n8+5+1=14\n4+3+1=8\nanswer: 843", one line per
              digit from the right with the carry written as "+1".
+             With `trace_share` < 1, a solution is that worked trace with that
+             probability and otherwise the bare answer "at once\nanswer: 843".
   countdown  "countdown 9 7 6 to 105\n" -> a depth-first search over pairwise operations,
              one line per tried operation ("9+7=16", then " 16+6=22" one level down),
              ending at the first value equal to the target; answer = an expression over
@@ -38,6 +40,11 @@ import numpy as np
 ANSWER_PREFIX = "answer: "
 # Every character any task writes, prompts included; tests check that nothing escapes it.
 ALPHABET = "0123456789 \n:+-*/=()acdelnorstuwz"
+
+# The one line before a bare answer (Addition.trace_share): a solution needs a line before
+# its answer line (rewards.is_well_formed), and a fixed one makes the first token choose
+# the format.
+BARE_ANSWER_LINE = "at once"
 
 # Percent of problems (by hash of the prompt) reserved for evaluation.
 EVAL_PERCENT = 10
@@ -77,6 +84,12 @@ class Task(Protocol):
 
 def _solution(trace_lines: Sequence[str], answer: str) -> str:
     return "\n".join([*trace_lines, ANSWER_PREFIX + answer])
+
+
+def solution_format(completion: str) -> str:
+    """"bare" where a completion opens with BARE_ANSWER_LINE (Addition.trace_share), else
+    "trace"."""
+    return "bare" if completion.split("\n", 1)[0].strip() == BARE_ANSWER_LINE else "trace"
 
 
 def _exact_match(predicted: str, answer: str) -> bool:
@@ -126,11 +139,20 @@ class Addition:
 
     digits_zipf: float = 2.0
     max_digits: int = 30
+    # Operands shorter than this are redrawn: a floor under the Zipf law, so that few
+    # problems are small enough to add without a trace.
+    min_digits: int = 1
+    # The probability that a solution is the worked trace; otherwise it is the bare answer
+    # (BARE_ANSWER_LINE, then the answer line), drawn per example, so nothing in the prompt
+    # says which. A warm start trained mostly on bare answers, which a small model gets
+    # wrong past a few digits, has a reliable format it rarely uses for RL to find
+    # (configs/common.py: tasks_drift_learn).
+    trace_share: float = 1.0
     name: str = "addition"
 
     def _operand(self, rng: np.random.Generator) -> int:
         num_digits = int(rng.zipf(self.digits_zipf))
-        while num_digits > self.max_digits:
+        while not self.min_digits <= num_digits <= self.max_digits:
             num_digits = int(rng.zipf(self.digits_zipf))
         # Digit by digit: numpy integers overflow past 18 digits.
         leading = int(rng.integers(0 if num_digits == 1 else 1, 10))
@@ -147,6 +169,9 @@ class Addition:
             lines.append(f"{da}+{db}{'+1' if carry else ''}={total}")
             carry = total // 10
         answer = str(a + b)
+        # Drawn only below 1, so that the default's stream of problems stays as it was.
+        if self.trace_share < 1.0 and rng.random() >= self.trace_share:
+            lines = [BARE_ANSWER_LINE]
         return Example(f"add {a}+{b}\n", _solution(lines, answer), answer, self.name, {"a": a, "b": b})
 
     def check(self, predicted: str, answer: str, prompt: str) -> bool:
