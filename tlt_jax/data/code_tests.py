@@ -90,8 +90,9 @@ def row_tests(prompt, fields: Mapping[str, Any]) -> tuple[sandbox.Suite, str]:
         return sandbox.Suite("asserts", [str(t) for t in present["test_list"]],
                              setup=str(present.get("test_setup_code") or "")), ""
     if "test" in present and "entry_point" in present:
-        return sandbox.Suite("check", [str(present["test"])], entry_point=str(present["entry_point"])), \
-            _prompt_text(prompt)
+        preamble = _prompt_text(prompt)
+        return sandbox.Suite("check", [str(present["test"])], entry_point=str(present["entry_point"]),
+                             preamble=preamble), preamble
     for field in ("input_output", "tests"):
         if field in present:
             return _io_suite(_parse_json(present[field], field), field), ""

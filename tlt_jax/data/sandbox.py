@@ -1,21 +1,34 @@
 """Running an untrusted Python program against its tests, isolated from the host.
 
-`run(program, suite, limits, mode)` starts one sandbox for one program: a fresh
-temporary directory, a cleared environment, its own process group, and
-`sandbox_harness.py` inside, which sets the resource limits (CPU seconds, address space,
-file size, processes) before any of the program runs and reports each test's end on a
-pipe. The host enforces the rest: a wall-clock window of `timeout_s` per test (the first
-timeout ends the run: its later tests fail), a cap on the bytes the sandbox writes, and
-at the end every process of the sandbox is killed.
+`run(program, suite, limits, mode)` starts the sandboxes of one program, each a fresh
+interpreter (`sandbox_harness.py`, exec'd, never forked from us) in a directory of its
+own, with a cleared environment, its own process group and, as root, its own uid. The
+harness sets the resource limits (CPU seconds, address space, file size, processes)
+before any untrusted code runs. How a suite runs depends on its layout:
+
+  asserts, check  two sandboxes. The checker runs the row's test code (MBPP's asserts and
+                  setup, HumanEval's prompt and `check`) and decides each test; every name
+                  the tests take from the program is a stub whose calls go, through the
+                  host, to the solution sandbox, which holds only the program and answers
+                  with the returned value as a builtin value (never pickle). So a program
+                  can rig no comparison, call no reporter and read no expected value.
+  call            the solution sandbox alone; the host sends each call (fn_name) and
+                  compares the decoded value with the expected one, which never leaves it.
+  stdio           one sandbox; each test's stdout comes back and the host compares it.
+
+The host enforces the rest: a wall-clock window of `timeout_s` per test (the first
+timeout ends the run: its later tests fail), a cap on the bytes each sandbox writes to
+stdout and stderr, and at the end every process of every sandbox is killed.
 
 Modes (`MODES`; docs/code.md says what each protects against):
   bwrap    bubblewrap (Debian package `bubblewrap`): new user, pid, network, ipc and uts
-           namespaces, a root filesystem of read-only system directories with only the
-           run's directory writable, no network at all, every process killed with it;
+           namespaces, a root filesystem of read-only system directories and, as the one
+           writable place, a tmpfs of `disk_mb`; no network at all, every process killed
+           with it;
   rlimits  the resource limits alone, for machines where namespaces are blocked (some
            containers' seccomp): no network or filesystem isolation beyond file
-           permissions.
-  auto     bwrap where this machine can run it, else rlimits.
+           permissions, and no bound on the disk a program fills.
+  auto     bwrap where this machine can run it, else rlimits, with one warning saying so.
 
 Processes: RLIMIT_NPROC counts per real uid and never binds uid 0, so as root every
 sandbox runs as its own unprivileged uid (`SANDBOX_UIDS`, leased through lock files,
@@ -32,6 +45,7 @@ import fcntl
 import functools
 import itertools
 import json
+import logging
 import os
 import pathlib
 import secrets
@@ -44,11 +58,13 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
+from tlt_jax.data import sandbox_harness
+
 MODES = ("auto", "bwrap", "rlimits")
 SANDBOX_UIDS = range(200_000, 201_024)  # far above login and system accounts
 INSTALL_HINT = "apt-get install -y bubblewrap"
-FAILURE_KINDS = ("wrong_answer", "runtime_error", "timeout", "memory", "output_limit", "syntax_error",
-                 "sandbox_error")
+FAILURE_KINDS = ("wrong_answer", "runtime_error", "timeout", "memory", "output_limit", "disk_limit",
+                 "syntax_error", "sandbox_error", "forgeable")
 _HARNESS = pathlib.Path(__file__).with_name("sandbox_harness.py").read_text()  # run as python -I -c
 _STARTUP_S = 30.0  # for the sandbox and its interpreter to be up, on a loaded machine
 _EXIT_GRACE_S = 0.5  # for a sandbox whose tests all ended to exit by itself
@@ -61,16 +77,18 @@ class Limits:
     """What one program may use. timeout_s: wall seconds per test (and for loading the
     program); memory_mb: address space, MiB; output_bytes: what the sandbox may write to
     stdout and stderr, and each stdin/stdout test's output; file_bytes: the largest file it
-    may write; processes: tasks of its uid at once (threads count)."""
+    may write; processes: tasks of its uid at once (threads count); disk_mb: all it may
+    write, together, under bwrap (a size-capped tmpfs; rlimits cannot bound it)."""
 
     timeout_s: float = 5.0
     memory_mb: int = 1024
     output_bytes: int = 1 << 20
     file_bytes: int = 16 << 20
     processes: int = 16
+    disk_mb: int = 64
 
     def __post_init__(self):
-        for name in ("timeout_s", "memory_mb", "output_bytes", "file_bytes", "processes"):
+        for name in ("timeout_s", "memory_mb", "output_bytes", "file_bytes", "processes", "disk_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"code.{name}={getattr(self, name)!r} must be > 0.")
 
@@ -80,8 +98,9 @@ class Suite:
     """The tests of one program, as the harness runs them.
 
     layout: "asserts" (tests: statements, MBPP's test_list; setup: run once before them),
-    "check" (tests: [HumanEval's test code]; entry_point: what check() gets), "call"
-    (tests: argument lists for fn_name), or "stdio" (tests: stdin texts).
+    "check" (tests: [HumanEval's test code]; entry_point: what check() gets; preamble:
+    the prompt's code, whose helpers the tests may use), "call" (tests: argument lists
+    for fn_name), or "stdio" (tests: stdin texts).
     expected: per test, the return value ("call") or stdout ("stdio") the host compares;
     it never enters the sandbox.
     """
@@ -92,17 +111,21 @@ class Suite:
     entry_point: str = ""
     fn_name: str = ""
     expected: Sequence | None = None
+    preamble: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """passed of total tests; failure: the first failed test's kind (FAILURE_KINDS) or None;
-    sandbox_error means the sandbox itself failed before the program ran."""
+    sandbox_error means the sandbox itself failed before the program ran; forgeable: tests
+    the checker could not decide without the program in its own interpreter (an argument
+    that is no builtin value, a setup that builds the program's objects)."""
 
     passed: int
     total: int
     failure: str | None = None
     detail: str = ""
+    forgeable: int = 0
 
 
 def stdout_matches(actual: str, expected: str) -> bool:
@@ -150,9 +173,9 @@ def _clean_env(home: str) -> dict[str, str]:
 _INSIDE = "/sandbox"  # the run's directory, as the program sees it under bwrap
 
 
-def _bwrap_args(workdir: str, python: str) -> list[str]:
-    """bubblewrap's command line up to the program: system directories read-only, the run's
-    directory the only writable one, /proc and a minimal /dev, every namespace new."""
+def _bwrap_args(workdir: str, python: str, disk_mb: int = Limits.disk_mb) -> list[str]:
+    """bubblewrap's command line up to the program: system directories read-only, a tmpfs
+    of disk_mb MiB the only writable place, /proc and a minimal /dev, every namespace new."""
     args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--cap-drop", "ALL",
             "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -164,7 +187,8 @@ def _bwrap_args(workdir: str, python: str) -> list[str]:
     prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
     if not prefix.startswith("/usr/"):
         args += ["--ro-bind", prefix, prefix]
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, _INSIDE, "--chdir", _INSIDE, "--clearenv"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "0777", "--size", str(disk_mb << 20), "--tmpfs",
+             _INSIDE, "--chdir", _INSIDE, "--clearenv"]
     for name, value in _clean_env(_INSIDE).items():
         args += ["--setenv", name, value]
     return args + ["--"]
@@ -256,18 +280,6 @@ def _tasks_of(uid: int) -> int:
     return tasks
 
 
-def _command(mode: str, workdir: str, python: str) -> list[str]:
-    inner = [python, "-I", "-c", _HARNESS]
-    return _bwrap_args(workdir, python) + inner if mode == "bwrap" else inner
-
-
-def _popen(mode: str, workdir: str, python: str, uid: int | None, report_fd: int) -> subprocess.Popen:
-    ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
-    return subprocess.Popen(_command(mode, workdir, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=workdir, env=_clean_env(workdir), pass_fds=(report_fd,),
-                            process_group=0, **ids)
-
-
 @functools.cache
 def _bwrap_problem(python: str) -> str | None:
     """Why bwrap cannot run programs here (None: it can), from one trial run."""
@@ -288,6 +300,16 @@ def _bwrap_problem(python: str) -> str | None:
     return None
 
 
+@functools.cache
+def _warn_weak_sandbox(problem: str) -> None:
+    """Once per process: what code.sandbox='auto' leaves uncontained without bubblewrap."""
+    logging.getLogger(__name__).warning(
+        "code.sandbox='auto' runs programs with resource limits alone: %s. Not contained: the network, reads of "
+        "the file system, writes wherever the sandbox uid may write (/tmp included) with no bound on the disk, and "
+        "(not as root) your own processes. Install bubblewrap (%s) for the full sandbox, or set "
+        "code.sandbox='rlimits' to choose this.", problem, INSTALL_HINT)
+
+
 def resolve_mode(mode: str, python: str) -> str:
     """The mode `mode` runs as here ("auto": bwrap if it works, else rlimits). Raises
     ValueError, one line naming code.sandbox, for a mode this machine cannot provide."""
@@ -299,114 +321,89 @@ def resolve_mode(mode: str, python: str) -> str:
     if problem is None:
         return "bwrap"
     if mode == "auto":
+        _warn_weak_sandbox(problem)
         return "rlimits"
     raise ValueError(f"code.sandbox='bwrap' is not available on this machine: {problem}; "
                      "it can run code.sandbox='rlimits' (resource limits only).")
 
 
-class _Run:
-    """The host's side of one sandbox: feeds the job, reads reports and output, enforces
-    the wall-clock windows and the output cap."""
-
-    def __init__(self, suite: Suite, limits: Limits):
-        self.suite, self.limits = suite, limits
-        self.nonce = secrets.token_hex(16)
-        self.ready = self.loaded = self.done = False
-        self.results: list[tuple[str | None, str]] = []  # per reported test: (failure kind or None, detail)
-        self.failure: tuple[str, str] | None = None  # what ended the run early, if anything
-        self.output_bytes = 0
-        self.stderr_head = b""
-        self.stdouts: list[str] = []  # per reported stdin/stdout test that ran to its end
-
-    def on_record(self, record: dict) -> None:
-        event, test = record.get("event"), record.get("test")
-        if event == "ready":
-            self.ready = True
-        elif event == "loaded":
-            self.loaded = True
-        elif event == "done":
-            self.done = True
-        elif event in ("syntax_error", "load_error"):
-            self.failure = (record.get("kind", event), str(record.get("detail", ""))[:_DETAIL_CHARS])
-        elif self.loaded and test == len(self.results) < len(self.suite.tests):  # in order, once each
-            self.results.append(self._judge(test, record))
-
-    def _judge(self, i: int, record: dict) -> tuple[str | None, str]:
-        if record.get("kind"):
-            return record["kind"], str(record.get("detail", ""))[:_DETAIL_CHARS]
-        layout, expected = self.suite.layout, self.suite.expected
-        if layout == "call" and not value_matches(record.get("value"), expected[i]):
-            return "wrong_answer", f"returned {record.get('value')!r:.200}"
-        if layout == "stdio":
-            self.stdouts.append(str(record.get("stdout", "")))
-        if layout == "stdio" and expected is not None and not stdout_matches(str(record.get("stdout", "")),
-                                                                              expected[i]):
-            return "wrong_answer", f"printed {str(record.get('stdout', ''))!r:.200}"
-        return None, ""
-
-    def deadline(self, started: float, last_progress: float) -> float:
-        return started + _STARTUP_S if not self.ready else last_progress + self.limits.timeout_s
-
-    def outcome(self, exit_status: int | None) -> Outcome:
-        total = len(self.suite.tests)
-        passed = sum(kind is None for kind, _ in self.results)
-        failures = [(kind, detail) for kind, detail in self.results if kind is not None]
-        if not self.ready:
-            stderr = self.stderr_head.decode(errors="replace").strip().splitlines()
-            why = stderr[-1] if stderr else f"exit status {exit_status}"
-            return Outcome(0, total, "sandbox_error", f"the sandbox failed before the program ran: {why}"[
-                :_DETAIL_CHARS])
-        if self.failure is None and not failures and passed < total:
-            self.failure = ("runtime_error", f"exited (status {exit_status}) before its tests ended")
-        first = failures[0] if failures else self.failure  # a failed test came before what cut the run
-        return Outcome(passed, total, *(first or (None, "")))
+def _command(mode: str, workdir: str, python: str, limits: Limits) -> list[str]:
+    inner = [python, "-I", "-c", _HARNESS]
+    return _bwrap_args(workdir, python, limits.disk_mb) + inner if mode == "bwrap" else inner
 
 
-def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto", python: str = "") -> Outcome:
-    """Runs `program` against `suite` in a new sandbox (see the module doc); never raises
-    for what the program does."""
-    return _run(program, suite, limits, mode, python).outcome
+# Each role's names for the two pipe ends it holds: (what it says on, what it is told on).
+_ROLE_FDS = {"solution": ("reply_fd", "request_fd"), "checker": ("report_fd", "reply_fd"), "stdio": ("report_fd", None)}
 
 
-def execute(program: str, limits: Limits = Limits(), mode: str = "auto", python: str = "") -> tuple[str, Outcome]:
-    """Runs `program` once as __main__ with empty stdin in a new sandbox: (what it printed,
-    its Outcome: failure None when it ran to its end). A tool's call, not a test."""
-    run_ = _run(program, Suite("stdio", [""]), limits, mode, python)
-    return (run_.stdouts[0] if run_.stdouts else ""), run_.outcome
+@dataclasses.dataclass(eq=False)
+class _Interpreter:
+    """One sandboxed interpreter of a run as the host sees it: its job going in, the lines
+    it says, what the host tells it, its output drained and counted."""
+
+    role: str
+    process: subprocess.Popen
+    said_fd: int  # the host's read end of what it says: reports, requests or replies
+    told_fd: int | None  # the host's write end of what it is told: requests or replies
+    job: memoryview
+    outbox: bytearray = dataclasses.field(default_factory=bytearray)
+    partial: bytes = b""
+    stderr_head: bytes = b""
+    output_bytes: int = 0
+    ready: bool = False
+
+    def lines(self, data: bytes, cap: int) -> list[bytes] | None:
+        """The whole lines `data` completes; None once an unfinished one passes `cap`."""
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return None if len(self.partial) > cap else lines
+
+    def tell(self, line: bytes) -> None:
+        if self.told_fd is not None:
+            self.outbox += line + b"\n"
+
+    def hang_up(self) -> None:
+        """Closes what the host tells it: the solution's loop and the checker's stubs end."""
+        if self.told_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.told_fd)
+            self.told_fd = None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Finished:
-    outcome: Outcome
-    stdouts: list[str]
-
-
-def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str) -> _Finished:
-    python = python or default_python()
-    mode = resolve_mode(mode, python)
-    state = _Run(suite, limits)
-    job = {"program": program, "layout": suite.layout, "tests": list(suite.tests), "setup": suite.setup,
-           "entry_point": suite.entry_point, "fn_name": suite.fn_name, "nonce": state.nonce,
-           "limits": {"timeout_s": limits.timeout_s, "memory_bytes": limits.memory_mb << 20,
-                      "file_bytes": limits.file_bytes, "processes": limits.processes,  # (+ ours, not as root)
-                      "output_bytes": limits.output_bytes}}
+@contextlib.contextmanager
+def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -> Iterator[_Interpreter]:
+    """Starts one sandboxed interpreter for `role` (its own uid as root, its own directory)
+    and, on the way out, kills every process of it."""
+    job = dict(job, role=role, limits={"timeout_s": limits.timeout_s, "memory_bytes": limits.memory_mb << 20,
+                                       "file_bytes": limits.file_bytes, "processes": limits.processes,
+                                       "output_bytes": limits.output_bytes})
     with _sandbox_uid() as uid, tempfile.TemporaryDirectory(prefix="tlt_code_", ignore_cleanup_errors=True) as workdir:
         if uid is not None:
             os.chown(workdir, uid, uid)
         else:  # the program counts as this user: room for `processes` beyond what the user runs now
             job["limits"]["processes"] += _tasks_of(os.getuid())
-        report_r, report_w = os.pipe()
+        said_name, told_name = _ROLE_FDS[role]
+        said_r, said_w = os.pipe()
+        told_r, told_w = os.pipe() if told_name else (None, None)
+        job[said_name] = said_w
+        if told_name:
+            job[told_name] = told_r
+        ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
         try:
-            job["report_fd"] = report_w
-            process = _popen(mode, workdir, python, uid, report_w)
+            process = subprocess.Popen(_command(mode, workdir, python, limits), stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                                       env=_clean_env(workdir), pass_fds=tuple(fd for fd in (said_w, told_r) if fd),
+                                       process_group=0, **ids)
         finally:
-            os.close(report_w)
+            for fd in (said_w, told_r):
+                if fd is not None:
+                    os.close(fd)
+        interpreter = _Interpreter(role, process, said_r, told_w, memoryview(json.dumps(job).encode()))
         try:
-            exit_status = _serve(process, report_r, json.dumps(job).encode(), state)
+            yield interpreter
         finally:
-            if state.done:  # the harness exits now; under bwrap, its parents reap it and exit
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(_EXIT_GRACE_S)
+            interpreter.hang_up()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(_EXIT_GRACE_S)  # one that ended its work exits; under bwrap its parents reap it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             if uid is not None:
@@ -415,68 +412,297 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str) -> 
             for stream in (process.stdin, process.stdout, process.stderr):
                 with contextlib.suppress(OSError):
                     stream.close()
-            os.close(report_r)
-    return _Finished(state.outcome(exit_status), state.stdouts)
+            os.close(said_r)
 
 
-def _serve(process: subprocess.Popen, report_fd: int, job: bytes, state: _Run) -> int | None:
-    """Until the harness reports done, every pipe closes, a window passes or the output cap
-    is passed; the harness's exit status (None if it was still running)."""
-    started = last_progress = time.monotonic()
-    selector = selectors.DefaultSelector()
-    for stream in (process.stdin, process.stdout, process.stderr):
-        os.set_blocking(stream.fileno(), False)
-    selector.register(process.stdin, selectors.EVENT_WRITE, "stdin")
-    selector.register(process.stdout, selectors.EVENT_READ, "output")
-    selector.register(process.stderr, selectors.EVENT_READ, "stderr")
-    selector.register(report_fd, selectors.EVENT_READ, "report")
-    pending, buffer = memoryview(job), b""
+class _Judge:
+    """The host's side of one run's tests: each test's end, in order and once, and what
+    cut the run short. Subclasses read what the interpreters say (`on_record`)."""
+
+    def __init__(self, suite: Suite, limits: Limits):
+        self.suite, self.limits = suite, limits
+        self.loaded = False
+        self.results: list[tuple[str | None, str]] = []  # per test that ended: (failure kind or None, detail)
+        self.failure: tuple[str, str] | None = None  # what ended the run early, if anything
+        self.stdouts: list[str] = []  # per stdin/stdout test that ran to its end
+        self.progress = 0  # events that restart the window: loads and tests
+
+    def finished(self) -> bool:
+        return self.failure is not None or len(self.results) == len(self.suite.tests)
+
+    def end_test(self, kind: str | None, detail: str = "") -> None:
+        self.results.append((kind, str(detail)[:_DETAIL_CHARS]))
+        self.progress += 1
+
+    def on_event(self, record: dict) -> bool:
+        """A load event of the program; whether `record` was one."""
+        event = record.get("event")
+        if event in ("syntax_error", "load_error"):
+            self.failure = (str(record.get("kind", event)), str(record.get("detail", ""))[:_DETAIL_CHARS])
+        elif event == "loaded":
+            self.progress += 1
+        return event is not None
+
+    def outcome(self, interpreters: Sequence[_Interpreter]) -> Outcome:
+        total = len(self.suite.tests)
+        passed = sum(kind is None for kind, _ in self.results)
+        forgeable = sum(kind == "forgeable" for kind, _ in self.results)
+        failures = [(kind, detail) for kind, detail in self.results if kind not in (None, "forgeable")]
+        unready = [i for i in interpreters if not i.ready]
+        if unready and not self.results and (self.failure is None or self.failure[0] == "sandbox_error"):
+            stderr = unready[0].stderr_head.decode(errors="replace").strip().splitlines()
+            why = stderr[-1] if stderr else f"exit status {unready[0].process.poll()}"
+            return Outcome(0, total, "sandbox_error", f"the sandbox failed before the program ran: {why}"[
+                :_DETAIL_CHARS])
+        if self.failure is None and not failures and passed + forgeable < total:
+            status = interpreters[-1].process.poll()
+            self.failure = ("runtime_error", f"exited (status {status}) before its tests ended")
+        first = failures[0] if failures else self.failure or next(
+            ((k, d) for k, d in self.results if k == "forgeable"), None)
+        return Outcome(passed, total, *(first or (None, "")), forgeable=forgeable)
+
+
+class _StdioJudge(_Judge):
+    """stdin/stdout tests: the harness reports each test's output (with the job's nonce);
+    the host compares it."""
+
+    def __init__(self, suite: Suite, limits: Limits):
+        super().__init__(suite, limits)
+        self.nonce = secrets.token_hex(16)
+
+    def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
+        if not line.startswith(self.nonce.encode()):
+            return
+        with contextlib.suppress(ValueError):
+            record = json.loads(line[len(self.nonce):])
+            if record.get("event") == "ready":
+                interpreter.ready = True
+            elif not self.on_event(record) and record.get("test") == len(self.results) < len(self.suite.tests):
+                self.judge(record)
+
+    def judge(self, record: dict) -> None:
+        if record.get("kind"):
+            return self.end_test(record["kind"], record.get("detail", ""))
+        stdout = str(record.get("stdout", ""))
+        self.stdouts.append(stdout)
+        expected = self.suite.expected
+        if expected is not None and not stdout_matches(stdout, expected[len(self.results)]):
+            return self.end_test("wrong_answer", f"printed {stdout!r:.200}")
+        self.end_test(None)
+
+
+def _reply_record(line: bytes) -> dict:
+    """What a solution process said, as a dict ({} for a line that is no JSON object)."""
     try:
-        while selector.get_map() and not state.done:
-            timeout = state.deadline(started, last_progress) - time.monotonic()
+        record = json.loads(line, parse_constant=sandbox_harness.refuse_constant)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+class _CallJudge(_Judge):
+    """Call-based tests (fn_name): the host asks the solution for each call and compares
+    the decoded value with the expected one, which never leaves the host."""
+
+    def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
+        record = _reply_record(line)
+        if record.get("event") == "ready":
+            interpreter.ready = True
+        elif self.on_event(record):
+            if record.get("event") == "loaded":
+                self.loaded = True
+                self.ask(interpreter)
+        elif self.loaded and not self.finished():
+            self.judge(record)
+            self.ask(interpreter)
+
+    def ask(self, solution: _Interpreter) -> None:
+        if not self.finished():
+            args = [sandbox_harness.encode_value(a) for a in self.suite.tests[len(self.results)]]
+            solution.tell(json.dumps({"op": "call", "name": self.suite.fn_name, "args": args}).encode())
+
+    def judge(self, record: dict) -> None:
+        if "value" not in record:
+            return self.end_test(str(record.get("kind", "runtime_error")), record.get("detail", "no value"))
+        try:
+            value = sandbox_harness.decode_value(record["value"])
+        except (TypeError, ValueError, RecursionError) as error:
+            return self.end_test("wrong_answer", f"returned no builtin value ({error})")
+        if not value_matches(value, self.suite.expected[len(self.results)]):
+            return self.end_test("wrong_answer", f"returned {value!r:.200}")
+        self.end_test(None)
+
+
+class _CheckJudge(_Judge):
+    """asserts and check tests: the checker runs the row's test code and reports each
+    test's end; its calls into the program go to the solution, their replies come back,
+    one at a time, through here."""
+
+    def __init__(self, suite: Suite, limits: Limits):
+        super().__init__(suite, limits)
+        self.waiting: list[bytes] = []  # the checker's requests before the program loaded
+        self.asked = False  # a request is with the solution
+        self.checker: _Interpreter | None = None
+
+    def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
+        if interpreter.role == "checker":
+            self.checker = interpreter
+            self.from_checker(interpreter, line)
+        else:
+            self.from_solution(interpreter, line)
+
+    def from_checker(self, checker: _Interpreter, line: bytes) -> None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return
+        if record.get("event") == "ready":
+            checker.ready = True
+        elif record.get("op"):
+            self.waiting.append(line)
+        elif not self.on_event(record) and record.get("test") == len(self.results) < len(self.suite.tests):
+            self.end_test(record.get("kind"), record.get("detail", ""))
+
+    def from_solution(self, solution: _Interpreter, line: bytes) -> None:
+        record = _reply_record(line)
+        if record.get("event") == "ready":
+            solution.ready = True
+        elif self.on_event(record):
+            self.loaded = self.loaded or record.get("event") == "loaded"
+        elif self.asked and self.checker is not None:
+            self.asked = False
+            self.checker.tell(line)
+
+    def relay(self, interpreters: Sequence[_Interpreter]) -> None:
+        """Hands the solution the checker's next request, once it has loaded and is free."""
+        solution = next((i for i in interpreters if i.role == "solution"), None)
+        if solution is not None and self.loaded and not self.asked and self.waiting:
+            solution.tell(self.waiting.pop(0))
+            self.asked = True
+
+
+def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
+    """Until every test has ended, a window passes, the output cap is passed or every
+    interpreter has gone: feeds jobs, relays lines, drains and counts output."""
+    started, progress = time.monotonic(), judge.progress
+    last_progress = started
+    selector = selectors.DefaultSelector()
+    for interpreter in interpreters:
+        process = interpreter.process
+        for stream in (process.stdin, process.stdout, process.stderr):
+            os.set_blocking(stream.fileno(), False)
+        selector.register(process.stdin, selectors.EVENT_WRITE, (interpreter, "job"))
+        selector.register(process.stdout, selectors.EVENT_READ, (interpreter, "output"))
+        selector.register(process.stderr, selectors.EVENT_READ, (interpreter, "stderr"))
+        selector.register(interpreter.said_fd, selectors.EVENT_READ, (interpreter, "said"))
+    told: set[int] = set()
+    cap = judge.limits.output_bytes
+    try:
+        while not judge.finished() and any(key.data[1] == "said" for key in selector.get_map().values()):
+            if isinstance(judge, _CheckJudge):
+                judge.relay(interpreters)
+            for interpreter in interpreters:
+                fd = interpreter.told_fd
+                if fd is not None and interpreter.outbox and fd not in told:
+                    os.set_blocking(fd, False)
+                    selector.register(fd, selectors.EVENT_WRITE, (interpreter, "told"))
+                    told.add(fd)
+            if judge.progress != progress:
+                progress, last_progress = judge.progress, time.monotonic()
+            all_ready = all(i.ready for i in interpreters)
+            deadline = last_progress + judge.limits.timeout_s if all_ready else started + _STARTUP_S
+            timeout = deadline - time.monotonic()
             if timeout <= 0:
-                state.failure = ("timeout" if state.ready else "sandbox_error",
-                                 f"no test ended within code.timeout_s={state.limits.timeout_s:g} s")
+                judge.failure = ("timeout" if all_ready else "sandbox_error",
+                                 f"no test ended within code.timeout_s={judge.limits.timeout_s:g} s")
                 break
             for key, _ in selector.select(timeout):
-                if key.data == "stdin":
+                interpreter, what = key.data
+                if what == "job":
                     try:
-                        pending = pending[os.write(process.stdin.fileno(), pending):]
+                        interpreter.job = interpreter.job[os.write(key.fd, interpreter.job):]
                     except BrokenPipeError:
-                        pending = pending[:0]
-                    if not pending:
-                        selector.unregister(process.stdin)
-                        process.stdin.close()
+                        interpreter.job = interpreter.job[:0]
+                    if not interpreter.job:
+                        selector.unregister(key.fileobj)
+                        interpreter.process.stdin.close()
+                    continue
+                if what == "told":
+                    try:
+                        del interpreter.outbox[:os.write(key.fd, interpreter.outbox)]
+                    except BrokenPipeError:
+                        interpreter.outbox.clear()
+                    if not interpreter.outbox:
+                        selector.unregister(key.fd)
+                        told.discard(key.fd)
                     continue
                 data = os.read(key.fd, 1 << 16)
                 if not data:
                     selector.unregister(key.fileobj)
+                    if what == "said" and interpreter.role == "solution":  # the program is gone: the
+                        if not judge.loaded and judge.failure is None:
+                            judge.failure = ("runtime_error", "the program exited before it loaded")
+                        for other in interpreters:  # checker's stubs fail from now on
+                            if other.told_fd in told:
+                                selector.unregister(other.told_fd)
+                                told.discard(other.told_fd)
+                            if other.role == "checker":
+                                other.hang_up()
                     continue
-                if key.data == "report":
-                    *lines, buffer = (buffer + data).split(b"\n")
-                    before = len(state.results), state.loaded
-                    for line in lines:
-                        if line.startswith(state.nonce.encode()):
-                            with contextlib.suppress(ValueError):
-                                state.on_record(json.loads(line[len(state.nonce):]))
-                    if (len(state.results), state.loaded) != before:
-                        last_progress = time.monotonic()
-                    if len(buffer) > state.limits.output_bytes + (1 << 16):
-                        state.failure = ("output_limit", "a report past the output cap")
+                if what == "said":
+                    lines = interpreter.lines(data, cap + (1 << 16))
+                    if lines is None:
+                        judge.failure = ("output_limit", "a line past the output cap")
                         break
+                    for line in lines:
+                        judge.on_line(interpreter, line)
                     continue
-                if key.data == "stderr" and len(state.stderr_head) < 4096:
-                    state.stderr_head += data[:4096]
-                state.output_bytes += len(data)
-                if state.output_bytes > state.limits.output_bytes:
-                    state.failure = ("output_limit", f"more than code.output_bytes={state.limits.output_bytes}")
+                if what == "stderr" and len(interpreter.stderr_head) < 4096:
+                    interpreter.stderr_head += data[:4096]
+                interpreter.output_bytes += len(data)
+                if interpreter.output_bytes > cap:
+                    judge.failure = ("output_limit", f"more than code.output_bytes={cap}")
                     break
-            else:
-                continue
-            break
-        if not selector.get_map():  # every pipe closed: the harness has exited, or is about to
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(_EXIT_GRACE_S)
     finally:
         selector.close()
-    return process.poll()
+
+
+def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto", python: str = "",
+        inline: bool = False) -> Outcome:
+    """Runs `program` against `suite` (see the module doc); never raises for what the
+    program does. inline: asserts and check tests in the program's own interpreter
+    (code.forgeable="run": forgeable, for rows the two-process path cannot decide)."""
+    return _run(program, suite, limits, mode, python, inline)[0]
+
+
+def execute(program: str, limits: Limits = Limits(), mode: str = "auto", python: str = "") -> tuple[str, Outcome]:
+    """Runs `program` once as __main__ with empty stdin in a new sandbox: (what it printed,
+    its Outcome: failure None when it ran to its end). A tool's call, not a test."""
+    outcome, stdouts = _run(program, Suite("stdio", [""]), limits, mode, python, False)
+    return (stdouts[0] if stdouts else ""), outcome
+
+
+def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
+         inline: bool) -> tuple[Outcome, list[str]]:
+    python = python or default_python()
+    mode = resolve_mode(mode, python)
+    windows = len(suite.tests) + 1
+    if suite.layout == "stdio":
+        judge, jobs = _StdioJudge(suite, limits), [("stdio", {"program": program, "tests": list(suite.tests)})]
+        jobs[0][1]["nonce"] = judge.nonce
+    elif suite.layout == "call":
+        judge, jobs = _CallJudge(suite, limits), [("solution", {"program": program})]
+    else:
+        checker = {"layout": suite.layout, "tests": list(suite.tests), "setup": suite.setup,
+                   "preamble": suite.preamble, "entry_point": suite.entry_point}
+        judge = _CheckJudge(suite, limits)
+        if inline:
+            jobs = [("checker", dict(checker, program=program))]
+            judge.loaded = True  # no solution to wait for
+        else:
+            jobs = [("checker", checker), ("solution", {"program": program})]
+    with contextlib.ExitStack() as stack:
+        interpreters = [stack.enter_context(_interpreter(role, dict(job, windows=windows), mode, python, limits))
+                        for role, job in jobs]
+        _serve(interpreters, judge)
+        return judge.outcome(interpreters), judge.stdouts

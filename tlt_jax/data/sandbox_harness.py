@@ -1,40 +1,127 @@
-"""The trusted side of a sandboxed test run, inside the sandbox (`sandbox.py` passes this
-file's text to `python -I -c`; it imports only the standard library).
+"""What runs inside a sandbox: `sandbox.py` passes this file's text to `python -I -c`
+(it imports only the standard library), and imports it for the value codec.
 
-It reads its job, one JSON object, from stdin to the end, so nothing of it is left there
-for the program; sets its own resource limits before any untrusted code runs; then runs
-the tests in order and reports each one's end, as one line on the report pipe, prefixed
-with the job's nonce (a line without it is not ours and is ignored). A test passes only
-on its own report after it ran: a program that exits before its tests leaves them
-unreported. Expected values of stdin/stdout and call-based tests never enter the
-sandbox: the host compares what the reports carry.
+Each sandboxed interpreter reads its job, one JSON object, from stdin to the end (so
+nothing of it is left there for a program), sets its own resource limits before any
+untrusted code runs, and plays one role:
+
+  solution  the policy's program, loaded and then asked for calls: the host sends
+            requests ({"op": "call" | "get", ...}) on one pipe and reads replies on
+            another. It holds no test, no expected value and no report pipe: all it can
+            say is the value a function returned, encoded as a builtin value.
+  checker   the row's own test code (MBPP's asserts and setup, HumanEval's prompt and
+            `check`), in a process of its own: every name the tests take from the
+            program (`candidate`, the entry point, a function an assert calls) is a stub
+            that sends the call's arguments to the solution through the host and decodes
+            the value that comes back. The comparisons, and the report of each test's end,
+            happen here, on builtin values the program cannot rig.
+  stdio     stdin/stdout tests: each in a forked child; the host compares its output.
+            Reports carry the job's nonce (a line without it is ignored).
+
+Values cross as tagged JSON of their builtin base type (`encode_value`, `decode_value`):
+bool, int, float (nan and inf too), complex, str, bytes, None, list, tuple, dict (any
+hashable keys), set, frozenset. A subclass (a Counter, an int with a rigged __eq__) is
+sent as its base value; any other object fails the call that returned it. Never pickle.
 """
+import ast
+import builtins
+import importlib
 import json
 import os
 import resource
+import signal
 import sys
 import traceback
 
 _MEMORY_EXIT = 97  # a stdin/stdout test's child that ran out of memory
 _DETAIL_CHARS = 300
-# Bound now, before the program can rebind the builtins the harness relies on.
+_MAX_DEPTH = 100  # of a value's nesting: deeper is refused, not a RecursionError mid-comparison
+_LONG_INT = 1 << 63  # beyond: sent in hex, which no digit limit of int <-> str conversion binds
+# Bound now, before a program can rebind the builtins the harness relies on.
 _exec, _compile, _open, _isinstance, _dumps = exec, compile, open, isinstance, json.dumps
 _BaseException, _MemoryError, _AssertionError, _SystemExit = BaseException, MemoryError, AssertionError, SystemExit
 
 
-def _reporter(fd, nonce):
-    prefix, write = nonce.encode(), os.write
+# ---- values across the boundary ----
 
-    def report(**record):
-        view = memoryview(prefix + _dumps(record, default=repr).encode() + b"\n")
-        while view:
-            view = view[write(fd, view):]
-    return report
+def encode_value(value, depth=0):
+    """`value` as JSON-able data of its builtin base type; TypeError for any other object."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"a value nested more than {_MAX_DEPTH} deep")
+    inner = depth + 1
+    if value is None or value is True or value is False:
+        return value
+    if _isinstance(value, int):
+        number = int.__int__(value)  # the base value: a subclass's own methods are never called
+        return number if -_LONG_INT < number < _LONG_INT else {"int": hex(number)}
+    if _isinstance(value, float):
+        number = float.__float__(value)
+        return number if number - number == 0 else {"float": float.__repr__(number)}  # nan, inf: not JSON
+    if _isinstance(value, complex):
+        number = complex.__complex__(value)
+        return {"complex": [encode_value(number.real, inner), encode_value(number.imag, inner)]}
+    if _isinstance(value, str):
+        return str.__str__(value)
+    if _isinstance(value, bytes):
+        return {"bytes": bytes.hex(value)}
+    if _isinstance(value, list):
+        return [encode_value(item, inner) for item in list.__iter__(value)]
+    if _isinstance(value, tuple):
+        return {"tuple": [encode_value(item, inner) for item in tuple.__iter__(value)]}
+    if _isinstance(value, dict):
+        return {"dict": [[encode_value(k, inner), encode_value(v, inner)] for k, v in dict.items(value)]}
+    if _isinstance(value, (set, frozenset)):
+        kind = "set" if _isinstance(value, set) else "frozenset"
+        items = set.__iter__(value) if kind == "set" else frozenset.__iter__(value)
+        return {kind: [encode_value(item, inner) for item in items]}
+    raise TypeError(f"an object of type {type(value).__name__}, not a builtin value")
 
+
+def refuse_constant(name):
+    raise ValueError(f"{name} is not an encoded value")
+
+
+_TEXT_TAGS = ("int", "float", "bytes")  # whose body is a string; the rest carry a list
+_DECODERS = {
+    "int": lambda body, depth: int(body, 16),
+    "float": lambda body, depth: float(body),
+    "complex": lambda body, depth: complex(*(decode_value(part, depth) for part in body)),
+    "bytes": lambda body, depth: bytes.fromhex(body),
+    "tuple": lambda body, depth: tuple(decode_value(item, depth) for item in body),
+    "set": lambda body, depth: {decode_value(item, depth) for item in body},
+    "frozenset": lambda body, depth: frozenset(decode_value(item, depth) for item in body),
+    "dict": lambda body, depth: {decode_value(k, depth): decode_value(v, depth) for k, v in body},
+}
+
+
+def decode_value(data, depth=0):
+    """The builtin value `encode_value` sent (data: what json.loads gave); ValueError or
+    TypeError for anything else."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"a value nested more than {_MAX_DEPTH} deep")
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    if type(data) is list:
+        return [decode_value(item, depth + 1) for item in data]
+    if type(data) is dict and len(data) == 1:
+        (tag, body), = data.items()
+        if tag in _DECODERS and type(body) is (str if tag in _TEXT_TAGS else list):
+            return _DECODERS[tag](body, depth + 1)
+    raise ValueError(f"not an encoded value: {str(data)[:80]}")
+
+
+def loads_value(text):
+    """decode_value of one JSON text, strict JSON (no NaN tokens)."""
+    return decode_value(json.loads(text, parse_constant=refuse_constant))
+
+
+# ---- shared by the roles ----
 
 def _kind(error):
     if _isinstance(error, _MemoryError):
         return "memory"
+    if _isinstance(error, OSError) and error.errno in (27, 28):  # EFBIG, ENOSPC: code.file_bytes, code.disk_mb
+        return "disk_limit"
     return "wrong_answer" if _isinstance(error, _AssertionError) else "runtime_error"
 
 
@@ -42,48 +129,249 @@ def _detail(error):
     return f"{type(error).__name__}: {error}"[:_DETAIL_CHARS]
 
 
-def _set_limits(limits, tests):
-    """CPU seconds for every window of the run (load, then each test), the rest as given."""
-    for name, value in (("RLIMIT_CPU", int(limits["timeout_s"] * (tests + 1)) + 1),
+def _set_limits(limits, windows):
+    """CPU seconds for every window of the run (load, then each test), the rest as given.
+    A file past file_bytes fails the write (EFBIG) rather than killing the process."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    for name, value in (("RLIMIT_CPU", int(limits["timeout_s"] * (windows + 1)) + 1),
                         ("RLIMIT_AS", limits["memory_bytes"]), ("RLIMIT_FSIZE", limits["file_bytes"]),
                         ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
-def _run_in_process(job, report):
-    """asserts (MBPP), check (HumanEval) and call (fn_name) tests, in this process."""
+def _line_writer(fd, prefix=b""):
+    write = os.write
+
+    def send(**record):
+        view = memoryview(prefix + _dumps(record, default=repr).encode() + b"\n")
+        while view:
+            view = view[write(fd, view):]
+    return send
+
+
+def _lines(fd):
+    """The lines a pipe carries, until it closes."""
+    buffer = b""
+    while True:
+        while b"\n" not in buffer:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                return
+            buffer += data
+        line, buffer = buffer.split(b"\n", 1)
+        yield line
+
+
+def _compiled(source, filename, send):
     try:
-        code = _compile(job["program"], "solution.py", "exec")
+        return _compile(source, filename, "exec")
     except (SyntaxError, ValueError) as error:
-        report(event="syntax_error", detail=_detail(error))
+        send(event="syntax_error", detail=_detail(error))
+        return None
+
+
+# ---- solution ----
+
+def _answer(namespace, request):
+    """The reply to one request of the host, as a dict."""
+    name = request.get("name")
+    if request.get("op") == "get":
+        if name not in namespace:
+            return {"missing": True}
+        value = namespace[name]
+        if callable(value):
+            return {"callable": True}
+        if type(value).__name__ == "module":
+            return {"module": value.__name__}
+        return {"value": encode_value(value)}
+    try:
+        args = [decode_value(a) for a in request["args"]]
+        kwargs = {k: decode_value(v) for k, v in request.get("kwargs", {}).items()}
+        fn = namespace[name] if name in namespace else getattr(namespace["Solution"](), name)  # LeetCode's class
+        returned = fn(*args, **kwargs)
+    except _BaseException as error:  # SystemExit too: the call failed, nothing passes
+        return {"raised": type(error).__name__, "kind": _kind(error), "detail": _detail(error)}
+    try:
+        return {"value": encode_value(returned)}
+    except (TypeError, ValueError, RecursionError) as error:
+        return {"raised": "TypeError", "kind": "wrong_answer", "detail": f"returned {error}"[:_DETAIL_CHARS]}
+
+
+def _solution(job):
+    send = _line_writer(job["reply_fd"])
+    _set_limits(job["limits"], job["windows"])
+    send(event="ready")
+    code = _compiled(job["program"], "solution.py", send)
+    if code is None:
         return
     namespace = {"__name__": "solution"}
-    layout = job["layout"]
     try:
         _exec(code, namespace)
+    except _BaseException as error:  # SystemExit too: exiting at import passes nothing
+        send(event="load_error", kind=_kind(error), detail=_detail(error))
+        return
+    send(event="loaded")
+    for line in _lines(job["request_fd"]):
+        try:
+            reply = _answer(namespace, json.loads(line))
+        except _BaseException as error:
+            reply = {"raised": type(error).__name__, "kind": _kind(error), "detail": _detail(error)}
+        try:
+            send(**reply)
+        except (TypeError, ValueError, RecursionError) as error:
+            send(raised="TypeError", kind="wrong_answer", detail=f"returned {error}"[:_DETAIL_CHARS])
+
+
+# ---- checker ----
+
+class SolutionError(Exception):
+    """A call into the solution that did not return a builtin value."""
+
+
+def _raised(reply):
+    """The exception a stub raises for a failed call: the builtin exception of the same
+    name where there is one (so `except ValueError` in a test works), else SolutionError."""
+    error_type = getattr(builtins, str(reply.get("raised")), None)
+    detail = str(reply.get("detail", ""))
+    if _isinstance(error_type, type) and issubclass(error_type, Exception) and error_type is not _AssertionError:
+        try:
+            return error_type(detail)
+        except Exception:  # noqa: BLE001 - an exception type with other constructor arguments
+            pass
+    return SolutionError(detail)
+
+
+class _Solution:
+    """The checker's line to the solution process, through the host."""
+
+    def __init__(self, send, replies):
+        self._send, self._replies = send, replies
+
+    def ask(self, **request):
+        self._send(**request)
+        line = next(self._replies, None)
+        if line is None:
+            raise SolutionError("the solution process is gone")
+        return json.loads(line, parse_constant=refuse_constant)
+
+    def stub(self, name):
+        """A function that calls the solution's `name` and returns the decoded value."""
+        def call(*args, **kwargs):
+            try:
+                request = {"op": "call", "name": name, "args": [encode_value(a) for a in args],
+                           "kwargs": {k: encode_value(v) for k, v in kwargs.items()}}
+            except (TypeError, ValueError) as error:
+                raise _Unencodable(f"the test passes {error} to {name}()") from None
+            reply = self.ask(**request)
+            if "value" not in reply:
+                raise _raised(reply)
+            return decode_value(reply["value"])
+        call.__name__ = call.__qualname__ = name
+        return call
+
+
+class _Unencodable(Exception):
+    """A test passes the solution an argument that is no builtin value (an object of the
+    row's own code): this path cannot send it, so the test is `forgeable`."""
+
+
+def _free_names(sources):
+    """Names the test code reads that it does not define itself: what it may take from
+    the program (an over-estimate; a local of `check` is asked for too, and harmless)."""
+    read = set()
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        read |= {node.id for node in ast.walk(tree) if _isinstance(node, ast.Name)}
+    return sorted(read - set(dir(builtins)))
+
+
+def _bind_program_names(namespace, solution, names):
+    """Binds each name the tests read that trusted code left undefined to the program's:
+    a stub for a function, the checker's own import of a module, a value by its value.
+    Builtins and names the row's code defines are never the program's."""
+    for name in names:
+        if name in namespace:
+            continue
+        found = solution.ask(op="get", name=name)
+        if found.get("callable"):
+            namespace[name] = solution.stub(name)
+        elif "module" in found:
+            try:
+                namespace[name] = importlib.import_module(str(found["module"]))
+            except ImportError:
+                pass
+        elif "value" in found:
+            try:
+                namespace[name] = decode_value(found["value"])
+            except (TypeError, ValueError):
+                pass
+
+
+def _trusted_code(job, solution, send):
+    """The checker's namespace: the row's code before its tests (HumanEval's prompt, which
+    defines helpers such as `poly`; the setup) and the program's names the tests read.
+    None if the row's code fails (a setup that builds the program's own objects, as two
+    MBPP rows do, cannot run here: its tests are reported `forgeable`)."""
+    namespace = {"__name__": "checker"}
+    if job.get("program") is not None:  # code.forgeable="run": the program in this interpreter, forgeable
+        code = _compiled(job["program"], "solution.py", send)
+        if code is None:
+            return None
+        try:
+            _exec(code, namespace)
+        except _BaseException as error:  # noqa: BLE001
+            send(event="load_error", kind=_kind(error), detail=_detail(error))
+            return None
+    elif job["preamble"]:
+        try:  # a prompt in prose (a chat row) is no code: its helpers come from the program
+            _exec(_compile(job["preamble"], "prompt.py", "exec"), namespace)
+        except _BaseException:  # noqa: BLE001
+            namespace = {"__name__": "checker"}
+    try:
+        if job.get("program") is None:
+            _bind_program_names(namespace, solution, _free_names([job["setup"]]))
         if job["setup"]:
             _exec(_compile(job["setup"], "setup.py", "exec"), namespace)
-        if layout == "call":
-            name = job["fn_name"]
-            fn = namespace[name] if name in namespace else getattr(namespace["Solution"](), name)
-    except _BaseException as error:  # SystemExit too: exiting at import passes nothing
-        report(event="load_error", kind=_kind(error), detail=_detail(error))
+        if job.get("program") is None:
+            _bind_program_names(namespace, solution, _free_names(job["tests"]))
+            if job["layout"] == "check":
+                namespace[job["entry_point"]] = solution.stub(job["entry_point"])
+    except SolutionError as error:  # the program is gone or broke the line: it fails, as at its load
+        send(event="load_error", kind="runtime_error", detail=_detail(error))
+        return None
+    except _BaseException as error:  # noqa: BLE001
+        send(event="loaded")
+        for i in range(len(job["tests"])):
+            send(test=i, kind="forgeable", detail="the row's setup code: " + _detail(error))
+        return None
+    return namespace
+
+
+def _checker(job):
+    send = _line_writer(job["report_fd"])
+    _set_limits(job["limits"], job["windows"])
+    send(event="ready")
+    solution = _Solution(send, _lines(job["reply_fd"]))
+    namespace = _trusted_code(job, solution, send)
+    if namespace is None:
         return
-    report(event="loaded")
+    send(event="loaded")
     for i, test in enumerate(job["tests"]):
         try:
-            if layout == "asserts":
-                _exec(_compile(test, f"test_{i}.py", "exec"), namespace)
-                report(test=i)
-            elif layout == "check":
-                _exec(_compile(test, "check.py", "exec"), namespace)
+            _exec(_compile(test, f"test_{i}.py", "exec"), namespace)
+            if job["layout"] == "check":
                 namespace["check"](namespace[job["entry_point"]])
-                report(test=i)
-            else:
-                report(test=i, value=fn(*test))
-        except _BaseException as error:
-            report(test=i, kind=_kind(error), detail=_detail(error))
+            send(test=i)
+        except _Unencodable as error:
+            send(test=i, kind="forgeable", detail=str(error)[:_DETAIL_CHARS])
+        except _BaseException as error:  # noqa: BLE001
+            send(test=i, kind=_kind(error), detail=_detail(error))
 
+
+# ---- stdio ----
 
 def _read_capped(fd, cap):
     """Everything a pipe carries, or None past `cap` bytes."""
@@ -119,14 +407,16 @@ def _child(code, stdin_fd, stdout_fd, report_fd):
         os._exit(status)
 
 
-def _run_stdio(job, report, report_fd, cap):
-    """stdin/stdout tests: each in a forked child, whose stdout the host compares."""
-    try:
-        code = _compile(job["program"], "solution.py", "exec")
-    except (SyntaxError, ValueError) as error:
-        report(event="syntax_error", detail=_detail(error))
+def _stdio(job):
+    report_fd = job["report_fd"]
+    report = _line_writer(report_fd, job["nonce"].encode())
+    _set_limits(job["limits"], job["windows"])
+    report(event="ready")
+    code = _compiled(job["program"], "solution.py", report)
+    if code is None:
         return
     report(event="loaded")
+    cap = job["limits"]["output_bytes"]
     for i, stdin_text in enumerate(job["tests"]):
         try:
             stdin_fd = os.memfd_create("stdin")
@@ -153,6 +443,10 @@ def _run_stdio(job, report, report_fd, cap):
         else:
             report(test=i, kind="memory" if status == _MEMORY_EXIT else "runtime_error",
                    detail=f"exit status {status}")
+    report(event="done")
+
+
+_ROLES = {"solution": _solution, "checker": _checker, "stdio": _stdio}
 
 
 def main():
@@ -160,16 +454,8 @@ def main():
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    report_fd = job.pop("report_fd")
-    report = _reporter(report_fd, job.pop("nonce"))
-    _set_limits(job["limits"], len(job["tests"]))
-    report(event="ready")
-    if job["layout"] == "stdio":
-        _run_stdio(job, report, report_fd, job["limits"]["output_bytes"])
-    else:
-        _run_in_process(job, report)
+    _ROLES[job["role"]](job)
     sys.stdout.flush()
-    report(event="done")
 
 
 if __name__ == "__main__":  # as `python -c` runs it
