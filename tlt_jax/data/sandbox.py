@@ -628,6 +628,8 @@ def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
                         interpreter.process.stdin.close()
                     continue
                 if what == "told":
+                    if interpreter.told_fd != key.fd:  # hung up earlier in this round
+                        continue
                     try:
                         del interpreter.outbox[:os.write(key.fd, interpreter.outbox)]
                     except BrokenPipeError:
@@ -700,7 +702,7 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
             jobs = [("checker", dict(checker, program=program))]
             judge.loaded = True  # no solution to wait for
         else:
-            jobs = [("checker", checker), ("solution", {"program": program})]
+            jobs = [("checker", checker), ("solution", {"program": program, "setup": suite.setup})]
     with contextlib.ExitStack() as stack:
         interpreters = [stack.enter_context(_interpreter(role, dict(job, windows=windows), mode, python, limits))
                         for role, job in jobs]

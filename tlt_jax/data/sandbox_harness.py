@@ -207,6 +207,8 @@ def _solution(job):
     namespace = {"__name__": "solution"}
     try:
         _exec(code, namespace)
+        if job.get("setup"):  # MBPP's setup runs with the program too (its imports are the program's)
+            _exec(_compile(job["setup"], "setup.py", "exec"), namespace)
     except _BaseException as error:  # SystemExit too: exiting at import passes nothing
         send(event="load_error", kind=_kind(error), detail=_detail(error))
         return
@@ -233,12 +235,14 @@ def _raised(reply):
     name where there is one (so `except ValueError` in a test works), else SolutionError."""
     error_type = getattr(builtins, str(reply.get("raised")), None)
     detail = str(reply.get("detail", ""))
+    error = SolutionError(detail)
     if _isinstance(error_type, type) and issubclass(error_type, Exception) and error_type is not _AssertionError:
         try:
-            return error_type(detail)
+            error = error_type(detail)
         except Exception:  # noqa: BLE001 - an exception type with other constructor arguments
             pass
-    return SolutionError(detail)
+    error.solution_kind = str(reply.get("kind", "runtime_error"))  # what the test's failure is called
+    return error
 
 
 class _Solution:
@@ -368,7 +372,7 @@ def _checker(job):
         except _Unencodable as error:
             send(test=i, kind="forgeable", detail=str(error)[:_DETAIL_CHARS])
         except _BaseException as error:  # noqa: BLE001
-            send(test=i, kind=_kind(error), detail=_detail(error))
+            send(test=i, kind=getattr(error, "solution_kind", None) or _kind(error), detail=_detail(error))
 
 
 # ---- stdio ----
