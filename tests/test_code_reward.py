@@ -296,6 +296,10 @@ def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
     assert skipped == 0.0 and skipped.info["forgeable"] == 1 and skipped.info["failure"] == "forgeable"
     ran = _score([fenced(program)], forgeable="run", **fields)[0]
     assert ran == 1.0 and ran.info["forgeable"] == 1
+    scored = rewards.Scorer(rewards.get_reward("code", timeout_s=3.0))(  # the RL loop's code_forgeable_share
+        ["", ""], [fenced(program), fenced(ADD)], {"test_list": fields["test_list"] + [["assert add(1, 2) == 3"]],
+                                                   "test_setup_code": fields["test_setup_code"] + [""]})
+    assert scored.forgeable == 1 and scored.scores.tolist() == [0.0, 1.0]
     with pytest.raises(ValueError, match="code.forgeable='error'.*set code.forgeable='skip'"):
         _score([fenced(program)], forgeable="error", **fields)
     with pytest.raises(ValueError, match="code.forgeable='maybe'; choose from skip, run, error"):

@@ -527,16 +527,18 @@ def safe_rewards_with_info(fn: RewardFn, prompts: Sequence[str], completions: Se
 _START_TIMEOUT_S = 300.0  # for a new worker process to be up
 
 
-def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float]:
+def _score_job(job) -> tuple[np.ndarray, int, FailedSample | None, float, int]:
     """`safe_rewards` for (reward name or function, prompts, completions, fields, warn),
-    with its first failed sample and the seconds the reward took: what a scoring thread or
-    worker process runs (a worker imports only this module, no JAX, and resolves a reward's
-    name itself, module:function too)."""
+    with its first failed sample, the seconds the reward took and how many samples had
+    tests only the program's own interpreter could decide (the code reward's
+    `reward_info['forgeable']`): what a scoring thread or worker process runs (a worker
+    imports only this module, no JAX, and resolves a reward's name itself, module:function too)."""
     reward, prompts, completions, fields, warn = job
     fn = get_reward(reward) if isinstance(reward, str) else reward
     t0 = time.perf_counter()
-    scores, failures, first, _ = _checked_rewards(fn, prompts, completions, fields, warn)
-    return scores, failures, first, time.perf_counter() - t0
+    scores, failures, first, infos = _checked_rewards(fn, prompts, completions, fields, warn)
+    forgeable = sum(bool(info and info.get("forgeable")) for info in infos)
+    return scores, failures, first, time.perf_counter() - t0, forgeable
 
 
 def _sample_job(job, i: int):
@@ -756,6 +758,7 @@ class Scores:
     failed_sample: FailedSample | None = None  # the first whose reward raised or was not finite, to show
     scoring_s: float = 0.0  # seconds the reward ran, summed over its calls (workers run them side by side)
     died: int = 0  # of the failures, the samples whose worker process died while scoring them
+    forgeable: int = 0  # samples with tests only the program's own interpreter could decide (code reward)
 
 
 class Scorer:
@@ -813,7 +816,9 @@ class Scorer:
     def _gather(self, sizes: list[int], results: list, batch: int) -> Scores:
         """The Scores of consecutive parts of `sizes` samples each, from their results
         (`_score_job`'s, None for a part not scored by the deadline, or `_Died`)."""
-        scores, failures, timed_out, failed_sample, seconds = [np.zeros((0,), np.float32)], 0, 0, None, 0.0
+        scores, failed_sample = [np.zeros((0,), np.float32)], None
+        failures = timed_out = forgeable = 0
+        seconds = 0.0
         deaths: list[tuple[int, _Died]] = []
         for n, result in zip(sizes, results, strict=True):
             if result is None or isinstance(result, _Died):
@@ -828,6 +833,7 @@ class Scorer:
                 failures += result[1]
                 failed_sample = failed_sample or result[2]
                 seconds += result[3]
+                forgeable += result[4]
         if timed_out:
             logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
                            getattr(self.reward, "__name__", self.reward), timed_out, batch, self.timeout_s)
@@ -838,7 +844,7 @@ class Scorer:
                            getattr(self.reward, "__name__", self.reward), len(deaths),
                            ", ".join(sorted({_exit_text(d.exitcode) for _, d in deaths})), died, batch,
                            deaths[0][1].sample)
-        return Scores(np.concatenate(scores), failures, timed_out, failed_sample, seconds, died)
+        return Scores(np.concatenate(scores), failures, timed_out, failed_sample, seconds, died, forgeable)
 
     @staticmethod
     def _inline(job, deadline: float | None):

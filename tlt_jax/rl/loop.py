@@ -353,6 +353,7 @@ class RLLoop:
             # starts, on the step's own response tokens (what the drafter must draft for).
             **({"policy_kl_from_start": float(updates[0]["kl"])} if "kl" in last else {}),
             "skipped_updates": skipped, "reward_failures": failures, "reward_timeouts": scored.timed_out,
+            "code_forgeable_share": scored.forgeable / len(rollouts),
             "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
             # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
             # most of them hidden in the rollout with reward_overlap.
