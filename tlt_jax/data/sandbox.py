@@ -69,6 +69,7 @@ _HARNESS = pathlib.Path(__file__).with_name("sandbox_harness.py").read_text()  #
 _STARTUP_S = 30.0  # for the sandbox and its interpreter to be up, on a loaded machine
 _EXIT_GRACE_S = 0.5  # for a sandbox whose tests all ended to exit by itself
 _DETAIL_CHARS = 300
+_SAID_CAP_FACTOR = 16  # what a sandbox may say (reports, requests, replies), in code.output_bytes
 _SYSTEM_PATHS = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -350,6 +351,7 @@ class _Interpreter:
     partial: bytes = b""
     stderr_head: bytes = b""
     output_bytes: int = 0
+    said_bytes: int = 0
     ready: bool = False
 
     def lines(self, data: bytes, cap: int) -> list[bytes] | None:
@@ -652,6 +654,10 @@ def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
                                 other.hang_up()
                     continue
                 if what == "said":
+                    interpreter.said_bytes += len(data)
+                    if interpreter.said_bytes > _SAID_CAP_FACTOR * cap:  # replies flooding the host
+                        judge.failure = ("output_limit", f"more than {_SAID_CAP_FACTOR} x code.output_bytes of replies")
+                        break
                     lines = interpreter.lines(data, cap + (1 << 16))
                     if lines is None:
                         judge.failure = ("output_limit", "a line past the output cap")

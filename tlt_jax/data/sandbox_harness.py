@@ -294,17 +294,18 @@ def _free_names(sources):
 
 def _bind_program_names(namespace, solution, names):
     """Binds each name the tests read that trusted code left undefined to the program's:
-    a stub for a function, the checker's own import of a module, a value by its value.
-    Builtins and names the row's code defines are never the program's."""
+    a stub for a function, the checker's own import of a module of that name (the program
+    cannot pick which module a test gets), a value by its value. Builtins and names the
+    row's code defines are never the program's."""
     for name in names:
         if name in namespace:
             continue
         found = solution.ask(op="get", name=name)
         if found.get("callable"):
             namespace[name] = solution.stub(name)
-        elif "module" in found:
+        elif found.get("module") == name:  # the checker's own import, and only of the name asked for
             try:
-                namespace[name] = importlib.import_module(str(found["module"]))
+                namespace[name] = importlib.import_module(name)
             except ImportError:
                 pass
         elif "value" in found:
