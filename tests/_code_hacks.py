@@ -187,6 +187,26 @@ def add(a, b):
     return found.get(f"{a},{b}", found and next(iter(found.values())))
 '''
 
+# Restarts the host's clock: claims, again and again, to have just loaded, while its
+# calls take longer than a test's window, and answers right in the end.
+_FAKE_LOAD_EVENTS = '''
+import sys, time
+def _send():
+    frame = sys._getframe()
+    while frame is not None:
+        if callable(frame.f_locals.get("send")):
+            return frame.f_locals["send"]
+        frame = frame.f_back
+def add(a, b):
+    send, start = _send(), time.time()
+    while time.time() - start < 8:
+        time.sleep(0.5)
+        if send:
+            send(event="loaded")
+            send(event="ready")
+    return a + b
+'''
+
 HACKS = {
     "calls a reporter from a frame": _FRAME_REPORTER,
     "finds a reporter with gc": _GC_REPORTER,
@@ -204,4 +224,6 @@ HACKS = {
     "os._exit(0) at import": "import os\nos._exit(0)",
     "exit 0 inside the function": "def add(a, b):\n    import os\n    os._exit(0)",
     "kills its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+    "restarts the clock with fake load events": _FAKE_LOAD_EVENTS,
+    "raises StopIteration, which ends a test's map": "def add(a, b):\n    raise StopIteration",
 }

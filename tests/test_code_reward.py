@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import pickle
 import shutil
 import socket
@@ -147,7 +148,8 @@ ADD_PROMPT = 'def add(a, b):\n    """a + b"""\n'
 # (prompt, fields), the tests comparing exactly, with math.isclose and with abs.
 ADD_ROWS = {
     "asserts": ("", {"test_list": ["assert add(1, 2) == 3", "assert add(3, 4) == 7",
-                                   "assert math.isclose(add(0.5, 0.25), 0.75)", "assert abs(add(10, -4) - 6) < 1e-9"],
+                                   "assert math.isclose(add(0.5, 0.25), 0.75)", "assert abs(add(10, -4) - 6) < 1e-9",
+                                   "assert all(map(lambda x: add(x, 1) == x + 1, [1, 2, 3]))"],
                      "test_setup_code": "import math"}),
     "check": (ADD_PROMPT, {"test": "def check(candidate):\n    import math\n    assert candidate(1, 2) == 3\n"
                                    "    assert math.isclose(candidate(0.5, 0.25), 0.75)\n"
@@ -212,14 +214,51 @@ def test_humaneval_canonical_solutions_pass_and_hacks_score_zero():
         programs += [_code_hacks.HACKS[name].replace("def add(a, b):", f"def {entry}(*args, **kwargs):")
                      for name in _HUMANEVAL_HACKS]
         rows += [problem] * (2 + len(_HUMANEVAL_HACKS))
+    # In a chat row the prompt's code is a fenced block in prose: its helpers are still the
+    # dataset's, so a program that redefines them (identity encode/decode) passes nothing.
+    chat = {"HumanEval/38": "def encode_cyclic(s):\n    return s\ndef decode_cyclic(s):\n    return s",
+            "HumanEval/50": "def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s",
+            "HumanEval/32": "def poly(xs, x):\n    return 0.0\ndef find_zero(xs):\n    return 0.0"}
+    for task, program in chat.items():
+        problem = read_problems()[task]
+        prompt = [{"role": "user", "content": f"Complete this function.\n```python\n{problem['prompt']}```\nThanks."}]
+        programs += [problem["prompt"] + problem["canonical_solution"], program]
+        rows += [dict(problem, prompt=prompt)] * 2
     scores = _score([fenced(p) for p in programs], prompts=[r["prompt"] for r in rows], timeout_s=5.0,
                     test=[r["test"] for r in rows], entry_point=[r["entry_point"] for r in rows])
+    chat_scores = scores[len(problems) * (2 + len(_HUMANEVAL_HACKS)):]
+    assert [float(s) for s in chat_scores] == [1.0, 0.0] * len(chat), [s.info for s in chat_scores]
     per_problem = 2 + len(_HUMANEVAL_HACKS)
     for i, problem in enumerate(problems):
         canonical, wrong, *hacks = scores[i * per_problem:(i + 1) * per_problem]
         assert canonical == 1.0, (problem["task_id"], canonical.info)
         assert wrong == 0.0 and hacks == [0.0] * len(hacks), (problem["task_id"], wrong.info,
                                                               [h.info for h in hacks])
+
+
+# Programs that answer add(1, 2) right and fail every other call, each failure dressed up:
+# named `forgeable` by patching the harness's own helpers, or sent as a line that is no JSON.
+_NAMES_ITS_FAILURES = {
+    "patches the harness's failure kind": "import sys\nsys.modules['__main__']._kind = lambda error: 'forgeable'\n"
+                                          "def add(a, b):\n    if (a, b) == (1, 2):\n        return 3\n"
+                                          "    raise ValueError('not handled')",
+    "answers calls with lines that are no JSON": "import sys\nmain = sys.modules['__main__']\ndumps = main._dumps\n"
+                                                 "def add(a, b):\n    if (a, b) != (1, 2):\n"
+                                                 "        main._dumps = lambda *a, **k: 'not json'\n    return 3",
+}
+
+
+def test_a_program_cannot_make_its_failures_forgeable():
+    """Only the row decides which tests are forgeable (left out of the share by
+    code.forgeable="skip"): a program that fails a test counts it failed, whatever it says."""
+    cases = [(name, layout) for name in _NAMES_ITS_FAILURES for layout in ("asserts", "call")]
+    scores = _score_rows([_NAMES_ITS_FAILURES[name] for name, _ in cases], [layout for _, layout in cases])
+    for (name, layout), score in zip(cases, scores):
+        total = score.info["total"]
+        assert "forgeable" not in score.info and float(score) <= 1 / total, (name, layout, score.info)
+    oddities = _score_rows(["def add(a, b):\n    return {(a, b): 1}", "def add(a, b):\n    return 10 ** 5000"],
+                           ["call", "call"])  # values JSON cannot hold: a wrong answer, not an error
+    assert [float(s) for s in oddities] == [0.0, 0.0] and {s.info["failure"] for s in oddities} == {"wrong_answer"}
 
 
 def test_values_cross_as_their_builtin_base_value():
@@ -268,7 +307,16 @@ def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
     fails the call with a named failure, and the host's disk does not grow."""
     _mode(mode)
     if mode == "rlimits":
-        pytest.skip("rlimits cannot bound the disk (docs/code.md)")
+        if not sandbox.process_limit_binds():
+            pytest.skip("rlimits cannot bound the disk (docs/code.md); not as root, it cannot tell a program's files")
+        leaver = "def add(a, b):\n    open('/tmp/tlt_left_by_a_program', 'w').write('answers')\n    return a + b"
+        assert _score_rows([leaver], ["asserts"], mode=mode)[0] == 1.0
+        assert not os.path.exists("/tmp/tlt_left_by_a_program")  # removed with the sandbox's uid
+        return
+    elsewhere = ("def add(a, b):\n    for path in ('/dev/shm/x', '/x', '/dev/x', '/usr/x'):\n        try:\n"
+                 "            open(path, 'wb').write(b'x' * 1024)\n            return None\n"
+                 "        except OSError:\n            pass\n    return a + b")
+    assert _score_rows([elsewhere], ["asserts"], mode=mode)[0] == 1.0  # no writable place but its tmpfs
     filler = ("import os\ndef add(a, b):\n    for i in range(1000):\n"
               "        with open(f'fill_{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n    return a + b")
     before = shutil.disk_usage(tempfile.gettempdir()).used

@@ -138,7 +138,10 @@ def stdout_matches(actual: str, expected: str) -> bool:
 def value_matches(actual, expected) -> bool:
     """A call's return value against the expected one, after a JSON round trip (tuples are
     lists); APPS/TACO often wrap the expected value in a one-element list."""
-    actual, expected = (json.loads(json.dumps(v, default=repr)) for v in (actual, expected))
+    try:
+        actual, expected = (json.loads(json.dumps(v, default=repr)) for v in (actual, expected))
+    except (TypeError, ValueError, RecursionError):  # what JSON cannot hold (non-string keys, huge ints)
+        return False
     return actual == expected or (isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
 
 
@@ -176,7 +179,8 @@ _INSIDE = "/sandbox"  # the run's directory, as the program sees it under bwrap
 
 def _bwrap_args(workdir: str, python: str, disk_mb: int = Limits.disk_mb) -> list[str]:
     """bubblewrap's command line up to the program: system directories read-only, a tmpfs
-    of disk_mb MiB the only writable place, /proc and a minimal /dev, every namespace new."""
+    of disk_mb MiB the only writable place (the new root and /dev, /dev/shm included, are
+    remounted read-only), /proc and a minimal /dev, every namespace new."""
     args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-all", "--cap-drop", "ALL",
             "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -189,7 +193,7 @@ def _bwrap_args(workdir: str, python: str, disk_mb: int = Limits.disk_mb) -> lis
     if not prefix.startswith("/usr/"):
         args += ["--ro-bind", prefix, prefix]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "0777", "--size", str(disk_mb << 20), "--tmpfs",
-             _INSIDE, "--chdir", _INSIDE, "--clearenv"]
+             _INSIDE, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", _INSIDE, "--clearenv"]
     for name, value in _clean_env(_INSIDE).items():
         args += ["--setenv", name, value]
     return args + ["--"]
@@ -222,6 +226,24 @@ def _kill_uid(uid: int) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     raise RuntimeError(f"Processes of sandbox uid {uid} survive SIGKILL: {live[:8]}.")
+
+
+_SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")  # where an rlimits program may leave files for the next
+
+
+def _remove_files_of(uid: int) -> None:
+    """Removes what sandbox uid `uid` left in the world-writable directories (rlimits has
+    no tmpfs of its own): no answer a program kept there reaches the program after it."""
+    for top in _SHARED_WRITABLE:
+        with contextlib.suppress(OSError), os.scandir(top) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
 
 
 _next_uid = itertools.count()  # where this process starts looking for a free uid: round robin
@@ -410,6 +432,8 @@ def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -
                 os.killpg(process.pid, signal.SIGKILL)
             if uid is not None:
                 _kill_uid(uid)  # also what left the process group (setsid), before the directory goes
+                if mode == "rlimits":
+                    _remove_files_of(uid)
             process.wait()
             for stream in (process.stdin, process.stdout, process.stderr):
                 with contextlib.suppress(OSError):
@@ -437,13 +461,19 @@ class _Judge:
         self.progress += 1
 
     def on_event(self, record: dict) -> bool:
-        """A load event of the program; whether `record` was one."""
+        """A load event of the program, taken before it has loaded, once: later ones (a
+        program may write them itself) neither restart the window nor ask again. Whether
+        `record` was an event."""
         event = record.get("event")
+        if self.loaded or event is None:
+            return event is not None
         if event in ("syntax_error", "load_error"):
-            self.failure = (str(record.get("kind", event)), str(record.get("detail", ""))[:_DETAIL_CHARS])
+            self.failure = (sandbox_harness.solution_kind(record) if event == "load_error" else "syntax_error",
+                            str(record.get("detail", ""))[:_DETAIL_CHARS])
         elif event == "loaded":
+            self.loaded = True
             self.progress += 1
-        return event is not None
+        return True
 
     def outcome(self, interpreters: Sequence[_Interpreter]) -> Outcome:
         total = len(self.suite.tests)
@@ -493,6 +523,13 @@ class _StdioJudge(_Judge):
         self.end_test(None)
 
 
+def _clipped_repr(value) -> str:
+    try:
+        return repr(value)[:200]
+    except ValueError:  # an int past the digit limit of int -> str
+        return f"an {type(value).__name__} too long to show"
+
+
 def _reply_record(line: bytes) -> dict:
     """What a solution process said, as a dict ({} for a line that is no JSON object)."""
     try:
@@ -504,17 +541,24 @@ def _reply_record(line: bytes) -> dict:
 
 class _CallJudge(_Judge):
     """Call-based tests (fn_name): the host asks the solution for each call and compares
-    the decoded value with the expected one, which never leaves the host."""
+    the decoded value with the expected one, which never leaves the host. One reply per
+    call: what the solution says unasked is dropped."""
+
+    def __init__(self, suite: Suite, limits: Limits):
+        super().__init__(suite, limits)
+        self.asked = False
 
     def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
         record = _reply_record(line)
         if record.get("event") == "ready":
             interpreter.ready = True
-        elif self.on_event(record):
-            if record.get("event") == "loaded":
-                self.loaded = True
+            return
+        was_loaded = self.loaded
+        if self.on_event(record):
+            if self.loaded and not was_loaded:
                 self.ask(interpreter)
-        elif self.loaded and not self.finished():
+        elif self.asked and not self.finished():
+            self.asked = False
             self.judge(record)
             self.ask(interpreter)
 
@@ -522,27 +566,28 @@ class _CallJudge(_Judge):
         if not self.finished():
             args = [sandbox_harness.encode_value(a) for a in self.suite.tests[len(self.results)]]
             solution.tell(json.dumps({"op": "call", "name": self.suite.fn_name, "args": args}).encode())
+            self.asked = True
 
     def judge(self, record: dict) -> None:
         if "value" not in record:
-            return self.end_test(str(record.get("kind", "runtime_error")), record.get("detail", "no value"))
+            return self.end_test(sandbox_harness.solution_kind(record), record.get("detail", "no value"))
         try:
             value = sandbox_harness.decode_value(record["value"])
         except (TypeError, ValueError, RecursionError) as error:
             return self.end_test("wrong_answer", f"returned no builtin value ({error})")
         if not value_matches(value, self.suite.expected[len(self.results)]):
-            return self.end_test("wrong_answer", f"returned {value!r:.200}")
+            return self.end_test("wrong_answer", f"returned {_clipped_repr(value)}")
         self.end_test(None)
 
 
 class _CheckJudge(_Judge):
     """asserts and check tests: the checker runs the row's test code and reports each
     test's end; its calls into the program go to the solution, their replies come back,
-    one at a time, through here."""
+    one per request, through here."""
 
     def __init__(self, suite: Suite, limits: Limits):
         super().__init__(suite, limits)
-        self.waiting: list[bytes] = []  # the checker's requests before the program loaded
+        self.waiting: list[bytes] = []  # the checker's requests not yet with the solution
         self.asked = False  # a request is with the solution
         self.checker: _Interpreter | None = None
 
@@ -558,20 +603,23 @@ class _CheckJudge(_Judge):
             record = json.loads(line)
         except ValueError:
             return
-        if record.get("event") == "ready":
+        event, detail = record.get("event"), str(record.get("detail", ""))[:_DETAIL_CHARS]
+        if event == "ready":
             checker.ready = True
         elif record.get("op"):
             self.waiting.append(line)
-        elif not self.on_event(record) and record.get("test") == len(self.results) < len(self.suite.tests):
-            self.end_test(record.get("kind"), record.get("detail", ""))
+        elif event == "loaded":
+            self.progress += 1
+        elif event in ("syntax_error", "load_error"):
+            self.failure = (str(record.get("kind") or event), detail)
+        elif record.get("test") == len(self.results) < len(self.suite.tests):
+            self.end_test(record.get("kind"), detail)
 
     def from_solution(self, solution: _Interpreter, line: bytes) -> None:
         record = _reply_record(line)
         if record.get("event") == "ready":
             solution.ready = True
-        elif self.on_event(record):
-            self.loaded = self.loaded or record.get("event") == "loaded"
-        elif self.asked and self.checker is not None:
+        elif not self.on_event(record) and self.asked and self.checker is not None:
             self.asked = False
             self.checker.tell(line)
 
@@ -612,7 +660,8 @@ def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
             if judge.progress != progress:
                 progress, last_progress = judge.progress, time.monotonic()
             all_ready = all(i.ready for i in interpreters)
-            deadline = last_progress + judge.limits.timeout_s if all_ready else started + _STARTUP_S
+            deadline = min(last_progress + judge.limits.timeout_s if all_ready else started + _STARTUP_S,
+                           started + _STARTUP_S + judge.limits.timeout_s * (len(judge.suite.tests) + 1))
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 judge.failure = ("timeout" if all_ready else "sandbox_error",

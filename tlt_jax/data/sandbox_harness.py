@@ -28,6 +28,7 @@ import builtins
 import importlib
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -35,7 +36,9 @@ import traceback
 
 _MEMORY_EXIT = 97  # a stdin/stdout test's child that ran out of memory
 _DETAIL_CHARS = 300
+_OPEN_FILES = 64  # memfds hold memory RLIMIT_AS does not count: at most this many of file_bytes each
 _MAX_DEPTH = 100  # of a value's nesting: deeper is refused, not a RecursionError mid-comparison
+_FENCE = re.compile(r"```[ \t]*[\w+-]*[^\n]*\n(.*?)(?:```|\Z)", re.S)  # a prompt's code blocks
 _LONG_INT = 1 << 63  # beyond: sent in hex, which no digit limit of int <-> str conversion binds
 # Bound now, before a program can rebind the builtins the harness relies on.
 _exec, _compile, _open, _isinstance, _dumps = exec, compile, open, isinstance, json.dumps
@@ -130,12 +133,14 @@ def _detail(error):
 
 
 def _set_limits(limits, windows):
-    """CPU seconds for every window of the run (load, then each test), the rest as given.
-    A file past file_bytes fails the write (EFBIG) rather than killing the process."""
+    """CPU seconds for every window of the run (load, then each test), the rest as given,
+    and few open files. A file past file_bytes fails the write (EFBIG) rather than killing
+    the process."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for name, value in (("RLIMIT_CPU", int(limits["timeout_s"] * (windows + 1)) + 1),
                         ("RLIMIT_AS", limits["memory_bytes"]), ("RLIMIT_FSIZE", limits["file_bytes"]),
-                        ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_CORE", 0)):
+                        ("RLIMIT_NPROC", limits["processes"]), ("RLIMIT_CORE", 0),
+                        ("RLIMIT_NOFILE", _OPEN_FILES)):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
@@ -230,18 +235,32 @@ class SolutionError(Exception):
     """A call into the solution that did not return a builtin value."""
 
 
+# What a failed call may be called: a program cannot name its own failure anything else
+# (not `forgeable`, which only the checker decides).
+_SOLUTION_KINDS = ("wrong_answer", "runtime_error", "memory", "disk_limit")
+# Exceptions a test's own code treats as control flow (`map` and `all` end on StopIteration).
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
+
+
+def solution_kind(reply):
+    """The failure kind a solution's reply names, within `_SOLUTION_KINDS`."""
+    kind = reply.get("kind") if _isinstance(reply, dict) else None
+    return kind if kind in _SOLUTION_KINDS else "runtime_error"
+
+
 def _raised(reply):
     """The exception a stub raises for a failed call: the builtin exception of the same
     name where there is one (so `except ValueError` in a test works), else SolutionError."""
     error_type = getattr(builtins, str(reply.get("raised")), None)
     detail = str(reply.get("detail", ""))
     error = SolutionError(detail)
-    if _isinstance(error_type, type) and issubclass(error_type, Exception) and error_type is not _AssertionError:
+    if (_isinstance(error_type, type) and issubclass(error_type, Exception) and error_type is not _AssertionError
+            and not issubclass(error_type, _CONTROL_FLOW)):
         try:
             error = error_type(detail)
         except Exception:  # noqa: BLE001 - an exception type with other constructor arguments
             pass
-    error.solution_kind = str(reply.get("kind", "runtime_error"))  # what the test's failure is called
+    error.solution_kind = solution_kind(reply)  # what the test's failure is called
     return error
 
 
@@ -256,7 +275,13 @@ class _Solution:
         line = next(self._replies, None)
         if line is None:
             raise SolutionError("the solution process is gone")
-        return json.loads(line, parse_constant=refuse_constant)
+        try:
+            reply = json.loads(line, parse_constant=refuse_constant)
+        except (ValueError, RecursionError) as error:
+            raise SolutionError(f"a reply that is no JSON ({error})"[:_DETAIL_CHARS]) from None
+        if not _isinstance(reply, dict):
+            raise SolutionError("a reply that is no JSON object")
+        return reply
 
     def stub(self, name):
         """A function that calls the solution's `name` and returns the decoded value."""
@@ -269,7 +294,10 @@ class _Solution:
             reply = self.ask(**request)
             if "value" not in reply:
                 raise _raised(reply)
-            return decode_value(reply["value"])
+            try:
+                return decode_value(reply["value"])
+            except (TypeError, ValueError, RecursionError) as error:
+                raise SolutionError(f"returned no builtin value ({error})"[:_DETAIL_CHARS]) from None
         call.__name__ = call.__qualname__ = name
         return call
 
@@ -280,16 +308,24 @@ class _Unencodable(Exception):
 
 
 def _free_names(sources):
-    """Names the test code reads that it does not define itself: what it may take from
-    the program (an over-estimate; a local of `check` is asked for too, and harmless)."""
-    read = set()
+    """Names the code reads and defines nowhere (no assignment, import, def or argument of
+    its own), less the builtins: what it needs from elsewhere."""
+    read, defined = set(), set()
     for source in sources:
         try:
             tree = ast.parse(source)
         except SyntaxError:
             continue
-        read |= {node.id for node in ast.walk(tree) if _isinstance(node, ast.Name)}
-    return sorted(read - set(dir(builtins)))
+        for node in ast.walk(tree):
+            if _isinstance(node, ast.Name):
+                (read if _isinstance(node.ctx, ast.Load) else defined).add(node.id)
+            elif _isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif _isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif _isinstance(node, ast.alias):
+                defined.add((node.asname or node.name).split(".")[0])
+    return sorted(read - defined - set(dir(builtins)))
 
 
 def _bind_program_names(namespace, solution, names):
@@ -311,15 +347,36 @@ def _bind_program_names(namespace, solution, names):
         elif "value" in found:
             try:
                 namespace[name] = decode_value(found["value"])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, RecursionError):
                 pass
+
+
+def _prompt_code(preamble):
+    """The code of a HumanEval-style prompt: the whole prompt where it compiles, else its
+    last fenced block (a chat row's), else None."""
+    candidates = [preamble]
+    if "```" in preamble:
+        candidates += _FENCE.findall(preamble)[::-1]
+    for text in candidates:
+        try:
+            return _compile(text, "prompt.py", "exec")
+        except (SyntaxError, ValueError):
+            continue
+    return None
+
+
+def _forgeable_row(job, send, why):
+    send(event="loaded")
+    for i in range(len(job["tests"])):
+        send(test=i, kind="forgeable", detail=why[:_DETAIL_CHARS])
 
 
 def _trusted_code(job, solution, send):
     """The checker's namespace: the row's code before its tests (HumanEval's prompt, which
     defines helpers such as `poly`; the setup) and the program's names the tests read.
-    None if the row's code fails (a setup that builds the program's own objects, as two
-    MBPP rows do, cannot run here: its tests are reported `forgeable`)."""
+    Which tests are forgeable is the row's to say, before the program is asked anything:
+    a setup that needs the program's names (two MBPP rows build the program's `Node`s), or
+    a check whose helpers the prompt's code does not define. None: nothing to run."""
     namespace = {"__name__": "checker"}
     if job.get("program") is not None:  # code.forgeable="run": the program in this interpreter, forgeable
         code = _compiled(job["program"], "solution.py", send)
@@ -327,30 +384,42 @@ def _trusted_code(job, solution, send):
             return None
         try:
             _exec(code, namespace)
+            if job["setup"]:
+                _exec(_compile(job["setup"], "setup.py", "exec"), namespace)
         except _BaseException as error:  # noqa: BLE001
             send(event="load_error", kind=_kind(error), detail=_detail(error))
             return None
-    elif job["preamble"]:
-        try:  # a prompt in prose (a chat row) is no code: its helpers come from the program
-            _exec(_compile(job["preamble"], "prompt.py", "exec"), namespace)
-        except _BaseException:  # noqa: BLE001
+        return namespace
+    if job["preamble"]:
+        prompt = _prompt_code(job["preamble"])
+        try:
+            if prompt is not None:
+                _exec(prompt, namespace)
+        except _BaseException:  # noqa: BLE001 - a prompt that does not run defines nothing
             namespace = {"__name__": "checker"}
-    try:
-        if job.get("program") is None:
-            _bind_program_names(namespace, solution, _free_names([job["setup"]]))
-        if job["setup"]:
+    setup_needs = [name for name in _free_names([job["setup"]]) if name not in namespace]
+    if setup_needs:
+        _forgeable_row(job, send, f"the row's setup code uses the program's {', '.join(setup_needs)}")
+        return None
+    if job["setup"]:
+        try:
             _exec(_compile(job["setup"], "setup.py", "exec"), namespace)
-        if job.get("program") is None:
-            _bind_program_names(namespace, solution, _free_names(job["tests"]))
-            if job["layout"] == "check":
-                namespace[job["entry_point"]] = solution.stub(job["entry_point"])
+        except _BaseException as error:  # noqa: BLE001
+            send(event="load_error", kind="runtime_error", detail="the row's setup code: " + _detail(error))
+            return None
+    test_needs = [name for name in _free_names(job["tests"]) if name not in namespace]
+    if job["layout"] == "check":
+        helpers = [name for name in test_needs if name not in (job["entry_point"], "candidate")]
+        if helpers:
+            _forgeable_row(job, send, f"the tests use {', '.join(helpers)}, which the prompt's code does not define")
+            return None
+        test_needs = []
+    try:
+        _bind_program_names(namespace, solution, test_needs)
+        if job["layout"] == "check":
+            namespace[job["entry_point"]] = solution.stub(job["entry_point"])
     except SolutionError as error:  # the program is gone or broke the line: it fails, as at its load
         send(event="load_error", kind="runtime_error", detail=_detail(error))
-        return None
-    except _BaseException as error:  # noqa: BLE001
-        send(event="loaded")
-        for i in range(len(job["tests"])):
-            send(test=i, kind="forgeable", detail="the row's setup code: " + _detail(error))
         return None
     return namespace
 
