@@ -45,12 +45,13 @@ WARM_START_TRACE_SHARE = 0.15
 
 
 def tasks_drift_learn(trace_share: float = WARM_START_TRACE_SHARE):
-    """Additions of 2 to 8 digits, each SFT target the worked trace (reliable, long) with
-    probability `trace_share` and otherwise a bare answer (short, and wrong more often past
-    a few digits), nothing in the prompt choosing (bench_tlt's cpu_drift_learn). Correctness
-    alone moves RL toward the trace: accuracy rises while responses lengthen and change
-    format, away from what a drafter trained on the warm start's outputs drafts."""
-    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 8, "min_digits": 2,
+    """Additions of 3 to 5 digits, each SFT target the worked trace (reliable, long) with
+    probability `trace_share` and otherwise a bare answer (short, and nearly always wrong:
+    the tiny model adds bare up to two digits, the trace works up to about five), nothing in
+    the prompt choosing (bench_tlt's cpu_drift_learn). Correctness alone moves RL toward the
+    trace: accuracy rises while responses double in length and change format, away from what
+    a drafter trained on the warm start's outputs drafts (docs/benchmarks.md)."""
+    return ml_collections.ConfigDict({"addition": {"weight": 1.0, "max_digits": 5, "min_digits": 3,
                                                    "digits_zipf": 1.6, "trace_share": trace_share}})
 
 

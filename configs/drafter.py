@@ -14,10 +14,19 @@ Presets:
   fused  the same with EAGLE-3 fusion of a low, a middle and the last target layer; the
          regression target is then the fused feature of the next position.
   gpu    tiny's recipe for the 180M target of `configs/sft.py:gpu` (runs/sft_gpu/hf).
+  long_tail, drift_shift, drift_learn   tiny's recipe for the target of the same name in
+         `configs/sft.py`, on its tasks (bench_tlt's warm starts).
 """
 import ml_collections
 
-from configs.common import WARM_START_COUNTDOWN_WEIGHT, data_config, tasks_drift_shift, tasks_long_tail, tasks_tiny
+from configs.common import (
+    WARM_START_COUNTDOWN_WEIGHT,
+    data_config,
+    tasks_drift_learn,
+    tasks_drift_shift,
+    tasks_long_tail,
+    tasks_tiny,
+)
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
@@ -25,8 +34,9 @@ RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset not in ("tiny", "fused", "gpu", "long_tail", "drift_shift"):
-        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail, drift_shift.")
+    if preset not in ("tiny", "fused", "gpu", "long_tail", "drift_shift", "drift_learn"):
+        raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail, drift_shift, "
+                         "drift_learn.")
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
@@ -89,6 +99,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.data.update(tasks=tasks_drift_shift(WARM_START_COUNTDOWN_WEIGHT), seq_len=272)
         c.acceptance.update(max_tokens=224, max_prompt_length=48)
         c.run_dir = "runs/drafter_drift_shift"
+    if preset == "drift_learn":  # for the target of configs/sft.py:drift_learn, on its SFT mix of formats
+        c.target_dir = "runs/sft_drift_learn/hf"
+        c.data.update(tasks=tasks_drift_learn(), seq_len=80)
+        c.acceptance.update(max_tokens=64, max_prompt_length=24)
+        c.run_dir = "runs/drafter_drift_learn"
     return c
 
 

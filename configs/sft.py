@@ -75,10 +75,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         # bench_tlt's cpu_drift_learn warm start: additions answered mostly bare, now and
         # then by the worked trace (configs/common.py: tasks_drift_learn). Trained to the
         # end of its cosine: RL's headroom is the format, not undertraining.
-        c.data.update(tasks=tasks_drift_learn(), seq_len=112)  # the longest prompt (22) and trace (85), <bos> and <eos>
+        # 1800 steps: at 500 (on 2-8 digits) it had learned neither format (docs/benchmarks.md).
+        c.data.update(tasks=tasks_drift_learn(), seq_len=80)  # the longest prompt (16) and trace (57), <bos> and <eos>
         c.eval.max_prompt_length = 24
-        c.optimizer.decay_steps = 500
-        c.steps, c.eval_every, c.checkpoint_every = 500, 500, 100
+        c.optimizer.decay_steps = 1800
+        c.steps, c.eval_every, c.checkpoint_every = 1800, 1800, 600
         c.run_dir = "runs/sft_drift_learn"
     elif preset in ("hf", "example"):
         # Your checkpoint on your data (docs/your_model.md): its tokenizer's chat template, the

@@ -6,6 +6,12 @@ Whether GRPO has signal on a task: with G samples a prompt, a task whose pass@G 
 every sample the same reward and so no advantage. bench_tlt's cpu_drift_shift wants its
 warm start's countdowns at pass@4 of about 5-15%. Held-out prompts (the eval split) of each
 task alone; pass@k by the unbiased estimator over n >= k samples (Chen et al. 2021).
+
+With two answer formats (additions with `trace_share`, the drift_learn mix), each format's
+share of the samples and its accuracy (the share of its samples that are right) too:
+cpu_drift_learn wants the worked trace rare and reliable, the bare answer common and not.
+
+  python -m experiments.pass_at_k --model_dir=assets/sft_drift_learn --tasks=drift_learn --max_tokens=96
 """
 import json
 import math
@@ -22,7 +28,7 @@ from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import load_tokenizer
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "A Hugging Face checkpoint with its tokenizer.", required=True)
-_TASKS = flags.DEFINE_enum("tasks", "drift_shift", ["drift_shift", "long_tail", "tiny"],
+_TASKS = flags.DEFINE_enum("tasks", "drift_shift", ["drift_shift", "drift_learn", "long_tail", "tiny"],
                            "The task mix of configs/common.py whose tasks are scored, each alone.")
 _ONLY = flags.DEFINE_list("only", [], "Score only these tasks of the mix (default: every task).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 64, "Held-out prompts per task.")
@@ -39,12 +45,25 @@ def pass_at_k(correct_per_prompt: np.ndarray, n: int, k: int) -> float:
     return float(np.mean([1.0 - math.comb(n - int(c), k) / math.comb(n, k) for c in correct_per_prompt]))
 
 
+def by_format(samples: list[dict]) -> dict:
+    """{"<format>_share": its share of the samples, "<format>_accuracy": the share of its
+    samples that are right (None where it has none)} for the formats of
+    `tasks.solution_format`."""
+    formats = [tasks.solution_format(s["completion"]) for s in samples]
+    out = {}
+    for name in ("trace", "bare"):
+        rewards = [s["reward"] >= 1.0 for s, f in zip(samples, formats) if f == name]
+        out[f"{name}_share"] = len(rewards) / len(samples)
+        out[f"{name}_accuracy"] = float(np.mean(rewards)) if rewards else None
+    return out
+
+
 def main(argv):
     del argv
     cfg, params = load_hf(_MODEL_DIR.value)
     tokenizer = load_tokenizer(_MODEL_DIR.value)
-    mix = {"drift_shift": common.tasks_drift_shift, "long_tail": common.tasks_long_tail,
-           "tiny": common.tasks_tiny}[_TASKS.value]()
+    mix = {"drift_shift": common.tasks_drift_shift, "drift_learn": common.tasks_drift_learn,
+           "long_tail": common.tasks_long_tail, "tiny": common.tasks_tiny}[_TASKS.value]()
     unknown = sorted(set(_ONLY.value) - set(mix))
     if unknown:
         raise ValueError(f"--only={','.join(unknown)}: not a task of the {_TASKS.value} mix "
@@ -65,7 +84,9 @@ def main(argv):
                                                  num_samples=n)
         correct = (np.asarray([s["reward"] for s in samples]) >= 1.0).reshape(len(examples), n).sum(axis=1)
         out[name] = {f"pass@{k}": pass_at_k(correct, n, k) for k in ks}
-        print(f"{name}: " + ", ".join(f"{key} {v:.3f}" for key, v in out[name].items()), flush=True)
+        if mix[name].get("trace_share", 1.0) < 1.0:
+            out[name].update(by_format(samples))
+        print(f"{name}: " + ", ".join(f"{key} {v:.3f}" for key, v in out[name].items() if v is not None), flush=True)
     print(json.dumps(out))
 
 

@@ -15,8 +15,9 @@ from tlt_jax.rl import train as rl_train
 from tlt_jax.rollout import tuner as tuner_lib
 
 PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS],
-           sft: ["tiny", "gpu", "long_tail", "drift_shift", "hf", "example"],
-           drafter: ["tiny", "fused", "gpu", "long_tail", "drift_shift"], distill: ["tiny", "llama3-8b-to-3b-32k"],
+           sft: ["tiny", "gpu", "long_tail", "drift_shift", "drift_learn", "hf", "example"],
+           drafter: ["tiny", "fused", "gpu", "long_tail", "drift_shift", "drift_learn"],
+           distill: ["tiny", "llama3-8b-to-3b-32k"],
            generate: list(models.PRESET_NAMES)}
 
 

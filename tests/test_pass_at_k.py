@@ -42,3 +42,18 @@ def test_the_drift_shift_warm_start_leaves_its_countdowns_to_learn():
     assert list(out) == ["countdown"]
     assert 0.03 <= out["countdown"]["pass@4"] <= 0.2
     assert out["countdown"]["pass@1"] < out["countdown"]["pass@4"]
+
+
+_FORMATS = r"""
+import json
+from experiments.pass_at_k import by_format
+samples = [dict(completion="1+2=3\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 4", reward=0.0),
+           dict(completion="at once\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 5", reward=0.1)]
+print(json.dumps(by_format(samples)))
+"""
+
+
+def test_each_formats_share_and_accuracy():
+    out = printed_json(_FORMATS)
+    # A well-formed wrong answer's format credit (0.1) is not a right answer.
+    assert out == dict(trace_share=0.25, trace_accuracy=1.0, bare_share=0.75, bare_accuracy=1 / 3)

@@ -396,6 +396,20 @@ def _entries(metrics_out: dict, key: str) -> float:
     return float(metrics_out[f"count_{key.rsplit('_', 1)[1]}"] if "_pass" in key else metrics_out["count"])
 
 
+def evaluate_rows(trainer: DrafterTrainer, drafter_params, target_params, rows: dict, batch_size: int) -> dict:
+    """{"eval_<metric>": drafter_loss's metric over all `pack_examples` rows}, teacher-forced
+    (eval_accept_rate: the chance a first draft passes verification), each metric a mean
+    over the entries it counts, in batches of `batch_size` rows."""
+    totals, counts = {}, {}
+    for _, rows_batch in padded_batches(rows, batch_size):
+        out = jax.device_get(trainer.evaluate(drafter_params, target_params, trainer.batch(target_params, rows_batch)))
+        for k, v in out.items():
+            if not k.startswith("count"):
+                n = _entries(out, k)
+                totals[k], counts[k] = totals.get(k, 0.0) + float(v) * n, counts.get(k, 0.0) + n
+    return {f"eval_{k}": v / max(counts[k], 1.0) for k, v in totals.items()}
+
+
 def train_drafter(config, *, progress: bool = True) -> dict:
     """Runs (or resumes) the drafter job of `configs/drafter.py`; returns the last step's
     metrics with the final evaluation, timings and, when configured, rollout acceptance
@@ -430,14 +444,7 @@ def train_drafter(config, *, progress: bool = True) -> dict:
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
 
     def run_eval(state, step) -> dict:
-        totals, counts = {}, {}
-        for _, rows_batch in padded_batches(rows["eval"], config.eval_batch_size):
-            out = jax.device_get(trainer.evaluate(state.params, target, trainer.batch(target, rows_batch)))
-            for k, v in out.items():
-                if not k.startswith("count"):
-                    n = _entries(out, k)
-                    totals[k], counts[k] = totals.get(k, 0.0) + float(v) * n, counts.get(k, 0.0) + n
-        return {f"eval_{k}": v / max(counts[k], 1.0) for k, v in totals.items()}
+        return evaluate_rows(trainer, state.params, target, rows["eval"], config.eval_batch_size)
 
     noise_key = jax.random.PRNGKey(config.seed + 1)
 
