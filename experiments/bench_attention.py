@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from absl import flags
 
 from configs import models
-from tlt_jax import launch, metrics
+from experiments import machine
+from tlt_jax import launch
 from tlt_jax.models import attention as attn
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
@@ -158,7 +159,7 @@ def main(argv):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if _OUT.value:  # rewritten after every case: a run cut short keeps what it measured
-                    metrics.write_json(_OUT.value, result)
+                    machine.write_result(_OUT.value, result)
     print(f"\n{_MODEL.value}: H={cfg.num_heads}, K={cfg.num_kv_heads}, Dh={cfg.head_dim}, {cfg.dtype}, "
           f"batch {_BATCH.value}{', 4 packed segments' if _SEGMENTS.value else ''}; backend {backend} "
           f"({result['device']}), XLA temp GiB of forward + backward")

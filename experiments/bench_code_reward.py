@@ -27,8 +27,8 @@ import time
 
 from absl import flags
 
-from experiments import make_code_dataset
-from tlt_jax import launch, metrics
+from experiments import machine, make_code_dataset
+from tlt_jax import launch
 from tlt_jax.data import rewards, sandbox
 
 _COMPLETIONS = flags.DEFINE_integer("completions", 64, "Completions per batch.")
@@ -128,13 +128,13 @@ def main(argv):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if _OUT.value:  # rewritten after every case: a run cut short keeps what it measured
-                    metrics.write_json(_OUT.value, result)
+                    machine.write_result(_OUT.value, result)
     result["machine"]["load_average_end"] = os.getloadavg()  # the machine may be shared
     if _OUT.value:
-        metrics.write_json(_OUT.value, result)
-    machine = result["machine"]
+        machine.write_result(_OUT.value, result)
+    record = result["machine"]
     print(f"\n{len(completions)} completions, {len(looping)} infinite loops, sandbox {mode}, "
-          f"{machine.get('Model name', '?')} ({machine['cpus']} CPUs, L3 {machine.get('L3 cache', '?')}), "
+          f"{record.get('Model name', '?')} ({record['cpus']} CPUs, L3 {record.get('L3 cache', '?')}), "
           f"median of {_REPEATS.value}")
     print(f"{'loop':>5} {'timeout s':>9} {'at once':>7} {'path':>10} {'honest s':>8} {'all s':>7} {'extra s':>7} "
           f"{'x timeout':>9} {'bar':>4} {'scores':>6}")

@@ -17,7 +17,6 @@ Each side runs in a fresh process, in ABBA order, `pairs` times; the table gives
 side's programs/s and the geometric mean of the paired ratios with their spread.
 """
 import concurrent.futures
-import datetime
 import json
 import math
 import statistics
@@ -28,7 +27,6 @@ import time
 from absl import app, flags
 
 from experiments import machine
-from tlt_jax import metrics
 from tlt_jax.data import code_tests, rewards, sandbox
 
 _PROBLEMS = flags.DEFINE_integer("problems", 164, "The first this many HumanEval problems.")
@@ -116,19 +114,19 @@ def main(argv):
     mbpp = mbpp_verdicts(_MBPP.value) if _MBPP.value else None
     ratios = [run["checked"]["programs_per_s"] / run["inline"]["programs_per_s"] for run in runs]
     result = dict(
-        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        date=datetime.date.today().isoformat(), machine=machine.machine_record(), sandbox=reward.check(),
-        problems=len(rows), max_parallel=_PARALLEL.value,
+        sandbox=reward.check(), problems=len(rows), max_parallel=_PARALLEL.value,
         scored={name: dict(ones=sum(s == 1.0 for s in v), zeros=sum(s == 0.0 for s in v)) for name, v in
                 verdicts.items()},
         mbpp=mbpp, runs=runs,
         checked_over_inline_geomean=math.exp(statistics.fmean(map(math.log, ratios))) if ratios else None,
         ratio_min=min(ratios, default=None), ratio_max=max(ratios, default=None))
     if _OUT.value:
-        metrics.write_json(_OUT.value, result)
-    record = result["machine"]
+        machine.write_result(_OUT.value, result)
+    made = machine.provenance()
+    record = made["machine"]
     print(f"\nHumanEval, {len(rows)} problems, sandbox {result['sandbox']}, {_PARALLEL.value} at once, "
-          f"{record['cpu']} ({record['cpus']} CPUs, LLC {record['last_level_cache_bytes']} B), {result['date']}")
+          f"{record['cpu']} ({record['cpus']} CPUs, LLC {record['last_level_cache_bytes']} B), {made['date']}, "
+          f"commit {made['commit']}")
     for name, counts in result["scored"].items():
         print(f"  {name:<24} scored 1: {counts['ones']:>3}   scored 0: {counts['zeros']:>3}")
     if mbpp:

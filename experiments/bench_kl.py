@@ -525,9 +525,9 @@ def _write_json(path, head: dict, results, start, final):
     """The results so far, with provenance; partial results survive an outer kill."""
     import jax  # provenance only; the driver never touches a device
 
-    from tlt_jax import metrics
+    from experiments import machine
 
-    metrics.write_json(path, dict(head, backend=jax.default_backend(), jax_version=jax.__version__,
+    machine.write_result(path, dict(head, backend=jax.default_backend(), jax_version=jax.__version__,
                                   python=sys.version.split()[0], complete=final, wall_s=time.perf_counter() - start,
                                   results=results), indent=1)
     if final:

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from absl import flags
 
+from experiments import machine
 from tlt_jax import launch, metrics, sampling, sharding
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.models import transformer as tfm
@@ -204,7 +205,7 @@ def main(argv):
         run = long_run(_STEPS.value, run_dir)
     print(_table(engine, run))
     if _OUT.value:
-        metrics.write_json(_OUT.value, {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
+        machine.write_result(_OUT.value, {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
                                         "engine": engine, "long_run": run})
 
 

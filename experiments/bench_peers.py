@@ -51,7 +51,7 @@ import time
 import numpy as np
 from absl import flags
 
-from experiments import bench_tlt
+from experiments import bench_tlt, machine
 from tlt_jax import launch, metrics
 
 _SETUP = flags.DEFINE_enum("setup", "sft_tiny", ["sft_tiny", "cpu_long"], "The work (see SETUPS).")
@@ -350,7 +350,7 @@ def run_all(launch_child=spawn, command_of=framework_command) -> dict:
         result["frameworks"][name] = record
         with_ratios(result["frameworks"])
         if _out():
-            metrics.write_json(_out(), result)
+            machine.write_result(_out(), result)
     print_table(result)
     return result
 
@@ -380,7 +380,7 @@ def run_single(name: str) -> None:
         result = _peer_trl.run(work, check, _MAX_LOGIT_DIFF.value, max_logit_diff)
     else:
         raise ValueError(f"--single={name!r}: baseline, tlt or trl (tunix runs in its own environment).")
-    metrics.write_json(_out(), result)
+    machine.write_result(_out(), result)
 
 
 def main(argv):

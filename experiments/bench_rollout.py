@@ -38,7 +38,8 @@ import numpy as np
 from absl import flags
 
 from configs import models
-from tlt_jax import launch, metrics, sampling, sharding
+from experiments import machine
+from tlt_jax import launch, sampling, sharding
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
 from tlt_jax.models.hf_io import load_hf, save_hf
@@ -282,7 +283,7 @@ def main(argv):
 def _write(result):
     """Rewritten after every row, so a run cut short keeps what it measured."""
     if _OUT.value:
-        metrics.write_json(_OUT.value, result)
+        machine.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ from absl import flags
 from jax import lax
 
 from configs.common import tasks_tiny
-from tlt_jax import evaluation, launch, metrics, sampling, sharding
+from experiments import machine
+from tlt_jax import evaluation, launch, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models import transformer as tfm
@@ -348,7 +349,7 @@ def _decode_weight_bytes(params, model_cfg) -> int:
 def _write(result):
     """Rewritten after every row, so a run cut short keeps what it measured."""
     if _OUT.value:
-        metrics.write_json(_OUT.value, result)
+        machine.write_result(_OUT.value, result)
 
 
 if __name__ == "__main__":

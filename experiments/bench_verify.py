@@ -32,7 +32,7 @@ from absl import flags
 
 from experiments import machine
 from pallas_kernels import spec_verify as sv
-from tlt_jax import impl_table, launch, metrics
+from tlt_jax import impl_table, launch
 
 _VOCAB = flags.DEFINE_integer("vocab", 151936, "Vocabulary size V (Qwen2.5: 151936, Llama 3: 128256).")
 _NODES = flags.DEFINE_list("nodes", ["8", "16", "48"], "Tree sizes T (nodes, root included).")
@@ -113,7 +113,7 @@ def main(argv):
         rows.append(row)
         print(json.dumps(row), flush=True)
         if _OUT.value:  # rewritten after every case: a run cut short keeps what it measured
-            metrics.write_json(_OUT.value, result)
+            machine.write_result(_OUT.value, result)
     print(f"\nV={v}, block_v={_BLOCK_V.value}, backend {result['backend']} ({result['device']})")
     print(f"{'mode':13} {'B':>3} {'T':>3} {'ref ms':>8} {'pallas ms':>9} {'x ref':>6} {'equal':>6} {'accepted':>8}")
     for r in rows:

@@ -16,7 +16,7 @@ import os
 
 from matplotlib.figure import Figure
 
-from tlt_jax import metrics
+from experiments import machine
 
 
 def read_run(run_dir: str) -> dict:
@@ -45,7 +45,7 @@ def main(argv=None):
     if not dirs:
         raise SystemExit(f"--runs={args.runs!r} matches no directory.")
     rows = [read_run(d) for d in dirs]
-    metrics.write_json(args.out, dict(runs=rows))
+    machine.write_result(args.out, dict(runs=rows))
     print(f"{'recipe':28} {'steps':>5} {'train s':>8} {'top-1':>6} {'accept (teacher-forced, per pass)':>34} "
           f"{'acc len':>7}  live accepted at depth 1, 2, ...")
     for r in rows:

@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from matplotlib.figure import Figure
 
+from experiments import machine
 from tlt_jax import launch, metrics
 
 _RUNS = flags.DEFINE_multi_string("runs", None, "label:glob of run directories, one group per flag.")
@@ -148,7 +149,7 @@ def main(argv):
             for k, d in v.items() if isinstance(d, dict))
             + f"; eval steps within noise: {v['eval_steps_within_noise']}/{v['eval_steps']}")
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    metrics.write_json(_OUT.value, result)
+    machine.write_result(_OUT.value, result)
     plot(groups, os.path.splitext(_OUT.value)[0] + ".png")
     print(f"wrote {_OUT.value} and its plot")
 

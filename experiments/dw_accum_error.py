@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from tlt_jax import launch, losses, metrics
+from experiments import machine
+from tlt_jax import launch, losses
 from tlt_jax.losses import BlockSizes
 
 _N = flags.DEFINE_integer("tokens_n", 65536, "Tokens.")
@@ -58,7 +59,7 @@ def main(argv):
     for r in rows:
         print(f"{r['accumulator']:28} blocks {str(r['blocks']):>5}  {r['rel_error']:.2e}")
     if _OUT.value:
-        metrics.write_json(_OUT.value, dict(n=n, d=d, v=v, k=k, backend=jax.default_backend(), rows=rows))
+        machine.write_result(_OUT.value, dict(n=n, d=d, v=v, k=k, backend=jax.default_backend(), rows=rows))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,18 @@ the padded decode step at batch 1, 2 and 4 to show the regime holds.
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 import os
+import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tlt_jax import metrics
 
 REGIME_CACHE_FACTOR = 3  # decode's weights at least this many times the last-level cache
 REGIME_BATCHES = (1, 2, 4)
@@ -85,6 +89,26 @@ def memory_available_bytes(path: str = "/proc/meminfo") -> int | None:
 def machine_record() -> dict:
     """What a CPU figure must be recorded with: the CPU model, its last-level cache, cores."""
     return dict(cpu=cpu_model(), last_level_cache_bytes=last_level_cache_bytes(), cpus=os.cpu_count())
+
+
+@functools.cache
+def provenance() -> dict:
+    """Where a benchmark's figures come from: the commit (and whether the tree differed
+    from it), the date, the machine, jax and its backend."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return dict(commit=git("rev-parse", "--short", "HEAD"), uncommitted_changes=bool(git("status", "--porcelain")),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=machine_record(), jax=jax.__version__, backend=jax.default_backend())
+
+
+def write_result(path: str, result: dict, indent: int = 2) -> None:
+    """A benchmark's JSON, with its `provenance` first."""
+    metrics.write_json(path, {"provenance": provenance(), **result}, indent=indent)
 
 
 def weight_bytes(params) -> int:

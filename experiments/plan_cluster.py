@@ -267,9 +267,9 @@ def run(args, cache: dict | None = None) -> list[dict]:
     if args.out:
         import jax
 
-        from tlt_jax import metrics
+        from experiments import machine  # imports jax: only here, as the rest of this module does
 
-        metrics.write_json(args.out, dict(backend=args.backend, jax_version=jax.__version__,
+        machine.write_result(args.out, dict(backend=args.backend, jax_version=jax.__version__,
                                           hardware=dataclasses.asdict(hw), workload=dataclasses.asdict(workload),
                                           paper=dict(spec_tail_speedup=PAPER_SPEC_TAIL_SPEEDUP,
                                                      spec_threshold=PAPER_SPEC_THRESHOLD,

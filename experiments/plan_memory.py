@@ -494,9 +494,9 @@ def _write(args, rows, t0, final):
         return
     import jax
 
-    from tlt_jax import metrics
+    from experiments import machine
 
-    metrics.write_json(args.out, dict(backend=jax.default_backend(), jax_version=jax.__version__,
+    machine.write_result(args.out, dict(backend=jax.default_backend(), jax_version=jax.__version__,
                                       python=sys.version.split()[0], device_memory_gb=args.device_memory_gb,
                                       complete=final, wall_s=time.perf_counter() - t0, results=rows), indent=1)
     if final:
