@@ -103,7 +103,8 @@ from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
                                                    "cpu_wide_tail", "cpu_wide_pair", "cpu_wide_env",
-                                                   "cpu_drift_rl", "cpu_drift_shift", "gpu", "gpu_env"],
+                                                   "cpu_drift_rl", "cpu_drift_shift", "cpu_drift_learn", "gpu",
+                                                   "gpu_env"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
 OUT = flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -252,6 +253,17 @@ PRESETS = {
                             warm_start="drift_shift", max_prompt_length=48, pin_arm="eagle-d6", thirds=True,
                             coupled=True, rl_tasks=tasks_drift_shift, balance_tasks=True,
                             learner=dict(micro_batch_size=8, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
+                            drafter=_DRIFT_DRAFTER, scratch=_SCRATCH),
+    # Drift while the policy learns: the warm start (configs/sft.py:drift_learn) answers its
+    # additions of 3-5 digits mostly bare (often wrong) and now and then by the worked trace
+    # (mostly right), nothing in the prompt choosing; correctness alone moves the policy to
+    # the trace, so accuracy climbs while its responses double in length and change format,
+    # away from the bare answers its offline drafter (configs/drafter.py:drift_learn) drafts.
+    "cpu_drift_learn": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
+                            num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=8, max_steps_per_rl_step=8,
+                            warm_start="drift_learn", max_prompt_length=24, pin_arm="eagle-d6", thirds=True,
+                            coupled=True,
+                            learner=dict(micro_batch_size=16, num_minibatches=1, optimizer=dict(learning_rate=2e-4)),
                             drafter=_DRIFT_DRAFTER, scratch=_SCRATCH),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
     # environment step between them that sleeps a fixed time (`env`: latency_ms;
