@@ -477,3 +477,26 @@ def test_plot_from_draws_each_mode_from_its_first_run_among_earlier_results(tmp_
     assert out["modes"] == {"tlt": [1], "frozen": [2], "scratch": [3]}
     assert out["path"] == str(tmp_path / "three_acceptance.png")
     assert "needs --out" in out["errors"][0] and "no drafter mode" in out["errors"][1]
+
+
+_DRIFT_LEARN = r"""
+import json, sys
+from absl import flags
+from experiments import bench_tlt
+flags.FLAGS(["bench_tlt", *sys.argv[1:]])
+preset = bench_tlt.PRESETS["cpu_drift_learn"]
+configs = {m: bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False) for m in ("baseline", "frozen")}
+print(json.dumps(dict(shipped=bench_tlt.build_warm_start("drift_learn", "no-cache"),
+                      tasks=configs["baseline"].data.tasks.to_dict(),
+                      arms=configs["frozen"].tlt.tuner.arms, coupled=configs["baseline"].rollout.spec_coupled,
+                      lr=configs["baseline"].learner.optimizer.learning_rate)))
+"""
+
+
+def test_the_learning_drift_preset_starts_from_its_shipped_warm_start(tmp_path):
+    out = printed_json(_DRIFT_LEARN, f"--run_dir={tmp_path}")
+    # Shipped, so that a fresh machine trains neither (about 15 minutes on 2 cores).
+    assert out["shipped"] == ["assets/sft_drift_learn", "assets/drafter_drift_learn"]
+    addition = out["tasks"]["addition"]
+    assert (addition["min_digits"], addition["max_digits"]) == (3, 5) and addition["trace_share"] < 0.5
+    assert out["arms"] == [["eagle-d6"]] and out["coupled"] is True and out["lr"] == 3e-5
