@@ -261,6 +261,59 @@ def test_a_program_cannot_make_its_failures_forgeable():
     assert [float(s) for s in oddities] == [0.0, 0.0] and {s.info["failure"] for s in oddities} == {"wrong_answer"}
 
 
+# A stdin/stdout program whose forked test child takes its parent's report pipe
+# (pidfd_getfd) and reports the tests it cannot solve as forgeable, with the job's nonce.
+_STDIO_PIPE_THIEF = r"""
+import os, sys, json, ctypes
+frame = sys._getframe()
+while not (isinstance(frame.f_locals.get("job"), dict) and "nonce" in frame.f_locals["job"]):
+    frame = frame.f_back
+job, data = frame.f_locals["job"], sys.stdin.read()
+if data.split() == ["1", "2"]:
+    print(3)
+else:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(438, libc.syscall(434, os.getppid(), 0), job["report_fd"], 0)
+    frame = sys._getframe()
+    while "stdin_text" not in frame.f_locals:
+        frame = frame.f_back
+    line = json.dumps({"test": frame.f_locals["i"], "kind": "forgeable"})
+    os.write(fd, job["nonce"].encode() + line.encode() + b"\n")
+    os._exit(1)
+"""
+# Returns values nested to the codec's limit, so that a test that wraps one and sends it
+# back would fail to encode it: the program's failure, not a forgeable test.
+_TOO_DEEP = ("def pairs(n):\n    value = 0\n    for _ in range(100):\n        value = [value]\n"
+             "    return [[0, 1]] if n == 1 else value\ndef count_pairs(groups):\n    return -1")
+# Writes lines to the checker that would crash a host decoding them.
+_HOST_CRASHERS = r"""
+import os, sys
+frame = sys._getframe()
+while not (isinstance(frame.f_locals.get("job"), dict) and "reply_fd" in frame.f_locals["job"]):
+    frame = frame.f_back
+fd = frame.f_locals["job"]["reply_fd"]
+def add(a, b):
+    if (a, b) == (1, 2):
+        return 3
+    os.write(fd, b"[" * 100000 + b"\n")
+    os.write(fd, b'{"value": {"complex": [{"int": "' + b"f" * 400 + b'"}, 0]}}\n')
+    return 0
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_programs_that_steal_pipes_nest_deep_or_crash_decoders_get_their_honest_share(mode):
+    _mode(mode)
+    io = json.dumps({"inputs": ["1 2", "5 6", "10 20", "7 7"], "outputs": ["3", "11", "30", "14"]})
+    deep = ["assert count_pairs([pairs(2), pairs(3)]) == 4", "assert pairs(1) == [[0, 1]]"]
+    thief, too_deep = _score([fenced(_STDIO_PIPE_THIEF), fenced(_TOO_DEEP)], mode=mode, forgeable="run",
+                             input_output=[io, None], test_list=[None, deep])
+    assert thief == 0.25 and "forgeable" not in thief.info, thief.info  # its one honest answer of 4
+    assert too_deep == 0.5 and "forgeable" not in too_deep.info, too_deep.info
+    crashers = _score_rows([_HOST_CRASHERS] * 2, ["asserts", "call"], mode=mode)
+    assert [float(s) for s in crashers] == [1 / 5, 1 / 2] and all("forgeable" not in s.info for s in crashers)
+
+
 def test_values_cross_as_their_builtin_base_value():
     """The codec: every builtin type round-trips exactly, a subclass arrives as its base
     value (a rigged __eq__ never reaches the comparison), and nothing else crosses."""

@@ -12,8 +12,10 @@ before any untrusted code runs. How a suite runs depends on its layout:
                   host, to the solution sandbox, which holds only the program and answers
                   with the returned value as a builtin value (never pickle). So a program
                   can rig no comparison, call no reporter and read no expected value.
-  call            the solution sandbox alone; the host sends each call (fn_name) and
-                  compares the decoded value with the expected one, which never leaves it.
+  call            the same two sandboxes: the checker calls fn_name with each test's
+                  arguments and compares the value with the expected one, which never
+                  reaches the solution. The host relays, and never decodes, what the
+                  program returns.
   stdio           one sandbox; each test's stdout comes back and the host compares it.
 
 The host enforces the rest: a wall-clock window of `timeout_s` per test (the first
@@ -102,8 +104,8 @@ class Suite:
     "check" (tests: [HumanEval's test code]; entry_point: what check() gets; preamble:
     the prompt's code, whose helpers the tests may use), "call" (tests: argument lists
     for fn_name), or "stdio" (tests: stdin texts).
-    expected: per test, the return value ("call") or stdout ("stdio") the host compares;
-    it never enters the sandbox.
+    expected: per test, the return value ("call", compared in the checker) or stdout
+    ("stdio", compared on the host); it never enters the program's sandbox.
     """
 
     layout: str
@@ -133,16 +135,6 @@ def stdout_matches(actual: str, expected: str) -> bool:
     """Line by line, trailing whitespace and trailing blank lines ignored."""
     lines = lambda text: [line.rstrip() for line in text.rstrip().splitlines()]
     return lines(actual) == lines(expected)
-
-
-def value_matches(actual, expected) -> bool:
-    """A call's return value against the expected one, after a JSON round trip (tuples are
-    lists); APPS/TACO often wrap the expected value in a one-element list."""
-    try:
-        actual, expected = (json.loads(json.dumps(v, default=repr)) for v in (actual, expected))
-    except (TypeError, ValueError, RecursionError):  # what JSON cannot hold (non-string keys, huge ints)
-        return False
-    return actual == expected or (isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
 
 
 def _reachable_by_others(path: str) -> bool:
@@ -505,7 +497,7 @@ class _StdioJudge(_Judge):
     def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
         if not line.startswith(self.nonce.encode()):
             return
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError, AttributeError):
             record = json.loads(line[len(self.nonce):])
             if record.get("event") == "ready":
                 interpreter.ready = True
@@ -514,7 +506,8 @@ class _StdioJudge(_Judge):
 
     def judge(self, record: dict) -> None:
         if record.get("kind"):
-            return self.end_test(record["kind"], record.get("detail", ""))
+            kind = record["kind"]
+            return self.end_test(kind if kind in _STDIO_KINDS else "runtime_error", record.get("detail", ""))
         stdout = str(record.get("stdout", ""))
         self.stdouts.append(stdout)
         expected = self.suite.expected
@@ -523,67 +516,27 @@ class _StdioJudge(_Judge):
         self.end_test(None)
 
 
-def _clipped_repr(value) -> str:
+def _event(line: bytes) -> dict:
+    """A solution's load event ({} for anything else: its replies pass through unread, so
+    the host never decodes what a program returns)."""
+    if not line.startswith(b'{"event": '):
+        return {}
     try:
-        return repr(value)[:200]
-    except ValueError:  # an int past the digit limit of int -> str
-        return f"an {type(value).__name__} too long to show"
-
-
-def _reply_record(line: bytes) -> dict:
-    """What a solution process said, as a dict ({} for a line that is no JSON object)."""
-    try:
-        record = json.loads(line, parse_constant=sandbox_harness.refuse_constant)
-    except ValueError:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}
 
 
-class _CallJudge(_Judge):
-    """Call-based tests (fn_name): the host asks the solution for each call and compares
-    the decoded value with the expected one, which never leaves the host. One reply per
-    call: what the solution says unasked is dropped."""
-
-    def __init__(self, suite: Suite, limits: Limits):
-        super().__init__(suite, limits)
-        self.asked = False
-
-    def on_line(self, interpreter: _Interpreter, line: bytes) -> None:
-        record = _reply_record(line)
-        if record.get("event") == "ready":
-            interpreter.ready = True
-            return
-        was_loaded = self.loaded
-        if self.on_event(record):
-            if self.loaded and not was_loaded:
-                self.ask(interpreter)
-        elif self.asked and not self.finished():
-            self.asked = False
-            self.judge(record)
-            self.ask(interpreter)
-
-    def ask(self, solution: _Interpreter) -> None:
-        if not self.finished():
-            args = [sandbox_harness.encode_value(a) for a in self.suite.tests[len(self.results)]]
-            solution.tell(json.dumps({"op": "call", "name": self.suite.fn_name, "args": args}).encode())
-            self.asked = True
-
-    def judge(self, record: dict) -> None:
-        if "value" not in record:
-            return self.end_test(sandbox_harness.solution_kind(record), record.get("detail", "no value"))
-        try:
-            value = sandbox_harness.decode_value(record["value"])
-        except (TypeError, ValueError, RecursionError) as error:
-            return self.end_test("wrong_answer", f"returned no builtin value ({error})")
-        if not value_matches(value, self.suite.expected[len(self.results)]):
-            return self.end_test("wrong_answer", f"returned {_clipped_repr(value)}")
-        self.end_test(None)
+_CHECKER_KINDS = (None, "wrong_answer", "runtime_error", "memory", "disk_limit", "forgeable")
+_STDIO_KINDS = ("runtime_error", "memory", "output_limit")  # what a stdin/stdout test's report may say failed
 
 
 class _CheckJudge(_Judge):
-    """asserts and check tests: the checker runs the row's test code and reports each
-    test's end; its calls into the program go to the solution, their replies come back,
-    one per request, through here."""
+    """asserts, check and call tests: the checker runs the row's test code (or the calls
+    of fn_name against their expected values) and reports each test's end; its calls into
+    the program go to the solution, their replies come back, one per request, through
+    here, unread."""
 
     def __init__(self, suite: Suite, limits: Limits):
         super().__init__(suite, limits)
@@ -601,7 +554,9 @@ class _CheckJudge(_Judge):
     def from_checker(self, checker: _Interpreter, line: bytes) -> None:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(record, dict):
             return
         event, detail = record.get("event"), str(record.get("detail", ""))[:_DETAIL_CHARS]
         if event == "ready":
@@ -613,10 +568,11 @@ class _CheckJudge(_Judge):
         elif event in ("syntax_error", "load_error"):
             self.failure = (str(record.get("kind") or event), detail)
         elif record.get("test") == len(self.results) < len(self.suite.tests):
-            self.end_test(record.get("kind"), detail)
+            kind = record.get("kind")
+            self.end_test(kind if kind in _CHECKER_KINDS else "runtime_error", detail)
 
     def from_solution(self, solution: _Interpreter, line: bytes) -> None:
-        record = _reply_record(line)
+        record = _event(line)
         if record.get("event") == "ready":
             solution.ready = True
         elif not self.on_event(record) and self.asked and self.checker is not None:
@@ -679,7 +635,7 @@ def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
                         interpreter.process.stdin.close()
                     continue
                 if what == "told":
-                    if interpreter.told_fd != key.fd:  # hung up earlier in this round
+                    if key.fd not in told or interpreter.told_fd != key.fd:  # hung up earlier in this round
                         continue
                     try:
                         del interpreter.outbox[:os.write(key.fd, interpreter.outbox)]
@@ -696,10 +652,10 @@ def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
                         if not judge.loaded and judge.failure is None:
                             judge.failure = ("runtime_error", "the program exited before it loaded")
                         for other in interpreters:  # checker's stubs fail from now on
-                            if other.told_fd in told:
-                                selector.unregister(other.told_fd)
-                                told.discard(other.told_fd)
                             if other.role == "checker":
+                                if other.told_fd in told:
+                                    selector.unregister(other.told_fd)
+                                    told.discard(other.told_fd)
                                 other.hang_up()
                     continue
                 if what == "said":
@@ -747,13 +703,12 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
     if suite.layout == "stdio":
         judge, jobs = _StdioJudge(suite, limits), [("stdio", {"program": program, "tests": list(suite.tests)})]
         jobs[0][1]["nonce"] = judge.nonce
-    elif suite.layout == "call":
-        judge, jobs = _CallJudge(suite, limits), [("solution", {"program": program})]
     else:
         checker = {"layout": suite.layout, "tests": list(suite.tests), "setup": suite.setup,
-                   "preamble": suite.preamble, "entry_point": suite.entry_point}
+                   "preamble": suite.preamble, "entry_point": suite.entry_point, "fn_name": suite.fn_name,
+                   "expected": list(suite.expected or [])}
         judge = _CheckJudge(suite, limits)
-        if inline:
+        if inline and suite.layout != "call":
             jobs = [("checker", dict(checker, program=program))]
             judge.loaded = True  # no solution to wait for
         else:

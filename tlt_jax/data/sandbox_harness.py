@@ -113,9 +113,32 @@ def decode_value(data, depth=0):
     raise ValueError(f"not an encoded value: {str(data)[:80]}")
 
 
+def _decoded(data):
+    """decode_value, any failure of a decoder (OverflowError of a huge complex, a set of
+    lists) as ValueError."""
+    try:
+        return decode_value(data)
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as error:
+        raise ValueError(f"not an encoded value ({type(error).__name__}: {error})"[:_DETAIL_CHARS]) from None
+
+
 def loads_value(text):
-    """decode_value of one JSON text, strict JSON (no NaN tokens)."""
-    return decode_value(json.loads(text, parse_constant=refuse_constant))
+    """decode_value of one JSON text, strict JSON (no NaN tokens); ValueError for anything else."""
+    try:
+        data = json.loads(text, parse_constant=refuse_constant)
+    except RecursionError as error:
+        raise ValueError(f"nested too deep ({error})") from None
+    return _decoded(data)
+
+
+def value_matches(actual, expected):
+    """A call's return value against the expected one, after a JSON round trip (tuples are
+    lists); APPS/TACO often wrap the expected value in a one-element list. Never raises."""
+    try:
+        actual, expected = (json.loads(_dumps(v, default=repr)) for v in (actual, expected))
+    except (TypeError, ValueError, RecursionError):  # what JSON cannot hold (non-string keys, huge ints)
+        return False
+    return actual == expected or (_isinstance(expected, list) and len(expected) == 1 and actual == expected[0])
 
 
 # ---- shared by the roles ----
@@ -277,7 +300,7 @@ class _Solution:
             raise SolutionError("the solution process is gone")
         try:
             reply = json.loads(line, parse_constant=refuse_constant)
-        except (ValueError, RecursionError) as error:
+        except (ValueError, RecursionError, MemoryError) as error:
             raise SolutionError(f"a reply that is no JSON ({error})"[:_DETAIL_CHARS]) from None
         if not _isinstance(reply, dict):
             raise SolutionError("a reply that is no JSON object")
@@ -289,14 +312,16 @@ class _Solution:
             try:
                 request = {"op": "call", "name": name, "args": [encode_value(a) for a in args],
                            "kwargs": {k: encode_value(v) for k, v in kwargs.items()}}
-            except (TypeError, ValueError) as error:
+            except TypeError as error:  # an object of the row's own code: only a row makes those
                 raise _Unencodable(f"the test passes {error} to {name}()") from None
+            except (ValueError, RecursionError) as error:  # nested too deep: built on what the program returned
+                raise SolutionError(f"an argument for {name}() {error}"[:_DETAIL_CHARS]) from None
             reply = self.ask(**request)
             if "value" not in reply:
                 raise _raised(reply)
             try:
-                return decode_value(reply["value"])
-            except (TypeError, ValueError, RecursionError) as error:
+                return _decoded(reply["value"])
+            except ValueError as error:
                 raise SolutionError(f"returned no builtin value ({error})"[:_DETAIL_CHARS]) from None
         call.__name__ = call.__qualname__ = name
         return call
@@ -346,8 +371,8 @@ def _bind_program_names(namespace, solution, names):
                 pass
         elif "value" in found:
             try:
-                namespace[name] = decode_value(found["value"])
-            except (TypeError, ValueError, RecursionError):
+                namespace[name] = _decoded(found["value"])
+            except ValueError:
                 pass
 
 
@@ -378,6 +403,8 @@ def _trusted_code(job, solution, send):
     a setup that needs the program's names (two MBPP rows build the program's `Node`s), or
     a check whose helpers the prompt's code does not define. None: nothing to run."""
     namespace = {"__name__": "checker"}
+    if job["layout"] == "call":
+        return namespace
     if job.get("program") is not None:  # code.forgeable="run": the program in this interpreter, forgeable
         code = _compiled(job["program"], "solution.py", send)
         if code is None:
@@ -424,7 +451,26 @@ def _trusted_code(job, solution, send):
     return namespace
 
 
+def _shown(value):
+    try:
+        return repr(value)[:200]
+    except ValueError:  # an int past the digit limit of int -> str
+        return f"an {type(value).__name__} too long to show"
+
+
+def _undumpable():
+    """No other process of this uid may trace this one or take its descriptors (ptrace,
+    pidfd_getfd, /proc/<pid>/fd): not a forked test child, not a program of the same user."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+
+
 def _checker(job):
+    _undumpable()
     send = _line_writer(job["report_fd"])
     _set_limits(job["limits"], job["windows"])
     send(event="ready")
@@ -435,9 +481,15 @@ def _checker(job):
     send(event="loaded")
     for i, test in enumerate(job["tests"]):
         try:
-            _exec(_compile(test, f"test_{i}.py", "exec"), namespace)
-            if job["layout"] == "check":
-                namespace["check"](namespace[job["entry_point"]])
+            if job["layout"] == "call":  # fn_name(*test) against the expected value, here, not in the program
+                value = solution.stub(job["fn_name"])(*test)
+                if not value_matches(value, job["expected"][i]):
+                    send(test=i, kind="wrong_answer", detail=f"returned {_shown(value)}")
+                    continue
+            else:
+                _exec(_compile(test, f"test_{i}.py", "exec"), namespace)
+                if job["layout"] == "check":
+                    namespace["check"](namespace[job["entry_point"]])
             send(test=i)
         except _Unencodable as error:
             send(test=i, kind="forgeable", detail=str(error)[:_DETAIL_CHARS])
@@ -482,6 +534,7 @@ def _child(code, stdin_fd, stdout_fd, report_fd):
 
 
 def _stdio(job):
+    _undumpable()  # a forked child runs the program: it must not take this process's report pipe
     report_fd = job["report_fd"]
     report = _line_writer(report_fd, job["nonce"].encode())
     _set_limits(job["limits"], job["windows"])
