@@ -1175,7 +1175,7 @@ def cached_programs() -> int:
 
 def _write(result):
     if OUT.value:
-        metrics.write_json(OUT.value, result)
+        machine.write_result(OUT.value, result)
 
 
 if __name__ == "__main__":
