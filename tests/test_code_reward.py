@@ -17,7 +17,7 @@ import pytest
 
 from experiments import make_code_dataset
 from tests import _code_hacks
-from tlt_jax.data import code_tests, files, rewards, sandbox
+from tlt_jax.data import code_tests, files, rewards, sandbox, sandbox_uids
 
 # One worker runs them all: a test checks that no sandbox process is left, of any test.
 pytestmark = pytest.mark.xdist_group("test_code_reward")
@@ -42,7 +42,7 @@ def _score(completions, *, mode="auto", prompts=None, **options_and_fields):
 
 
 def _leftover_processes() -> list[int]:
-    return [pid for live, _ in sandbox._processes_by_uid(sandbox.SANDBOX_UIDS).values() for pid in live]
+    return [pid for live, _ in sandbox_uids.processes_by_uid(sandbox_uids.SANDBOX_UIDS).values() for pid in live]
 
 
 @pytest.fixture
@@ -360,7 +360,7 @@ def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
     fails the call with a named failure, and the host's disk does not grow."""
     _mode(mode)
     if mode == "rlimits":
-        if not sandbox.process_limit_binds():
+        if not sandbox_uids.process_limit_binds():
             pytest.skip("rlimits cannot bound the disk (docs/code.md); not as root, it cannot tell a program's files")
         leaver = "def add(a, b):\n    open('/tmp/tlt_left_by_a_program', 'w').write('answers')\n    return a + b"
         assert _score_rows([leaver], ["asserts"], mode=mode)[0] == 1.0
@@ -441,7 +441,7 @@ def _process_limit_binds(mode: str) -> bool:
 @pytest.mark.parametrize("mode", MODES)
 def test_process_limit_binds(mode, canary):
     _mode(mode)
-    if not sandbox.process_limit_binds():
+    if not sandbox_uids.process_limit_binds():
         pytest.skip("not root: the process limit counts this user's processes too (docs/code.md)")
     assert _process_limit_binds(mode), f"a program forked {_PROBE_LIMIT} or more processes (code.processes)"
 
@@ -452,7 +452,7 @@ def test_bombs_and_loops_score_zero_and_leave_nothing(mode, canary):
     stdin/stdout program): each scores 0 with its kind, the canary stays, no process is
     left (the canary fixture checks both), and no run waits much past its timeout."""
     _mode(mode)
-    if not (sandbox.process_limit_binds() and _process_limit_binds(mode)):
+    if not (sandbox_uids.process_limit_binds() and _process_limit_binds(mode)):
         pytest.skip("never a fork bomb without a binding process limit (test_process_limit_binds)")
     vandal = _vandal(canary)
     programs = {

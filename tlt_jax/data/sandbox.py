@@ -32,20 +32,13 @@ Modes (`MODES`; docs/code.md says what each protects against):
            permissions, and no bound on the disk a program fills.
   auto     bwrap where this machine can run it, else rlimits, with one warning saying so.
 
-Processes: RLIMIT_NPROC counts per real uid and never binds uid 0, so as root every
-sandbox runs as its own unprivileged uid (`SANDBOX_UIDS`, leased through lock files,
-so concurrent sandboxes, in any process of this machine, never share one); its
-processes are found and killed by that uid at the end. Not as root, programs run as
-this user, whose own processes count against the limit: it is raised by what the user
-runs when the sandbox starts.
+Each sandbox, as root, runs as a uid of its own (`sandbox_uids`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
-import itertools
 import json
 import logging
 import os
@@ -60,10 +53,9 @@ import tempfile
 import time
 from typing import Iterator, Sequence
 
-from tlt_jax.data import sandbox_harness
+from tlt_jax.data import sandbox_harness, sandbox_uids
 
 MODES = ("auto", "bwrap", "rlimits")
-SANDBOX_UIDS = range(200_000, 201_024)  # far above login and system accounts
 INSTALL_HINT = "apt-get install -y bubblewrap"
 FAILURE_KINDS = ("wrong_answer", "runtime_error", "timeout", "memory", "output_limit", "disk_limit",
                  "syntax_error", "sandbox_error", "forgeable")
@@ -191,116 +183,12 @@ def _bwrap_args(workdir: str, python: str, disk_mb: int = Limits.disk_mb) -> lis
     return args + ["--"]
 
 
-def _processes_by_uid(uids: range) -> dict[int, tuple[list[int], list[int]]]:
-    """The processes whose real uid is in `uids`: uid -> (live, zombies)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
-                uid = int(fields["Uid"].split()[0])
-            except (OSError, ValueError, KeyError):
-                continue
-            if uid in uids:
-                live, zombies = found.setdefault(uid, ([], []))
-                (zombies if fields.get("State", "").strip().startswith("Z") else live).append(int(entry))
-    return found
-
-
-def _kill_uid(uid: int) -> None:
-    """Kills every live process of `uid`, in rounds: a fork bomb refills within its limit."""
-    for _ in range(10_000):
-        live = _processes_by_uid(range(uid, uid + 1)).get(uid, ([], []))[0]
-        if not live:
-            return
-        for pid in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    raise RuntimeError(f"Processes of sandbox uid {uid} survive SIGKILL: {live[:8]}.")
-
-
-_SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")  # where an rlimits program may leave files for the next
-
-
-def _remove_files_of(uid: int) -> None:
-    """Removes what sandbox uid `uid` left in the world-writable directories (rlimits has
-    no tmpfs of its own): no answer a program kept there reaches the program after it."""
-    for top in _SHARED_WRITABLE:
-        with contextlib.suppress(OSError), os.scandir(top) as entries:
-            for entry in entries:
-                with contextlib.suppress(OSError):
-                    if entry.stat(follow_symlinks=False).st_uid != uid:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        os.unlink(entry.path)
-
-
-_next_uid = itertools.count()  # where this process starts looking for a free uid: round robin
-
-
-@contextlib.contextmanager
-def _sandbox_uid() -> Iterator[int | None]:
-    """An unprivileged uid no other sandbox on this machine holds (as root; else None),
-    with no process of it left. A uid whose killed processes are still zombies (their
-    new parent, init, has not reaped them yet) is passed over: they would count against
-    the process limit of the next sandbox."""
-    if os.geteuid() != 0:
-        yield None
-        return
-    lock_dir = os.path.join(tempfile.gettempdir(), "tlt_jax_sandbox_uids")
-    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-    processes = _processes_by_uid(SANDBOX_UIDS)
-    start = next(_next_uid)
-    for i in range(len(SANDBOX_UIDS)):
-        uid = SANDBOX_UIDS[(start + i) % len(SANDBOX_UIDS)]
-        if processes.get(uid, ([], []))[1]:
-            continue
-        fd = os.open(os.path.join(lock_dir, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        try:
-            if processes.get(uid, ([], []))[0]:
-                _kill_uid(uid)  # left by a process that died holding the lease
-            yield uid
-        finally:
-            os.close(fd)
-        return
-    raise RuntimeError(f"All {len(SANDBOX_UIDS)} sandbox uids are in use; lower code.max_parallel.")
-
-
-def process_limit_binds() -> bool:
-    """Whether `Limits.processes` bounds a program's processes by themselves: as root each
-    sandbox has its own uid; otherwise the program shares this user's count (`_tasks_of`)."""
-    return os.geteuid() == 0
-
-
-def _tasks_of(uid: int) -> int:
-    """Processes and threads of `uid` now: what RLIMIT_NPROC counts."""
-    tasks = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
-                if int(fields["Uid"].split()[0]) == uid:
-                    tasks += int(fields["Threads"])
-            except (OSError, ValueError, KeyError):
-                continue
-    return tasks
-
-
 @functools.cache
 def _bwrap_problem(python: str) -> str | None:
     """Why bwrap cannot run programs here (None: it can), from one trial run."""
     if shutil.which("bwrap") is None:
         return f"bwrap is not installed ({INSTALL_HINT})"
-    with _sandbox_uid() as uid, tempfile.TemporaryDirectory(prefix="tlt_code_") as workdir:
+    with sandbox_uids.lease() as uid, tempfile.TemporaryDirectory(prefix="tlt_code_") as workdir:
         if uid is not None:
             os.chown(workdir, uid, uid)
         ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
@@ -392,11 +280,12 @@ def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -
     job = dict(job, role=role, limits={"timeout_s": limits.timeout_s, "memory_bytes": limits.memory_mb << 20,
                                        "file_bytes": limits.file_bytes, "processes": limits.processes,
                                        "output_bytes": limits.output_bytes})
-    with _sandbox_uid() as uid, tempfile.TemporaryDirectory(prefix="tlt_code_", ignore_cleanup_errors=True) as workdir:
+    with sandbox_uids.lease() as uid, \
+            tempfile.TemporaryDirectory(prefix="tlt_code_", ignore_cleanup_errors=True) as workdir:
         if uid is not None:
             os.chown(workdir, uid, uid)
         else:  # the program counts as this user: room for `processes` beyond what the user runs now
-            job["limits"]["processes"] += _tasks_of(os.getuid())
+            job["limits"]["processes"] += sandbox_uids.tasks_of(os.getuid())
         said_name, told_name = _ROLE_FDS[role]
         said_r, said_w = os.pipe()
         told_r, told_w = os.pipe() if told_name else (None, None)
@@ -423,9 +312,9 @@ def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             if uid is not None:
-                _kill_uid(uid)  # also what left the process group (setsid), before the directory goes
+                sandbox_uids.kill_uid(uid)  # also what left the process group (setsid), before the directory goes
                 if mode == "rlimits":
-                    _remove_files_of(uid)
+                    sandbox_uids.remove_files_of(uid)
             process.wait()
             for stream in (process.stdin, process.stdout, process.stderr):
                 with contextlib.suppress(OSError):
@@ -587,97 +476,129 @@ class _CheckJudge(_Judge):
             self.asked = True
 
 
-def _serve(interpreters: Sequence[_Interpreter], judge: _Judge) -> None:
-    """Until every test has ended, a window passes, the output cap is passed or every
-    interpreter has gone: feeds jobs, relays lines, drains and counts output."""
-    started, progress = time.monotonic(), judge.progress
-    last_progress = started
-    selector = selectors.DefaultSelector()
-    for interpreter in interpreters:
-        process = interpreter.process
-        for stream in (process.stdin, process.stdout, process.stderr):
-            os.set_blocking(stream.fileno(), False)
-        selector.register(process.stdin, selectors.EVENT_WRITE, (interpreter, "job"))
-        selector.register(process.stdout, selectors.EVENT_READ, (interpreter, "output"))
-        selector.register(process.stderr, selectors.EVENT_READ, (interpreter, "stderr"))
-        selector.register(interpreter.said_fd, selectors.EVENT_READ, (interpreter, "said"))
-    told: set[int] = set()
-    cap = judge.limits.output_bytes
-    try:
-        while not judge.finished() and any(key.data[1] == "said" for key in selector.get_map().values()):
-            if isinstance(judge, _CheckJudge):
-                judge.relay(interpreters)
-            for interpreter in interpreters:
-                fd = interpreter.told_fd
-                if fd is not None and interpreter.outbox and fd not in told:
-                    os.set_blocking(fd, False)
-                    selector.register(fd, selectors.EVENT_WRITE, (interpreter, "told"))
-                    told.add(fd)
-            if judge.progress != progress:
-                progress, last_progress = judge.progress, time.monotonic()
-            all_ready = all(i.ready for i in interpreters)
-            deadline = min(last_progress + judge.limits.timeout_s if all_ready else started + _STARTUP_S,
-                           started + _STARTUP_S + judge.limits.timeout_s * (len(judge.suite.tests) + 1))
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                judge.failure = ("timeout" if all_ready else "sandbox_error",
-                                 f"no test ended within code.timeout_s={judge.limits.timeout_s:g} s")
-                break
-            for key, _ in selector.select(timeout):
-                interpreter, what = key.data
-                if what == "job":
-                    try:
-                        interpreter.job = interpreter.job[os.write(key.fd, interpreter.job):]
-                    except BrokenPipeError:
-                        interpreter.job = interpreter.job[:0]
-                    if not interpreter.job:
-                        selector.unregister(key.fileobj)
-                        interpreter.process.stdin.close()
-                    continue
-                if what == "told":
-                    if key.fd not in told or interpreter.told_fd != key.fd:  # hung up earlier in this round
-                        continue
-                    try:
-                        del interpreter.outbox[:os.write(key.fd, interpreter.outbox)]
-                    except BrokenPipeError:
-                        interpreter.outbox.clear()
-                    if not interpreter.outbox:
-                        selector.unregister(key.fd)
-                        told.discard(key.fd)
-                    continue
-                data = os.read(key.fd, 1 << 16)
-                if not data:
-                    selector.unregister(key.fileobj)
-                    if what == "said" and interpreter.role == "solution":  # the program is gone: the
-                        if not judge.loaded and judge.failure is None:
-                            judge.failure = ("runtime_error", "the program exited before it loaded")
-                        for other in interpreters:  # checker's stubs fail from now on
-                            if other.role == "checker":
-                                if other.told_fd in told:
-                                    selector.unregister(other.told_fd)
-                                    told.discard(other.told_fd)
-                                other.hang_up()
-                    continue
-                if what == "said":
-                    interpreter.said_bytes += len(data)
-                    if interpreter.said_bytes > _SAID_CAP_FACTOR * cap:  # replies flooding the host
-                        judge.failure = ("output_limit", f"more than {_SAID_CAP_FACTOR} x code.output_bytes of replies")
-                        break
-                    lines = interpreter.lines(data, cap + (1 << 16))
-                    if lines is None:
-                        judge.failure = ("output_limit", "a line past the output cap")
-                        break
-                    for line in lines:
-                        judge.on_line(interpreter, line)
-                    continue
-                if what == "stderr" and len(interpreter.stderr_head) < 4096:
-                    interpreter.stderr_head += data[:4096]
-                interpreter.output_bytes += len(data)
-                if interpreter.output_bytes > cap:
-                    judge.failure = ("output_limit", f"more than code.output_bytes={cap}")
-                    break
-    finally:
-        selector.close()
+class _Relay:
+    """The host's loop over one run's interpreters, until every test has ended, a window
+    passes, a cap is passed or every interpreter has gone: feeds their jobs, hands the
+    lines they say to the judge, writes what the judge tells them, drains and counts
+    their output."""
+
+    def __init__(self, interpreters: Sequence[_Interpreter], judge: _Judge):
+        self.interpreters, self.judge = interpreters, judge
+        self.selector = selectors.DefaultSelector()
+        self.told: set[int] = set()  # the told pipes registered for writing
+        self.started = self.last_progress = time.monotonic()
+        self.progress = judge.progress
+        for interpreter in interpreters:
+            process = interpreter.process
+            for stream in (process.stdin, process.stdout, process.stderr):
+                os.set_blocking(stream.fileno(), False)
+            self.selector.register(process.stdin, selectors.EVENT_WRITE, (interpreter, "job"))
+            self.selector.register(process.stdout, selectors.EVENT_READ, (interpreter, "output"))
+            self.selector.register(process.stderr, selectors.EVENT_READ, (interpreter, "stderr"))
+            self.selector.register(interpreter.said_fd, selectors.EVENT_READ, (interpreter, "said"))
+
+    def run(self) -> None:
+        judge = self.judge
+        try:
+            while not judge.finished() and any(key.data[1] == "said" for key in self.selector.get_map().values()):
+                if isinstance(judge, _CheckJudge):
+                    judge.relay(self.interpreters)
+                self.register_writes()
+                timeout = self.time_left()
+                if timeout <= 0:
+                    judge.failure = ("timeout" if self.all_ready() else "sandbox_error",
+                                     f"no test ended within code.timeout_s={judge.limits.timeout_s:g} s")
+                    return
+                for key, _ in self.selector.select(timeout):
+                    interpreter, what = key.data
+                    if what == "job":
+                        self.write_job(interpreter, key)
+                    elif what == "told":
+                        self.write_told(interpreter, key)
+                    else:
+                        self.read(interpreter, what, key)
+                    if judge.failure is not None:
+                        return
+        finally:
+            self.selector.close()
+
+    def all_ready(self) -> bool:
+        return all(interpreter.ready for interpreter in self.interpreters)
+
+    def time_left(self) -> float:
+        """Seconds to the end of this window (a test's, or start-up's), within the run's total."""
+        limits, now = self.judge.limits, time.monotonic()
+        if self.judge.progress != self.progress:
+            self.progress, self.last_progress = self.judge.progress, now
+        window = self.last_progress + limits.timeout_s if self.all_ready() else self.started + _STARTUP_S
+        total = self.started + _STARTUP_S + limits.timeout_s * (len(self.judge.suite.tests) + 1)
+        return min(window, total) - now
+
+    def register_writes(self) -> None:
+        for interpreter in self.interpreters:
+            fd = interpreter.told_fd
+            if fd is not None and interpreter.outbox and fd not in self.told:
+                os.set_blocking(fd, False)
+                self.selector.register(fd, selectors.EVENT_WRITE, (interpreter, "told"))
+                self.told.add(fd)
+
+    def write_job(self, interpreter: _Interpreter, key: selectors.SelectorKey) -> None:
+        try:
+            interpreter.job = interpreter.job[os.write(key.fd, interpreter.job):]
+        except BrokenPipeError:
+            interpreter.job = interpreter.job[:0]
+        if not interpreter.job:
+            self.selector.unregister(key.fileobj)
+            interpreter.process.stdin.close()
+
+    def write_told(self, interpreter: _Interpreter, key: selectors.SelectorKey) -> None:
+        if key.fd not in self.told or interpreter.told_fd != key.fd:  # hung up earlier in this round
+            return
+        try:
+            del interpreter.outbox[:os.write(key.fd, interpreter.outbox)]
+        except BrokenPipeError:
+            interpreter.outbox.clear()
+        if not interpreter.outbox:
+            self.unregister_told(key.fd)
+
+    def unregister_told(self, fd: int | None) -> None:
+        if fd in self.told:
+            self.selector.unregister(fd)
+            self.told.discard(fd)
+
+    def read(self, interpreter: _Interpreter, what: str, key: selectors.SelectorKey) -> None:
+        judge, cap = self.judge, self.judge.limits.output_bytes
+        data = os.read(key.fd, 1 << 16)
+        if not data:
+            self.selector.unregister(key.fileobj)
+            if what == "said" and interpreter.role == "solution":
+                self.solution_gone()
+        elif what == "said":
+            interpreter.said_bytes += len(data)
+            lines = interpreter.lines(data, cap + (1 << 16))
+            if interpreter.said_bytes > _SAID_CAP_FACTOR * cap:  # replies flooding the host
+                judge.failure = ("output_limit", f"more than {_SAID_CAP_FACTOR} x code.output_bytes of replies")
+            elif lines is None:
+                judge.failure = ("output_limit", "a line past the output cap")
+            else:
+                for line in lines:
+                    judge.on_line(interpreter, line)
+        else:
+            if what == "stderr" and len(interpreter.stderr_head) < 4096:
+                interpreter.stderr_head += data[:4096]
+            interpreter.output_bytes += len(data)
+            if interpreter.output_bytes > cap:
+                judge.failure = ("output_limit", f"more than code.output_bytes={cap}")
+
+    def solution_gone(self) -> None:
+        """The program's interpreter has exited: a load never made is the run's failure,
+        and the checker's stubs fail from now on."""
+        if not self.judge.loaded and self.judge.failure is None:
+            self.judge.failure = ("runtime_error", "the program exited before it loaded")
+        for other in self.interpreters:
+            if other.role == "checker":
+                self.unregister_told(other.told_fd)
+                other.hang_up()
 
 
 def run(program: str, suite: Suite, limits: Limits = Limits(), mode: str = "auto", python: str = "",
@@ -716,5 +637,5 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
     with contextlib.ExitStack() as stack:
         interpreters = [stack.enter_context(_interpreter(role, dict(job, windows=windows), mode, python, limits))
                         for role, job in jobs]
-        _serve(interpreters, judge)
+        _Relay(interpreters, judge).run()
         return judge.outcome(interpreters), judge.stdouts
