@@ -12,17 +12,24 @@ try:
     pass_at_k(c, 4, 5)
 except ValueError as e:
     out["error"] = str(e)
+from experiments.pass_at_k import by_format
+samples = [dict(completion="1+2=3\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 4", reward=0.0),
+           dict(completion="at once\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 5", reward=0.1)]
+out["formats"] = by_format(samples)
 print(json.dumps(out))
 """
 
 
-def test_pass_at_k_is_the_unbiased_estimator():
+def test_pass_at_k_is_the_unbiased_estimator_and_splits_formats():
     out = printed_json(_CHECK)
     assert out["any"] == 0.75  # 3 of 4 prompts have a correct sample
     assert abs(out["one"] - (0 + 1 + 4 + 2) / 16) < 1e-12  # the share of correct samples
     # k = 2: 1 - C(4 - c, 2) / C(4, 2) = 0, 1/2, 1, 5/6
     assert abs(out["two"] - (0 + 0.5 + 1 + 5 / 6) / 4) < 1e-12
     assert "--k=5 must be between 1 and --num_samples=4" in out["error"]
+    # Each format's share and accuracy (a well-formed wrong answer's format credit, 0.1, is
+    # not a right answer): in one child with the estimator, as a child costs seconds.
+    assert out["formats"] == dict(trace_share=0.25, trace_accuracy=1.0, bare_share=0.75, bare_accuracy=1 / 3)
 
 
 _BAND = r"""
@@ -42,18 +49,3 @@ def test_the_drift_shift_warm_start_leaves_its_countdowns_to_learn():
     assert list(out) == ["countdown"]
     assert 0.03 <= out["countdown"]["pass@4"] <= 0.2
     assert out["countdown"]["pass@1"] < out["countdown"]["pass@4"]
-
-
-_FORMATS = r"""
-import json
-from experiments.pass_at_k import by_format
-samples = [dict(completion="1+2=3\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 4", reward=0.0),
-           dict(completion="at once\nanswer: 3", reward=1.0), dict(completion="at once\nanswer: 5", reward=0.1)]
-print(json.dumps(by_format(samples)))
-"""
-
-
-def test_each_formats_share_and_accuracy():
-    out = printed_json(_FORMATS)
-    # A well-formed wrong answer's format credit (0.1) is not a right answer.
-    assert out == dict(trace_share=0.25, trace_accuracy=1.0, bare_share=0.75, bare_accuracy=1 / 3)
