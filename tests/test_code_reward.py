@@ -2,6 +2,7 @@
 hacks that pass nothing, bombs and loops that score 0 with the host unharmed (a canary
 file, no process left, no secret of ours, no network), parallel scoring under timeouts,
 a dead sandbox counted once, reward_info, bad input, and the example dataset."""
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -185,11 +186,12 @@ def test_the_hacks_pass_where_the_program_runs_the_tests():
     """The planted bug: with the tests in the program's own interpreter (the path that
     code.forgeable="run" takes), hacks of the corpus pass; so the corpus can fail."""
     suite = sandbox.Suite("asserts", ["assert add(1, 2) == 3", "assert add(3, 4) == 7"])
-    inline = {name: sandbox.run(hack, suite, sandbox.Limits(timeout_s=3.0), inline=True)
-              for name, hack in _code_hacks.HACKS.items()}
-    forged = {name for name, outcome in inline.items() if outcome.passed == outcome.total}
-    assert {"calls a reporter from a frame", "an object equal to anything", "a rigged int subclass",
-            "reads the expected value from the tests' source"} <= forged, inline
+    names = ["calls a reporter from a frame", "an object equal to anything", "a rigged int subclass",
+             "reads the expected value from the tests' source"]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        inline = dict(zip(names, pool.map(lambda name: sandbox.run(_code_hacks.HACKS[name], suite, sandbox.Limits(
+            timeout_s=3.0), inline=True), names)))
+    assert all(outcome.passed == outcome.total for outcome in inline.values()), inline
 
 
 # HumanEval problems whose tests lean on the prompt's helpers (poly, encode_cyclic,

@@ -500,7 +500,7 @@ class _Relay:
     def run(self) -> None:
         judge = self.judge
         try:
-            while not judge.finished() and any(key.data[1] == "said" for key in self.selector.get_map().values()):
+            while not judge.finished() and self.decider_says():
                 if isinstance(judge, _CheckJudge):
                     judge.relay(self.interpreters)
                 self.register_writes()
@@ -521,6 +521,12 @@ class _Relay:
                         return
         finally:
             self.selector.close()
+
+    def decider_says(self) -> bool:
+        """Whether the interpreter that reports the tests' ends (checker or stdio harness)
+        still has its channel open: once it has gone, no test can end any more."""
+        return any(key.data[1] == "said" and key.data[0].role != "solution"
+                   for key in self.selector.get_map().values())
 
     def all_ready(self) -> bool:
         return all(interpreter.ready for interpreter in self.interpreters)
