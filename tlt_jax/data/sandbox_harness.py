@@ -10,7 +10,8 @@ untrusted code runs, and plays one role:
             another. It holds no test, no expected value and no report pipe: all it can
             say is the value a function returned, encoded as a builtin value.
   checker   the row's own test code (MBPP's asserts and setup, HumanEval's prompt and
-            `check`), in a process of its own: every name the tests take from the
+            `check`; for call-based rows, fn_name's calls against their expected
+            values), in a process of its own: every name the tests take from the
             program (`candidate`, the entry point, a function an assert calls) is a stub
             that sends the call's arguments to the solution through the host and decodes
             the value that comes back. The comparisons, and the report of each test's end,
