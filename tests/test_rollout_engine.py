@@ -116,7 +116,9 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine):
     alone = engine(1, steps=3).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
     for a, b, la, lb in zip(alone.tokens, out.tokens, alone.logprobs, out.logprobs):
         np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(la, lb, atol=1e-5)
+        # float32 log-probs of the same tokens at another batch shape: the matmuls sum in
+        # another order (on a 2-core AMD EPYC, 1.07e-5 apart at -1.64)
+        np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
