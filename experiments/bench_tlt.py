@@ -268,8 +268,9 @@ PRESETS = {
     # acceptance over the last third (seed 0); 32 steps of 16 rows an RL step over the last 8
     # RL steps' rows at 1e-3 hold 1.44x (docs/benchmarks.md, "cpu_drift_learn: the drafter
     # trained on the spot against the frozen one"). A drafter from nothing takes the same 32
-    # steps, uncapped: with the drift presets' 8 within a tenth of the run it drafted at 0.69x the
-    # warm start's live acceptance over the last third, with 32 at 0.84x (seed 0).
+    # steps, uncapped, over the last 16 RL steps' rows at 3e-3: 0.86x, 0.82x, 0.88x the warm
+    # start's live acceptance over the last third (seeds 0-2); with the drift presets' 8 steps
+    # within a tenth of the run, 0.69x (seed 0); with 32 over 8 RL steps at 1e-3, 0.77-0.84x.
     "cpu_drift_learn": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
                             num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=32, max_steps_per_rl_step=32,
                             warm_start="drift_learn", max_prompt_length=24, pin_arm="eagle-d6", thirds=True,
@@ -277,7 +278,9 @@ PRESETS = {
                             learner=dict(micro_batch_size=16, num_minibatches=1, optimizer=dict(learning_rate=3e-5)),
                             drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8,
                                          optimizer=dict(learning_rate=1e-3)),
-                            scratch=dict(_SCRATCH, spot=dict(catch_up_steps=32, catch_up_max_share=1.0))),
+                            scratch=dict(drafter=dict(_SCRATCH["drafter"], keep_steps=16,
+                                                      optimizer=dict(learning_rate=3e-3)),
+                                         spot=dict(catch_up_steps=32, catch_up_max_share=1.0))),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
     # environment step between them that sleeps a fixed time (`env`: latency_ms;
     # --env_latency_ms): the worked answer up to "answer:", the step, then the answer
