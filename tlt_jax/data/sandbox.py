@@ -161,7 +161,7 @@ def _clean_env(home: str) -> dict[str, str]:
 _INSIDE = "/sandbox"  # the run's directory, as the program sees it under bwrap
 
 
-def _bwrap_args(workdir: str, python: str, disk_mb: int = Limits.disk_mb) -> list[str]:
+def _bwrap_args(python: str, disk_mb: int = Limits.disk_mb) -> list[str]:
     """bubblewrap's command line up to the program: system directories read-only, a tmpfs
     of disk_mb MiB the only writable place (the new root and /dev, /dev/shm included, are
     remounted read-only), /proc and a minimal /dev, every namespace new."""
@@ -193,7 +193,7 @@ def _bwrap_problem(python: str) -> str | None:
             os.chown(workdir, uid, uid)
         ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
         try:
-            done = subprocess.run(_bwrap_args(workdir, python) + [python, "-I", "-c", "pass"], cwd=workdir,
+            done = subprocess.run(_bwrap_args(python) + [python, "-I", "-c", "pass"], cwd=workdir,
                                   env=_clean_env(workdir), capture_output=True, timeout=_STARTUP_S, **ids)
         except subprocess.TimeoutExpired:
             return f"bwrap did not start a program within {_STARTUP_S:g} s"
@@ -230,9 +230,9 @@ def resolve_mode(mode: str, python: str) -> str:
                      "it can run code.sandbox='rlimits' (resource limits only).")
 
 
-def _command(mode: str, workdir: str, python: str, limits: Limits) -> list[str]:
+def _command(mode: str, python: str, limits: Limits) -> list[str]:
     inner = [python, "-I", "-c", _HARNESS]
-    return _bwrap_args(workdir, python, limits.disk_mb) + inner if mode == "bwrap" else inner
+    return _bwrap_args(python, limits.disk_mb) + inner if mode == "bwrap" else inner
 
 
 # Each role's names for the two pipe ends it holds: (what it says on, what it is told on).
@@ -293,15 +293,14 @@ def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -
         if told_name:
             job[told_name] = told_r
         ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+        theirs = tuple(fd for fd in (said_w, told_r) if fd is not None)  # the pipe ends the interpreter holds
         try:
-            process = subprocess.Popen(_command(mode, workdir, python, limits), stdin=subprocess.PIPE,
+            process = subprocess.Popen(_command(mode, python, limits), stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-                                       env=_clean_env(workdir), pass_fds=tuple(fd for fd in (said_w, told_r) if fd),
-                                       process_group=0, **ids)
+                                       env=_clean_env(workdir), pass_fds=theirs, process_group=0, **ids)
         finally:
-            for fd in (said_w, told_r):
-                if fd is not None:
-                    os.close(fd)
+            for fd in theirs:
+                os.close(fd)
         interpreter = _Interpreter(role, process, said_r, told_w, memoryview(json.dumps(job).encode()))
         try:
             yield interpreter
@@ -324,7 +323,7 @@ def _interpreter(role: str, job: dict, mode: str, python: str, limits: Limits) -
 
 class _Judge:
     """The host's side of one run's tests: each test's end, in order and once, and what
-    cut the run short. Subclasses read what the interpreters say (`on_record`)."""
+    cut the run short. Subclasses read what the interpreters say (`on_line`)."""
 
     def __init__(self, suite: Suite, limits: Limits):
         self.suite, self.limits = suite, limits
@@ -628,8 +627,8 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
     mode = resolve_mode(mode, python)
     windows = len(suite.tests) + 1
     if suite.layout == "stdio":
-        judge, jobs = _StdioJudge(suite, limits), [("stdio", {"program": program, "tests": list(suite.tests)})]
-        jobs[0][1]["nonce"] = judge.nonce
+        judge = _StdioJudge(suite, limits)
+        jobs = [("stdio", {"program": program, "tests": list(suite.tests), "nonce": judge.nonce})]
     else:
         checker = {"layout": suite.layout, "tests": list(suite.tests), "setup": suite.setup,
                    "preamble": suite.preamble, "entry_point": suite.entry_point, "fn_name": suite.fn_name,

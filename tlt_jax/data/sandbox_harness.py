@@ -201,6 +201,11 @@ def _compiled(source, filename, send):
 
 # ---- solution ----
 
+def _failed(error):
+    """The reply for a call that raised `error`."""
+    return {"raised": type(error).__name__, "kind": _kind(error), "detail": _detail(error)}
+
+
 def _answer(namespace, request):
     """The reply to one request of the host, as a dict."""
     name = request.get("name")
@@ -219,7 +224,7 @@ def _answer(namespace, request):
         fn = namespace[name] if name in namespace else getattr(namespace["Solution"](), name)  # LeetCode's class
         returned = fn(*args, **kwargs)
     except _BaseException as error:  # SystemExit too: the call failed, nothing passes
-        return {"raised": type(error).__name__, "kind": _kind(error), "detail": _detail(error)}
+        return _failed(error)
     try:
         return {"value": encode_value(returned)}
     except (TypeError, ValueError, RecursionError) as error:
@@ -246,7 +251,7 @@ def _solution(job):
         try:
             reply = _answer(namespace, json.loads(line))
         except _BaseException as error:
-            reply = {"raised": type(error).__name__, "kind": _kind(error), "detail": _detail(error)}
+            reply = _failed(error)
         try:
             send(**reply)
         except (TypeError, ValueError, RecursionError) as error:
