@@ -58,8 +58,8 @@ def time_side(side: str, rows: list[dict]) -> dict:
     limits, mode = reward.limits, reward.check()
 
     def one(row: dict) -> sandbox.Outcome:
-        suite, preamble = code_tests.row_tests(row["prompt"], row)
-        program = code_tests.program_of(row["prompt"] + row["canonical_solution"], suite, preamble)
+        suite = code_tests.row_tests(row["prompt"], row)
+        program = code_tests.program_of(row["prompt"] + row["canonical_solution"], suite)
         return sandbox.run(program, suite, limits, mode, inline=side == "inline")
 
     one(rows[0])  # warm: the mode's trial run, the interpreter's files in the page cache

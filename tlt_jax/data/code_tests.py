@@ -82,31 +82,30 @@ def _io_suite(spec, field: str) -> sandbox.Suite:
     return sandbox.Suite("stdio", [_text(i) for i in inputs], expected=[_text(o) for o in outputs])
 
 
-def row_tests(prompt, fields: Mapping[str, Any]) -> tuple[sandbox.Suite, str]:
-    """(the tests of one row, what to put before its program) from its fields (see the
-    module doc). Raises ValueError, one line, for a row with none of them."""
+def row_tests(prompt, fields: Mapping[str, Any]) -> sandbox.Suite:
+    """The tests of one row from its fields (see the module doc), with the prompt's text as
+    a check row's preamble. Raises ValueError, one line, for a row with none of them."""
     present = {k: v for k, v in fields.items() if v is not None}
     if "test_list" in present:
         return sandbox.Suite("asserts", [str(t) for t in present["test_list"]],
-                             setup=str(present.get("test_setup_code") or "")), ""
+                             setup=str(present.get("test_setup_code") or ""))
     if "test" in present and "entry_point" in present:
-        preamble = _prompt_text(prompt)
         return sandbox.Suite("check", [str(present["test"])], entry_point=str(present["entry_point"]),
-                             preamble=preamble), preamble
+                             preamble=_prompt_text(prompt))
     for field in ("input_output", "tests"):
         if field in present:
-            return _io_suite(_parse_json(present[field], field), field), ""
+            return _io_suite(_parse_json(present[field], field), field)
     answer = present.get("answer")
     if isinstance(answer, str) and answer.strip()[:1] in ("{", "["):
-        return _io_suite(_parse_json(answer, "answer"), "answer"), ""
+        return _io_suite(_parse_json(answer, "answer"), "answer")
     raise ValueError(f"A row has none of the code reward's test fields ({', '.join(TEST_FIELDS)}); its fields: "
                      f"{', '.join(sorted(present)) or 'none'}. Give one of them (verl-format rows: "
                      "data.answer_field=reward_model.ground_truth).")
 
 
-def program_of(completion: str, suite: sandbox.Suite, preamble: str) -> str:
-    """The program a completion gives for `suite`, `preamble` (row_tests') before it where needed."""
+def program_of(completion: str, suite: sandbox.Suite) -> str:
+    """The program a completion gives for `suite`, the suite's preamble before it where needed."""
     program = extract_program(completion)
     if suite.layout == "check" and not re.search(rf"def\s+{re.escape(suite.entry_point)}\s*\(", program):
-        program = preamble + program  # a HumanEval completion continues its prompt
+        program = suite.preamble + program  # a HumanEval completion continues its prompt
     return program

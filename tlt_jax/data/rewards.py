@@ -323,8 +323,8 @@ class CodeReward:
         return sandbox.resolve_mode(self.sandbox, self.python or sandbox.default_python())
 
     def _outcome(self, prompt, completion: str, row: dict) -> sandbox.Outcome:
-        suite, preamble = code_tests.row_tests(prompt, row)
-        program = code_tests.program_of(completion, suite, preamble)
+        suite = code_tests.row_tests(prompt, row)
+        program = code_tests.program_of(completion, suite)
         outcome = sandbox.run(program, suite, self.limits, self.sandbox, self.python)
         if outcome.forgeable:
             _warn_forgeable(self.forgeable, suite, outcome)
