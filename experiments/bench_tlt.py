@@ -75,6 +75,7 @@ environment got. Each run's phase medians also split its rollout into decode chu
 prefill, harvest and the host's other time between chunks (`rollout_split`).
 """
 import ast
+import dataclasses
 import functools
 import json
 import math
@@ -93,6 +94,7 @@ from absl import flags
 from configs import rl as rl_configs
 from configs.common import tasks_drift_shift
 from experiments import machine, scripted_env, slow_reward
+from experiments.tlt_bars import print_verdicts, thirds, verdicts
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
@@ -274,7 +276,7 @@ PRESETS = {
     "cpu_drift_learn": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
                             num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=32, max_steps_per_rl_step=32,
                             warm_start="drift_learn", max_prompt_length=24, pin_arm="eagle-d6", thirds=True,
-                            coupled=True,
+                            coupled=True, eval_every=10,
                             learner=dict(micro_batch_size=16, num_minibatches=1, optimizer=dict(learning_rate=3e-5)),
                             drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8,
                                          optimizer=dict(learning_rate=1e-3)),
@@ -405,7 +407,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
         c.rollout.max_prompt_length = preset["max_prompt_length"]
     c.balance_tasks = preset.get("balance_tasks", False)
     c.learner.update(preset.get("learner", {}))
-    c.eval_every, c.checkpoint_every, c.save_hf = steps, steps, False
+    c.eval_every, c.checkpoint_every, c.save_hf = min(preset.get("eval_every", steps), steps), steps, False
     # How far the policy moves (policy_kl_from_start): the reference forward, in every mode,
     # is timed as a phase of its own and left out of the times compared (`summarise`).
     c.track_kl = True
@@ -482,17 +484,6 @@ def _without_reference(record: dict) -> dict:
     return {**record, "time_learner_s": record["time_learner_s"] - ref, "time_step_s": record["time_step_s"] - ref}
 
 
-def thirds(values: list) -> dict | None:
-    """Means of the first and the last third of a per-step list (None entries skipped),
-    and the last's over the first; None with fewer than 6 steps."""
-    if len(values) < 6:
-        return None
-    n = len(values) // 3
-    mean = lambda xs: statistics.fmean(xs) if xs else None
-    first, last = mean([v for v in values[:n] if v is not None]), mean([v for v in values[-n:] if v is not None])
-    return dict(first=first, last=last, last_over_first=None if not first or last is None else last / first)
-
-
 def _by_task(steps: list[dict]) -> dict:
     """{task: {"served_accept_rate": per step, "initial_accept_rate": per step, and each's
     thirds}} from the steps' drafter/{served,initial}_accept_rate/<task> metrics."""
@@ -542,6 +533,7 @@ def summarise(records: list[dict], warmup: int) -> dict:
                 rollout_tokens_per_s=statistics.median(r["rollout_tokens_per_s"] for r in steady),
                 rollout_tokens_per_s_steps=series["rollout_tokens_per_s"],
                 eval_accuracy=[r.get("eval_accuracy") for r in records if "eval_accuracy" in r],
+                eval_steps=[r.get("step") for r in records if "eval_accuracy" in r],
                 # Over the first and the last third of the steps: staleness and recovery (a step
                 # with no speculative chunk has no acceptance length: skipped, not 0).
                 thirds={"acceptance_length": thirds([a if a > 0 else None for a in acceptance]),
@@ -688,6 +680,8 @@ def run_in_process(modes: list[str]) -> dict:
                                  "tlt": modes["tlt"]["final_eval_accuracy"]})
     in_process = [dict(run=i, pair=1, mode=m, result=dict(modes={m: s})) for i, (m, s) in enumerate(modes.items(), 1)]
     result.update({f"{k}_in_process": v for k, v in drafter_comparisons(in_process).items()})
+    if preset.get("thirds") and not _SINGLE_MODE.value:
+        result["bars"] = [dataclasses.asdict(v) for v in verdicts(result)]
     _write(result)
     if OUT.value and not _SINGLE_MODE.value and any(m in modes for m in PLOTTED_MODES):
         plot_acceptance(modes, _acceptance_plot_path(OUT.value))
@@ -721,6 +715,8 @@ def print_in_process(result: dict) -> None:
               f"{result['rollout_speedup_of_medians_in_process']:.2f}x, step "
               f"{result['step_speedup_of_medians_in_process']:.2f}x")
     _print_drafter_comparisons(result)
+    if preset.get("thirds"):
+        print_verdicts(result)
     _warn_compiles({mode: m["new_compiled_programs"] for mode, m in modes.items()})
 
 
@@ -925,6 +921,8 @@ def run_repeats(launch_child=spawn) -> int:
                 result.setdefault(key, child.get(key))
         result["runs"].append(record)
         result.update(aggregate(result["runs"]), wall_s=time.perf_counter() - t_start)
+        if preset.get("thirds"):
+            result["bars"] = [dataclasses.asdict(v) for v in verdicts(result)]
         _write(result)
     print_repeats(result)
     if OUT.value and any(m in result.get("modes", {}) for m in PLOTTED_MODES):
@@ -1092,6 +1090,8 @@ def print_repeats(result: dict) -> None:
               f"{result['rollout_speedup_of_medians']:.2f}x, step {result['step_speedup_of_medians']:.2f}x "
               "(geometric means over the pairs)")
     _print_drafter_comparisons(result)
+    if preset.get("thirds"):
+        print_verdicts(result)
     _warn_compiles({f"run {r['run']} ({r['mode']})": r["result"]["modes"][r["mode"]]["new_compiled_programs"]
                     for r in result["runs"] if "result" in r})
 
@@ -1138,14 +1138,15 @@ def plot_acceptance(modes: dict, path: str) -> None:
     the live acceptance length, with the policy's KL from its start on a second axis; and
     the teacher-forced acceptance of the drafter that served the step on the step's own
     sequences (which does not mix in the arms the tuner chose), with the run's starting
-    drafter on the same sequences (dashed: how stale it would be by now)."""
+    drafter on the same sequences (dashed: how stale it would be by now); below, each mode's
+    eval accuracy at its eval steps."""
     from matplotlib.figure import Figure
 
     labels = {"tlt": "adaptive (spot-trained)", "frozen": "frozen at step 0", "scratch": "adaptive, from nothing",
               "ngram": "none (n-gram only)"}
     nan_for_none = lambda xs: [float("nan") if x is None else x for x in xs]
-    figure = Figure(figsize=(7, 5.6), layout="constrained")
-    live, served = figure.subplots(2, 1, sharex=True)
+    figure = Figure(figsize=(7, 7.6), layout="constrained")
+    live, served, evals = figure.subplots(3, 1, sharex=True, height_ratios=(3, 3, 2))
     kl_axis = None
     for i, (mode, label) in enumerate((m, l) for m, l in labels.items() if m in modes):
         color = f"C{i}"
@@ -1163,15 +1164,23 @@ def plot_acceptance(modes: dict, path: str) -> None:
         if any(not math.isnan(k) for k in kl):
             kl_axis = kl_axis or live.twinx()
             kl_axis.plot(range(1, len(kl) + 1), kl, linestyle=":", color=color, label=f"{label}: policy KL")
+    # Greedy eval accuracy on held-out problems, the learning the drafters are compared on (one
+    # line per mode: coupled modes overlap, having drawn the same samples).
+    for i, (mode, m) in enumerate(modes.items()):
+        if m.get("eval_steps") and m.get("eval_accuracy"):
+            evals.plot(m["eval_steps"], m["eval_accuracy"], marker="s", markersize=4, color=f"C{i}",
+                       linestyle="-" if i == 0 else "--", label=mode)
     live.set_ylabel("acceptance length (live)")
     served.set_ylabel("first-draft acceptance,\nteacher-forced")
-    served.set_xlabel("RL step")
+    evals.set_ylabel("eval accuracy")
+    evals.set_xlabel("RL step")
     if kl_axis is not None:
         kl_axis.set_ylabel("policy KL from its start (dotted)")
         kl_axis.legend(loc="lower right", fontsize="small")
-    for ax in (live, served):
+    for ax in (live, served, evals):
         ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize="small")
     figure.savefig(path, dpi=100)
 
 
