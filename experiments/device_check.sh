@@ -7,7 +7,7 @@
 # fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: drift 300 s (after spec),
-# agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s.
+# drift_learn 420 s, agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s.
 #
 # Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
 # stops at once) and must not stop the blocks after it (no `set -e`). Every benchmark
@@ -231,6 +231,32 @@ if want drift; then
   fi
   plan || rm -rf "$OUT/bench_tlt_drift_runs" "$OUT/bench_tlt_cache"
   block_end "$OUT/bench_tlt_drift.json"
+fi
+
+# ----- drift_learn (by name: BLOCKS=drift_learn): the adaptive drafter's speed where the policy learns
+# Budget: 420 s, on its own (no other block needed; the script's setup makes it about 450 s).
+# cpu_drift_learn as shipped (assets/sft_drift_learn deepened to 16 layers, its offline drafter
+# assets/drafter_drift_learn, 60 RL steps in which greedy eval accuracy climbs from 0.016 to
+# about 0.96 while the responses switch format), tlt then frozen, each in a fresh process,
+# coupled (both draw the same samples), the tuner pinned to eagle-d6. A 1M-parameter target is
+# launch-bound on a GPU, so decode's MLPs are padded with zero units to DRIFT_LEARN_MLP (81920:
+# 2.0 GB of float32 weights over 16 layers of width 128, about 0.4 ms a step at 4.8 TB/s; the
+# same tokens), and the regime check times plain decode at batch 1, 2 and 4 on the GPU. It must
+# confirm: the regime check passes (a decode step bound by reading the weights); the bars'
+# lines at the end of bench_tlt_drift_learn.log: TLT's live acceptance >= 1.3x frozen's over
+# the last third, frozen's fall >= 20%, the same samples at every step, and the one bar only a
+# weight-bound machine can show, TLT's rollout tokens/s >= 1.2x frozen's over the last third.
+if want drift_learn; then
+  block_start drift_learn
+  DRIFT_LEARN=(--preset=cpu_drift_learn --modes=tlt,frozen --repeats=1 --decode_mlp_size="${DRIFT_LEARN_MLP:-81920}")
+  dry && DRIFT_LEARN=(--preset=cpu_drift_learn --modes=tlt,frozen --repeats=1 --steps=9 --decode_mlp_size=0
+                      --noregime_check)
+  step bench_tlt_drift_learn 420 "$OUT/bench_tlt_drift_learn.log" "$PYTHON" -m experiments.bench_tlt \
+    "${DRIFT_LEARN[@]}" --run_dir="$OUT/bench_tlt_drift_learn_runs" --cache_dir="$OUT/bench_tlt_cache" \
+    --out="$OUT/bench_tlt_drift_learn.json"
+  plan || tail -n 10 "$OUT/bench_tlt_drift_learn.log"
+  plan || rm -rf "$OUT/bench_tlt_drift_learn_runs" "$OUT/bench_tlt_cache"
+  block_end "$OUT/bench_tlt_drift_learn.json"
 fi
 
 # ----- agents (by name: BLOCKS="spec agents"): TLT on multi-turn rollouts with environment steps
