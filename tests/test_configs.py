@@ -3,6 +3,7 @@ builds and passes its launcher's checks, TLT is on in the RL presets with the do
 defaults, the sweeps are the documented ones, and the shipped drafter loads against the
 shipped SFT model."""
 import configparser
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,10 @@ from experiments import sweep
 from tlt_jax import launch
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rl import train as rl_train
+from tlt_jax.rl.grpo import GRPOConfig
+from tlt_jax.rl.learner import LearnerConfig
 from tlt_jax.rollout import tuner as tuner_lib
+from tlt_jax.train_state import OptimizerConfig
 
 PRESETS = {rl: ["tiny", "tiny-speculate-always", *rl.HF_PRESETS],
            sft: ["tiny", "gpu", "long_tail", "drift_shift", "drift_learn", "hf", "example"],
@@ -34,6 +38,31 @@ def test_every_documented_preset_builds(module):
             assert config.tlt.enabled, preset  # TLT is on in every RL preset
     with pytest.raises(ValueError, match="preset"):
         module.get_config("no-such-preset")
+
+
+def test_a_config_section_builds_its_dataclass_by_field_name():
+    """launch.config_dataclass: each key of a section fills the field of its name, a nested
+    section a nested dataclass, the run's values override, defaults fill the rest; an
+    unknown key, or a field without a default that nothing fills, is an error naming it in
+    full (with the section's fields), before anything runs."""
+    c = rl.get_config("tiny")
+    learner = launch.config_dataclass(LearnerConfig, c.learner, "learner", temperature=0.5)
+    assert learner.optimizer == OptimizerConfig(**c.learner.optimizer) and learner.temperature == 0.5
+    assert (learner.remat, learner.micro_batch_size, learner.grpo) == (False, 64, GRPOConfig())  # grpo: a default
+    step = rl_train._step_config(c)  # from the config's root: only the step's own fields are read
+    assert (step.prompts_per_step, step.num_samples, step.reward_overlap) == (16, 8, True)
+    c.rollout.kv_buckets = 32  # a typo of kv_bucket
+    with pytest.raises(ValueError, match=r"^rollout\.kv_buckets: unknown config key; rollout takes .*kv_bucket,"):
+        rl_train.check_config(c)
+
+    @dataclasses.dataclass(frozen=True)
+    class Needs:
+        width: int
+        depth: int = 1
+
+    assert launch.config_dataclass(Needs, {"width": 3}, "model") == Needs(3, 1)
+    with pytest.raises(ValueError, match=r"^model\.width: missing from the config"):
+        launch.config_dataclass(Needs, {"depth": 2}, "model")
 
 
 def test_tlt_defaults_are_the_documented_ones():

@@ -13,6 +13,7 @@ from tlt_jax import sharding
 from tlt_jax.drafter_training import io
 from tlt_jax.drafter_training import trainer as dt
 from tlt_jax.drafter_training.online import OnlineDrafter
+from tlt_jax.drafter_training.publish import EveryVersion, StepEvaluation, evaluation_metrics
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
@@ -208,15 +209,7 @@ def test_served_metrics_report_each_training_time_test_pass(target, rows):
     dparams = drafter_lib.init_drafter(CFG, PLAIN, jax.random.PRNGKey(1), init_std=0.3)
     _, aux = _loss(PLAIN, ttt_steps=3)(dparams, target, _batch(target, rows, PLAIN))
     out = {k: float(v) for k, v in aux.items()}
-
-    def served(out):
-        drafter = types.SimpleNamespace(config=types.SimpleNamespace(eval_rows=4, publish_scored=False), _home=0,
-                                        _evaluate=lambda g, r, params=None: out, _initial_params=lambda g: None,
-                                        _rows_by_task={},
-                                        eval_batch_rows=lambda held: 4,
-                                        buffer=types.SimpleNamespace(rows_of_step=lambda step, n: {},
-                                                                     num_rows_of_step=lambda step: 4))
-        return OnlineDrafter.served_metrics(drafter, 1)
+    served = lambda out: evaluation_metrics(StepEvaluation(1, out, out, {}, {}, 0.0))
 
     got = served(out)
     assert got["drafter/served_accept_rate"] == out["accept_rate"]
@@ -230,8 +223,8 @@ def test_the_version_moves_only_when_the_drafter_has_stepped():
     at all) is not handed to the engine again, and its version stays; one that stepped is,
     once."""
     handed = []
-    drafter = types.SimpleNamespace(steps=0, _published_steps=0, version=0, _finite=lambda: True,
-                                    config=types.SimpleNamespace(publish_scored=False),
+    drafter = types.SimpleNamespace(steps=0, version=0, finite=lambda: True, policy=EveryVersion(), evaluation=None,
+                                    state=types.SimpleNamespace(params={}),
                                     to_engine=lambda: handed.append(drafter.steps))
     for _ in range(3):
         assert not OnlineDrafter.publish(drafter)

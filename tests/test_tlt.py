@@ -2,6 +2,7 @@
 published (never with non-finite weights), and its state (drafter, optimizer, buffer, version,
 tuner) resumed."""
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -277,14 +278,15 @@ def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():
     the same figures as over eval_rows rows, of which the padding ones count nothing."""
     online = _tiny_online(OnlineDrafterConfig(batch_size=2, seq_len=12, top_k=4, eval_rows=16))
     assert [online.eval_batch_rows(n) for n in (1, 2, 3, 4, 5, 16, 40)] == [1, 2, 4, 4, 8, 16, 16]
-    _add_three_rows(online, 5)
-    assert online.buffer.num_rows_of_step(5) == 3
     scored = []
     evaluate = online._evaluate
     online._evaluate = lambda group, rows, params=None: scored.append(len(rows["tokens"])) or evaluate(group, rows,
                                                                                                     params)
-    got = online.served_metrics(5)
+    _add_three_rows(online, 5)  # the step's data arrives: the drafters are scored on it
+    assert online.buffer.num_rows_of_step(5) == 3
     assert scored == [4, 4]  # the served drafter, then the starting one beside it
+    got = online.served_metrics(5)
+    assert scored == [4, 4]  # the metrics read the scores, and score nothing
     want = evaluate(online._home, online.buffer.rows_of_step(5, 16))
     assert want["count"] > 0
     np.testing.assert_allclose([got["drafter/served_accept_rate"], got["drafter/served_top1_agree"],
@@ -307,7 +309,8 @@ def test_the_starting_drafter_is_scored_beside_the_served_one():
     for _ in range(3):
         online.train_step(spot.ALL)
     assert online.publish()
-    after = online.served_metrics(1)
+    _add_three_rows(online, 2)  # the same rows again, drafted by the trained version
+    after = online.served_metrics(2)
     assert after["drafter/served_kl"] != before["drafter/served_kl"]
     for name in names:
         np.testing.assert_allclose(after[f"drafter/initial_{name}"], before[f"drafter/initial_{name}"], rtol=1e-6)
@@ -335,6 +338,36 @@ def test_the_rows_of_each_task_are_scored_on_their_own():
     assert not any(k.count("/") > 1 for k in alone.served_metrics(2))
 
 
+_SCORED = OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, keep_steps=1, publish_scored=True,
+                              optimizer=OptimizerConfig(learning_rate=3e-2))
+
+
+def _sample_of_one_prompt():
+    """(hidden, ids, logp, tokens) of one sample, each position's ids a shuffle of the vocabulary."""
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 11, 16)).astype(np.float32)
+    ids = rng.permuted(np.tile(np.arange(32), (11, 1)), axis=1)[None].astype(np.int32)
+    logp = np.log(np.broadcast_to(np.float32([0.7, 0.1, 0.1, 0.05]), (1, 11, 4)))
+    return hidden, ids, logp, rng.integers(1, 32, (1, 12))
+
+
+def _drifting_step(online, sample, rl_step, at, train=False, metrics_calls=1):
+    """An RL step of four copies of one sample whose target's top-4 are ids at..at+3 of each
+    position's shuffle (a drafter that learns 4-7 unlearns 0-3): its samples, the metrics
+    asked `metrics_calls` times, drafter steps, the publish. Returns (published, the last
+    metrics)."""
+    hidden, ids, logp, tokens = sample
+    data = DrafterData(hidden=np.repeat(hidden, 4, 0), ids=np.repeat(ids[..., at:at + 4], 4, 0),
+                       logp=np.repeat(logp, 4, 0), layers=None)
+    online.add(rl_step, np.repeat(tokens, 4, 0), [2] * 4, [10] * 4, data)
+    scored = {}
+    for _ in range(metrics_calls):
+        scored = online.served_metrics(rl_step)
+    for _ in range(4 * train):
+        online.train_step(spot.ALL)
+    return online.publish(), scored
+
+
 def test_a_scored_publish_hands_the_engine_the_drafter_that_best_drafts_the_next_step(tmp_path):
     """publish_scored: each step's end snapshots the drafter in training, and the next
     step's samples choose among that snapshot, the served drafter and the starting one. A
@@ -342,26 +375,9 @@ def test_a_scored_publish_hands_the_engine_the_drafter_that_best_drafts_the_next
     that step's samples disown gives the engine back to the starting one; a snapshot they
     disown is withheld, and stays a contender. The engine's drafter survives a checkpoint
     round trip."""
-    config = OnlineDrafterConfig(batch_size=4, seq_len=12, top_k=4, eval_rows=16, keep_steps=1, publish_scored=True,
-                                 optimizer=OptimizerConfig(learning_rate=3e-2))
-    online = _tiny_online(config, head_scale=100.0)
-    rng = np.random.default_rng(0)
-    hidden = rng.standard_normal((1, 11, 16)).astype(np.float32)
-    ids = rng.permuted(np.tile(np.arange(32), (11, 1)), axis=1)[None].astype(np.int32)
-    logp = np.log(np.broadcast_to(np.float32([0.7, 0.1, 0.1, 0.05]), (1, 11, 4)))
-    tokens = rng.integers(1, 32, (1, 12))
-
-    def step(rl_step, at, train=False):
-        """An RL step of four copies of one sample whose target's top-4 are ids at..at+3 of
-        each position's shuffle (a drafter that learns 4-7 unlearns 0-3): its samples,
-        their scores, drafter steps, the publish. Returns (published, the scores)."""
-        data = DrafterData(hidden=np.repeat(hidden, 4, 0), ids=np.repeat(ids[..., at:at + 4], 4, 0),
-                           logp=np.repeat(logp, 4, 0), layers=None)
-        online.add(rl_step, np.repeat(tokens, 4, 0), [2] * 4, [10] * 4, data)
-        scored = online.served_metrics(rl_step)
-        for _ in range(4 * train):
-            online.train_step(spot.ALL)
-        return online.publish(), scored
+    online = _tiny_online(_SCORED, head_scale=100.0)
+    sample = _sample_of_one_prompt()
+    step = functools.partial(_drifting_step, online, sample)
 
     in_engine = lambda: jax.device_get(online.engine.groups[0].drafter_params)
     start = jax.device_get(online.state.params)
@@ -388,11 +404,27 @@ def test_a_scored_publish_hands_the_engine_the_drafter_that_best_drafts_the_next
     assert published and online.version == 3 and online.withheld == 1
     jax.tree.map(np.testing.assert_array_equal, in_engine(), trained[1])
 
-    resumed = _tiny_online(config, head_scale=100.0)
+    resumed = _tiny_online(_SCORED, head_scale=100.0)
     resumed.restore(ckpt, 3)
     resumed.to_engine()
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.engine.groups[0].drafter_params), start)
     assert resumed.version == 2
+
+
+def test_a_scored_publish_does_not_wait_for_a_metrics_call():
+    """The scores that choose a scored publish are made as the step's data arrives, and the
+    metrics only read them: a drafter whose metrics nobody asks for publishes what one
+    asked twice a step publishes, version for version, and the scores did choose (the
+    starting drafter won the engine back once, and a snapshot was withheld)."""
+    sample = _sample_of_one_prompt()
+    silent, asked = _tiny_online(_SCORED, head_scale=100.0), _tiny_online(_SCORED, head_scale=100.0)
+    for rl_step, at, train in ((1, 4, True), (2, 4, True), (3, 0, False), (4, 4, False)):
+        published = _drifting_step(silent, sample, rl_step, at, train, metrics_calls=0)[0]
+        assert published == _drifting_step(asked, sample, rl_step, at, train, metrics_calls=2)[0], rl_step
+        assert (silent.version, silent.withheld) == (asked.version, asked.withheld), rl_step
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(silent.engine.groups[0].drafter_params),
+                     jax.device_get(asked.engine.groups[0].drafter_params))
+    assert (silent.version, silent.withheld) == (3, 1)
 
 
 def test_a_trust_region_holds_the_drafter_near_the_version_the_engine_drafts_with():

@@ -25,6 +25,7 @@ transport of our own.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -32,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar, get_type_hints
 
 import jax
 from absl import app, flags, logging
@@ -132,6 +133,48 @@ def flat_config(config) -> dict:
 
     walk("", tree)
     return flat
+
+
+_D = TypeVar("_D")
+ALL_OTHERS = "*"  # `config_dataclass(..., others=ALL_OTHERS)`: read only the keys of the dataclass's fields
+
+
+def config_dataclass(cls: type[_D], section, where: str, *, others: Sequence[str] | str = (), **given: Any) -> _D:
+    """A `cls` (a dataclass) from the config section `where` (its dotted name, "" for the
+    root: errors name its fields), field by field name, so that a new field needs no
+    copying code. Each key of `section` fills the field of its name; a nested section
+    fills a field whose type is a dataclass the same way; `given` fills the fields the
+    run computes and overrides the section's value of the same name; a field found in
+    neither keeps its default. `others`: the section's keys that configure something else
+    (skipped), or ALL_OTHERS for a section holding much else (the config's root): only the
+    keys of `cls`'s fields are read. Raises ValueError naming an unknown key or a field
+    without a default that nothing fills, the message starting with its dotted name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(section.items()) if section is not None else {}
+    prefix = f"{where}." if where else ""
+    if others == ALL_OTHERS:
+        values = {k: v for k, v in values.items() if k in fields}
+    unknown = sorted(set(values) - set(fields) - set(others) - set(given))
+    if unknown:
+        raise ValueError(f"{', '.join(prefix + k for k in unknown)}: unknown config key; {where or 'the config'} "
+                         f"takes {', '.join(sorted(fields))}.")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for name, value in {**{k: v for k, v in values.items() if k in fields}, **given}.items():
+        nested = hints.get(name)
+        if dataclasses.is_dataclass(nested) and isinstance(nested, type) and _is_section(value):
+            value = config_dataclass(nested, value, f"{prefix}{name}")
+        kwargs[name] = value
+    missing = [n for n, f in fields.items() if n not in kwargs and f.init
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{', '.join(prefix + n for n in missing)}: missing from the config; give "
+                         f"{'them' if len(missing) > 1 else 'it'} a value.")
+    return cls(**kwargs)
+
+
+def _is_section(value) -> bool:
+    return isinstance(value, Mapping) or hasattr(value, "to_dict")
 
 
 def _under(field: str, names: Sequence[str]) -> bool:

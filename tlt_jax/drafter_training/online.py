@@ -1,9 +1,11 @@
 """The drafter during RL: trained on the spot from the learner's by-products, published
 to the rollout engine between rollouts, checkpointed on its own cadence.
 
-    learner's forward     --DrafterData--> DrafterBuffer (host, last n RL steps)
-    SpotTrainer gap  --> OnlineDrafter.train_step(placement): one guarded AdamW step
-    end of RL step   --> OnlineDrafter.publish(): engine.update_drafter, version + 1
+    learner's forward --DrafterData--> OnlineDrafter.add: DrafterBuffer (host, last n RL
+                      steps); the step's StepEvaluation (the drafters scored on its rows)
+    SpotTrainer gap   --> OnlineDrafter.train_step(placement): one guarded AdamW step
+    end of RL step    --> OnlineDrafter.publish(): the publish policy (`publish`) chooses;
+                          engine.update_drafter, version + 1
 
 With `publish_scored` a version reaches the engine only after it has been scored on
 samples none of its rivals trained on. Each step's end snapshots the drafter in training;
@@ -38,6 +40,7 @@ from absl import logging
 from tlt_jax import checkpoint, faults, multihost
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.buffer import DrafterBuffer
+from tlt_jax.drafter_training.publish import StepEvaluation, evaluation_metrics, publish_policy
 from tlt_jax.drafter_training.trainer import DrafterTrainer, shared_target_params
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.config import ModelConfig
@@ -81,10 +84,11 @@ class OnlineDrafterConfig:
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-3, b1=0.9, b2=0.95, weight_decay=0.01)
     checkpoint_every: int = 5  # RL steps between drafter checkpoints (0: never)
     # Rows of each RL step, at most, on which the drafter that drafted its rollouts is
-    # scored, teacher-forced (`served_metrics`; 0: never).
+    # scored, teacher-forced (`StepEvaluation`; 0: never).
     eval_rows: int = 16
     # Publish only the best scored on the next step's samples of the last step's drafter,
-    # the served one and the starting one (the module docstring); False: every changed drafter.
+    # the served one and the starting one (the module docstring, `publish.ScoredPublish`);
+    # False: every changed drafter (`publish.EveryVersion`).
     publish_scored: bool = False
 
     def __post_init__(self):
@@ -121,22 +125,15 @@ class OnlineDrafter:
         self._trainers: dict[int, DrafterTrainer] = {}
         self._home = engine.local_groups[0].index  # the rollout group whose devices hold the train state
         self.state = self._trainer(self._home).init_state(drafter_params)
-        # The run's starting drafter, kept to score beside the served one (`served_metrics`):
+        # The run's starting drafter, kept to score beside the served one (`StepEvaluation`):
         # staleness and recovery on the same rows, whatever arms the tuner chose.
         self._initial = {self._home: _copy(self.state.params)}  # per rollout group: a copy on its devices
-        self._rows_by_task: dict[str, dict] = {}  # the latest step's rows of each task, to score apart
         self._noise_key = jax.random.PRNGKey(seed + 1)
         self.version = 0  # drafters published to the engine (0: the warm start)
         self.steps = 0  # drafter optimizer steps run (skipped ones included)
         self.skipped = 0
-        self._published_steps = 0
-        # publish_scored: the drafter in training as of the last step's end (on the home
-        # group; None: unchanged since), what this step's samples scored, snapshots outscored.
-        self._snapshot = None
-        self._snapshot_steps = 0
-        self._scores: dict[str, float] = {}
-        self._chosen = None  # publish_scored: the drafter the engine holds (None: the one in training)
-        self.withheld = 0
+        self.policy = publish_policy(config.publish_scored)
+        self.evaluation: StepEvaluation | None = None  # the latest step's, made as its data arrived (`add`)
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -152,73 +149,79 @@ class OnlineDrafter:
     def add(self, rl_step: int, tokens_nT: np.ndarray, prompt_lengths_n, response_lengths_n,
             data: DrafterData, tasks_n=None, observed_nT=None) -> None:
         """Stores an RL step's samples: the learner batch's rows and the learner forward's
-        DrafterData ([n, T-1] positions; the last position predicts nothing and is padded).
-        tasks_n: each sample's task; with two or more, `served_metrics` also scores the
-        step's rows of each task on their own. observed_nT: bool [n, T], True at the
-        environment's observation tokens (multi-turn): context, never targets
-        (`DrafterBuffer.add`); None for single-turn samples."""
+        DrafterData ([n, T-1] positions; the last position predicts nothing and is padded),
+        then scores the drafters on them (`evaluation`; the publish policy reads it).
+        tasks_n: each sample's task; with two or more, each task's rows are also scored on
+        their own. observed_nT: bool [n, T], True at the environment's observation tokens
+        (multi-turn): context, never targets (`DrafterBuffer.add`); None for single-turn
+        samples."""
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
         fields = (pad(host.hidden), pad(host.ids), pad(host.logp), pad(host.layers))
         self.buffer.add(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, *fields, observed_nT=observed_nT)
-        self._rows_by_task = {}
+        rows_by_task = {}
         if tasks_n is not None and len(set(tasks_n)) > 1 and self.config.eval_rows:
-            for task in sorted(set(tasks_n)):
-                pick = np.flatnonzero(np.asarray(tasks_n) == task)
-                alone = DrafterBuffer(self.buffer.seq_len, self.buffer.hidden_size, self.buffer.top_k,
-                                      max_bytes=self.buffer.max_bytes,
-                                      num_feature_layers=self.buffer.num_feature_layers,
-                                      feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
-                alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
-                          np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields),
-                          observed_nT=None if observed_nT is None else np.asarray(observed_nT)[pick])
-                held = alone.num_rows_of_step(rl_step)
-                if held:
-                    self._rows_by_task[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))
+            rows_by_task = self._rows_by_task(rl_step, tokens_nT, prompt_lengths_n, response_lengths_n, fields,
+                                              tasks_n, observed_nT)
+        self.evaluation = self._score_step(rl_step, rows_by_task)
 
-    def served_metrics(self, rl_step: int) -> dict[str, float]:
-        """How well the drafter the engine holds (the one that drafted RL step `rl_step`'s
-        rollouts) predicts that step's own sequences, teacher-forced on up to `eval_rows` of
-        its rows (`eval_batch_rows`): "drafter/served_accept_rate" (the chance its first
-        draft is accepted, whatever strategies the tuner chose), "drafter/served_top1_agree",
-        "drafter/served_kl", with ttt_steps > 1 "drafter/served_accept_rate_pass<i>" (the
-        chance of acceptance at draft position i + 1, where the drafter reads its own earlier
-        drafts; a pass with no entries is left out), the same of the run's starting drafter
-        on the same rows ("drafter/initial_accept_rate", "drafter/initial_top1_agree",
-        "drafter/initial_kl": how stale it would be by now), with publish_scored the last
-        step's snapshot's ("drafter/snapshot_accept_rate"; these scores choose the step's
-        publish), the same two per task where the step's samples came from several
-        ("drafter/served_accept_rate/<task>", "drafter/initial_accept_rate/<task>"), and the
-        seconds it took ("time_served_eval_s"). Empty with eval_rows 0."""
+    def _rows_by_task(self, rl_step: int, tokens_nT, prompt_lengths_n, response_lengths_n, fields, tasks_n,
+                      observed_nT) -> dict[str, dict]:
+        """{task: the step's rows of that task's samples alone, as `eval_batch_rows` pads them}."""
+        out = {}
+        for task in sorted(set(tasks_n)):
+            pick = np.flatnonzero(np.asarray(tasks_n) == task)
+            alone = DrafterBuffer(self.buffer.seq_len, self.buffer.hidden_size, self.buffer.top_k,
+                                  max_bytes=self.buffer.max_bytes, num_feature_layers=self.buffer.num_feature_layers,
+                                  feature_dtype=self.buffer.feature_dtype, prompt_tail=self.buffer.prompt_tail)
+            alone.add(rl_step, np.asarray(tokens_nT)[pick], np.asarray(prompt_lengths_n)[pick],
+                      np.asarray(response_lengths_n)[pick], *(None if x is None else x[pick] for x in fields),
+                      observed_nT=None if observed_nT is None else np.asarray(observed_nT)[pick])
+            held = alone.num_rows_of_step(rl_step)
+            if held:
+                out[task] = alone.rows_of_step(rl_step, self.eval_batch_rows(held))
+        return out
+
+    def _score_step(self, rl_step: int, rows_by_task: dict[str, dict]) -> StepEvaluation | None:
+        """The drafter the engine holds (the one that drafted RL step `rl_step`'s rollouts),
+        the run's starting one and the publish policy's contenders, scored teacher-forced on
+        up to `eval_rows` of the step's rows (`eval_batch_rows`), and on each task's rows in
+        `rows_by_task`. Reads the drafters and the buffer, writes nothing. None with
+        eval_rows 0, or where the step's rows hold no trained entry."""
         held = self.buffer.num_rows_of_step(rl_step)
         if not self.config.eval_rows or not held:
-            return {}
+            return None
         t0 = time.perf_counter()
         rows = self.buffer.rows_of_step(rl_step, self.eval_batch_rows(held))
-        out = self._evaluate(self._home, rows)
-        if not out["count"]:  # no trained entry among the step's rows: nothing to score
-            return {}
-        initial = self._evaluate(self._home, rows, self._initial_params(self._home))
-        snapshot = {}  # publish_scored: the last step's snapshot's score, when there is one
-        if self.config.publish_scored:
-            self._scores = {"served": out["accept_rate"], "initial": initial["accept_rate"]}
-            if self._snapshot is not None:
-                self._scores["snapshot"] = self._evaluate(self._home, rows,
-                                                          self._on_home(self._snapshot))["accept_rate"]
-                snapshot = {"drafter/snapshot_accept_rate": self._scores["snapshot"]}
-        by_pass = {f"drafter/served_{k}": v for k, v in out.items()
-                   if k.startswith("accept_rate_pass") and out[f"count_pass{k.rsplit('pass', 1)[1]}"]}
-        for task, task_rows in self._rows_by_task.items():
-            for name, params in (("served", None), ("initial", self._initial_params(self._home))):
-                scored = self._evaluate(self._home, task_rows, params)
-                if scored["count"]:
-                    by_pass[f"drafter/{name}_accept_rate/{task}"] = scored["accept_rate"]
-        return {"drafter/served_accept_rate": out["accept_rate"], "drafter/served_top1_agree": out["top1_agree"],
-                "drafter/served_kl": out["kl"], **by_pass,
-                **{f"drafter/initial_{k}": initial[k] for k in ("accept_rate", "top1_agree", "kl")},
-                **snapshot,
-                "time_served_eval_s": time.perf_counter() - t0}
+        served = self._evaluate(self._home, rows)
+        if not served["count"]:
+            return None
+        initial = self._evaluate(self._home, rows, self.initial_params())
+        contenders = {name: self._evaluate(self._home, rows, self._on_home(params))
+                      for name, params in self.policy.contenders(self).items()}
+        by_task = {task: {name: self._evaluate(self._home, task_rows, params)
+                          for name, params in (("served", None), ("initial", self.initial_params()))}
+                   for task, task_rows in rows_by_task.items()}
+        return StepEvaluation(rl_step, served, initial, contenders, by_task, time.perf_counter() - t0)
+
+    def served_metrics(self, rl_step: int) -> dict[str, float]:
+        """How well the drafter the engine held when RL step `rl_step`'s data arrived (the
+        one that drafted its rollouts) predicts that step's own sequences (`evaluation`,
+        made by `add`; this only reads it): "drafter/served_accept_rate" (the chance its
+        first draft is accepted, whatever strategies the tuner chose),
+        "drafter/served_top1_agree", "drafter/served_kl", with ttt_steps > 1
+        "drafter/served_accept_rate_pass<i>" (the chance of acceptance at draft position
+        i + 1, where the drafter reads its own earlier drafts; a pass with no entries is
+        left out), the same of the run's starting drafter on the same rows
+        ("drafter/initial_accept_rate", "drafter/initial_top1_agree", "drafter/initial_kl":
+        how stale it would be by now), with publish_scored the last step's snapshot's
+        ("drafter/snapshot_accept_rate"; these scores choose the step's publish), the same
+        two per task where the step's samples came from several
+        ("drafter/served_accept_rate/<task>", "drafter/initial_accept_rate/<task>"), and the
+        seconds the scoring took ("time_served_eval_s"). Empty for a step not scored."""
+        evaluation = self.evaluation if self.evaluation is not None and self.evaluation.rl_step == rl_step else None
+        return evaluation_metrics(evaluation)
 
     def eval_batch_rows(self, held: int) -> int:
         """Rows `served_metrics` scores when the step's buffer holds `held`: all of them, up
@@ -235,8 +238,10 @@ class OnlineDrafter:
         """`params` (a drafter's) on the devices of the home group, where the train state is."""
         return jax.device_put(params, self._trainer(self._home).drafter_shardings(params))
 
-    def _initial_params(self, group: int):
-        """The starting drafter on the devices of rollout `group` (copied there once)."""
+    def initial_params(self, group: int | None = None):
+        """The starting drafter on the devices of rollout `group` (default: the home group;
+        copied there once)."""
+        group = self._home if group is None else group
         if group not in self._initial:
             first = next(iter(self._initial.values()))
             self._initial[group] = jax.device_put(first, self._trainer(group).drafter_shardings(first))
@@ -304,53 +309,39 @@ class OnlineDrafter:
     # -- to the engine
 
     def publish(self) -> bool:
-        """Hands the engine the drafter in training if it changed since the last publish and
-        every weight is finite (a non-finite drafter never reaches the engine); with
-        publish_scored, the best scored this step (`_publish_best`). Returns whether the
-        engine's drafter changed. Collective with several processes: process 0 decides."""
-        if self.config.publish_scored:
-            return self._publish_best()
-        changed = self.steps != self._published_steps and self._finite()
-        if not multihost.broadcast_object(changed):
+        """Hands the engine the drafter its publish policy chooses (`publish.EveryVersion`:
+        the one in training if it changed and is finite; `publish.ScoredPublish`: the best
+        scored on this step's samples). Returns whether the engine's drafter changed.
+        Collective with several processes: process 0 decides."""
+        if self.policy.choose(self, self.evaluation) is None:
             return False
-        self.to_engine()
-        self._published_steps = self.steps
-        self.version += 1
-        return True
-
-    def _publish_best(self) -> bool:
-        """Of the last step's snapshot, the served drafter and the starting one, hands the
-        engine the best scored on this step's samples (`served_metrics`; ties and no scores:
-        the served one stays), then snapshots the drafter in training, if it changed and is
-        finite, for the next step to score."""
-        scores, self._scores = self._scores, {}
-        choice = max(scores, key=lambda name: (scores[name], name == "served")) if scores else "served"
-        choice = multihost.broadcast_object(choice)
-        chosen = {"snapshot": self._snapshot, "initial": self._initial_params(self._home)}.get(choice)
-        self.withheld += "snapshot" in scores and choice != "snapshot"
-        if self.steps != self._snapshot_steps and self._finite():
-            self._snapshot, self._snapshot_steps = _copy(self.state.params), self.steps
-        elif choice == "snapshot":
-            self._snapshot = None  # served now: nothing new to score
-        if choice == "served":
-            return False
-        self._chosen = chosen
         self.to_engine()
         self.version += 1
         return True
 
-    def _finite(self) -> bool:
+    def finite(self) -> bool:
+        """Whether every weight of the drafter in training is finite (warned once where not)."""
         if bool(_all_finite(self.state.params)):
             return True
         logging.warning("Drafter weights are not finite after %d steps; keeping the published version %d.",
                         self.steps, self.version)
         return False
 
+    def copy_params(self):
+        """A copy of the drafter in training's parameters (the next step donates the state)."""
+        return _copy(self.state.params)
+
+    @property
+    def withheld(self) -> int:
+        """Scored versions the publish policy did not publish."""
+        return self.policy.withheld
+
     def to_engine(self) -> None:
-        """Hands the engine the drafter in training (after `restore`: the restored one), or
-        with publish_scored the one last chosen. Collective with several processes: every
-        engine gets process 0's drafter, every process its counters."""
-        params = self.state.params if self._chosen is None else self._chosen
+        """Hands the engine the drafter its publish policy holds there (`engine_params`: the
+        one in training, after `restore` the restored one, or with publish_scored the one
+        last chosen). Collective with several processes: every engine gets process 0's
+        drafter, every process its counters."""
+        params = self.policy.engine_params(self)
         # A copy: the engine must not alias the train state, which each step donates. On the
         # devices with one process (no host round trip of the weights each RL step); through
         # the host with several, where process 0's drafter goes to every process.
@@ -358,8 +349,9 @@ class OnlineDrafter:
             params = multihost.broadcast_arrays(jax.device_get(params))
         else:
             params = _copy(params)
-        self.version, self.steps, self.skipped, self.withheld, self._published_steps = multihost.broadcast_object(
-            (self.version, self.steps, self.skipped, self.withheld, self._published_steps))
+        policy = self.policy
+        self.version, self.steps, self.skipped, policy.withheld, policy.published_steps = multihost.broadcast_object(
+            (self.version, self.steps, self.skipped, policy.withheld, policy.published_steps))
         self.engine.update_drafter(params)
 
     # -- checkpoints
@@ -372,12 +364,10 @@ class OnlineDrafter:
         varies: restoring needs them)."""
         buffer = self.buffer.state_dict()
         shapes = jax.tree.map(lambda x: [list(np.shape(x)), str(np.asarray(x).dtype)], buffer)
-        tree = {"train": jax.device_get(self.state), "buffer": buffer}
-        if self._chosen is not None:  # publish_scored: the engine's drafter is not the one in training
-            tree["chosen"] = jax.device_get(self._chosen)
-        return (tree, {"version": self.version, "steps": self.steps, "skipped": self.skipped, "withheld": self.withheld,
-                       "published_steps": self._published_steps, "home": self._home, "buffer_shapes": shapes,
-                       "chosen": self._chosen is not None})
+        policy_tree, policy_meta = self.policy.checkpoint()  # publish_scored: the engine's drafter, when chosen
+        tree = {"train": jax.device_get(self.state), "buffer": buffer, **jax.device_get(policy_tree)}
+        return tree, {"version": self.version, "steps": self.steps, "skipped": self.skipped, **policy_meta,
+                      "home": self._home, "buffer_shapes": shapes}
 
     def restore(self, ckpt: checkpoint.Checkpointer, step: int) -> None:
         """Restores drafter checkpoint `step` (train state on its home group, or on this
@@ -397,14 +387,9 @@ class OnlineDrafter:
             target["chosen"] = like_train.params
         tree, _ = ckpt.restore(step, target=target)
         self.state = tree["train"]
-        # publish_scored: the drafter the engine held, and the state as the step's end snapshot it.
-        self._chosen = tree.get("chosen")
-        if self.config.publish_scored:
-            self._snapshot, self._snapshot_steps = _copy(self.state.params), meta["steps"]
         self.buffer.load_state_dict(jax.tree.map(np.asarray, tree["buffer"]))
         self.version, self.steps, self.skipped = meta["version"], meta["steps"], meta["skipped"]
-        self.withheld = meta.get("withheld", 0)  # absent from checkpoints written before publish_scored
-        self._published_steps = meta["published_steps"]
+        self.policy.restore(self, tree, meta)
 
 
 @jax.jit

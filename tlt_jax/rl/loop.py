@@ -4,6 +4,12 @@
             --> learner: log-probs at the start of the step (+ reference), GRPO updates
             --> new weights to the rollout engine
 
+`RLLoop.step` runs it as named phases (rollout, score, advantages, batch, learn, drafter,
+sync), methods that return small dataclasses (`StepRollout`, `StepScores`,
+`StepLearning`, `StepSync`), timed by one span helper (`Spans`); `step_metrics` makes the
+step's record from those in one place. The learner's jitted steps stay pure functions of
+the train state and the batch.
+
 Every step records its time split (rollout per group, reward, learner, weight sync) and
 the rollout's long-tail losses (group idle, slot idle): the numbers speculation and spot
 training attack. Randomness and data are functions of (seed, step), and the checkpoint
@@ -35,6 +41,7 @@ from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
 from tlt_jax.rollout.timeline import ROLLOUT_PARTS
+from tlt_jax.train_state import TrainState
 
 _EVAL_STREAM = 0x7FFFFFFF  # evaluation samples from its own key stream
 
@@ -146,6 +153,126 @@ def unpack_drafter_data(packing: Packing, data: DrafterData) -> DrafterData:
     return DrafterData(unpack(host.hidden), unpack(host.ids), unpack(host.logp), unpack(host.layers))
 
 
+class Spans:
+    """Wall-clock seconds of the named spans of one RL step: `with spans(name):` times a
+    span (a name timed twice adds up), `end(name)` records the seconds since the Spans
+    began."""
+
+    def __init__(self):
+        self._start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def end(self, name: str) -> None:
+        self.seconds[name] = time.perf_counter() - self._start
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRollout:
+    """The rollout phase: the step's prompts and their samples."""
+
+    examples: list[tasks.Example]  # the step's prompts; sample i is of examples[rollouts.prompt_index[i]]
+    prompt_ids: list  # each prompt's tokens, as the engine read them
+    episodes: agents.Episodes | None  # the samples' environments (multi-turn), else None
+    rollouts: Rollouts
+    scoring: rewards.Scoring | None  # with reward_overlap: the samples scored as they finished
+    completions: dict[int, str]  # the decoded completions of the samples handed to `scoring`, by index
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScores:
+    """The score phase: every sample's reward, process 0's on every process."""
+
+    tasks_n: list[str]  # each sample's task
+    reward_n: np.ndarray  # [n] float32; 0 where scoring failed
+    correct_n: np.ndarray  # [n] the correctness reward (`RLLoop.correctness_reward`), or reward > 0 with an env
+    failures: int  # samples scored 0 because their reward (or environment) failed
+    timed_out: int  # of those, the samples past the reward's deadline
+    forgeable: int  # samples with tests only the program's own interpreter could decide (code reward)
+    scoring_s: float  # seconds the reward ran, summed over its calls
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLearning:
+    """The learn phase: the state after the step's GRPO updates and what their forward gave."""
+
+    state: TrainState
+    updates: list[dict]  # per update, host floats: loss, grad_norm, clip_fraction, rollout_logp_gap, skipped[, kl]
+    skipped: int  # updates skipped for a non-finite loss or gradient
+    entropy: jax.Array  # [R, S-1] per-token entropy of the policy at the step's start, on the batch's rows
+    drafter_data: DrafterData | None  # the drafter's data from the same forward (None without a drafter)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSync:
+    """The sync phase: what TLT reported at the step's end (tuner, spot trainer, drafter)."""
+
+    tlt_metrics: dict
+
+
+def step_metrics(rollout: StepRollout, scores: StepScores, learned: StepLearning, loss_mask: np.ndarray,
+                 synced: StepSync, spans: Spans) -> dict:
+    """One RL step's metrics record (metrics.jsonl, TensorBoard, plots), from the phases'
+    results and the spans that timed them."""
+    rollouts, updates, seconds = rollout.rollouts, learned.updates, spans.seconds
+    lengths, timeline, last = rollouts.lengths, rollouts.timeline.summary(), updates[-1]
+    reward, correct = scores.reward_n, scores.correct_n
+    metrics = {
+        "reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
+        "accuracy": float(correct.mean()),
+        **evaluation.accuracy_by_task(scores.tasks_n, correct),
+        "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
+        "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
+        # Which samples the step drew: equal across runs that drew the same tokens (coupled
+        # speculation, `rollout.spec_coupled`, makes runs with different drafters do so).
+        "samples_digest": fingerprint.digest_sequences(rollouts.tokens),
+        "entropy": float((sharding.to_host(learned.entropy) * loss_mask).sum() / max(loss_mask.sum(), 1)),
+        "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
+        "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
+        "rollout_logp_gap": float(np.mean([u["rollout_logp_gap"] for u in updates])),
+        "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
+        # How far the policy has moved: the first update's forward is the policy as the step
+        # starts, on the step's own response tokens (what the drafter must draft for).
+        **({"policy_kl_from_start": float(updates[0]["kl"])} if "kl" in last else {}),
+        "skipped_updates": learned.skipped, "reward_failures": scores.failures, "reward_timeouts": scores.timed_out,
+        "code_forgeable_share": scores.forgeable / len(rollouts),
+        "time_rollout_s": seconds["rollout"], "time_reward_s": seconds["reward"],
+        # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
+        # most of them hidden in the rollout with reward_overlap.
+        "time_reward_wait_s": seconds["reward_wait"], "time_reward_scoring_s": scores.scoring_s,
+        "time_batch_s": seconds["batch"], "time_ref_logp_s": seconds["ref_logp"],
+        "time_old_logp_s": seconds.get("old_logp", 0.0),  # 0 where the update's own forward gives them
+        "time_learner_s": seconds["learner"], "time_weight_sync_s": seconds["weight_sync"],
+        "time_tlt_end_s": seconds["tlt_end"], "time_step_s": seconds["step"],
+        "time_idle_s": timeline["group_idle_s"],
+        # The rollout's wall by part, summed over groups: decode chunks, prefill, harvest,
+        # and the host's other time between chunks.
+        **{f"time_rollout_{part}_s": timeline[f"{part}_s"] for part in ROLLOUT_PARTS},
+        "rollout_group_idle_fraction": timeline["group_idle_fraction"],
+        "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
+        "rollout_tokens_per_s": timeline["tokens_per_s"],
+        "rollout_tokens": timeline["tokens"],
+        "acceptance_length": timeline["acceptance_length"],
+        "speculative_token_share": timeline["speculative_tokens"] / max(timeline["tokens"], 1),
+        **{f"accept_depth_{d}": rate for d, rate in enumerate(rollouts.timeline.acceptance_by_depth(), 1)
+           if rate is not None},
+        **synced.tlt_metrics,
+    }
+    if rollout.episodes is not None:  # environment time, failures, turns per sample; observations' share
+        observed = sum(int(np.sum(m)) for m in rollouts.observation_mask)
+        metrics.update(rollout.episodes.metrics(), observation_token_share=observed / max(int(lengths.sum()), 1))
+    for g in rollouts.timeline.groups:
+        metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
+    return metrics
+
+
 class RLLoop:
     """Owns the engine, the learner and the data of one run; `step` does one RL step."""
 
@@ -212,9 +339,35 @@ class RLLoop:
         return self._epoch_order[1]
 
     def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
-        """One RL step. Returns (state, metrics, new data position, rollouts)."""
+        """One RL step: rollout, score, advantages, batch, learn, drafter, sync, each a
+        phase of its own, timed by `Spans`; the metrics from what the phases returned
+        (`step_metrics`). Returns (state, metrics, new data position, rollouts)."""
+        spans = Spans()
+        with spans("rollout"):
+            rollout = self._rollout(step, data_position, on_group_done)
+        with spans("reward"), self.gap("reward"):
+            scores = self._score(step, rollout, spans)
+            advantages_n = self._advantages(scores.reward_n)
+        with spans("batch"), self.gap("batch"):
+            batch, packing = build_batch(rollout.prompt_ids, rollout.rollouts, advantages_n, self.seq_len,
+                                         self.tokenizer.pad_token_id,
+                                         num_minibatches=self.learner.config.num_minibatches,
+                                         minibatch_rows=self.learner.minibatch_rows)
+        with spans("learner"):
+            learned = self._learn(state, batch, spans)
+            self._drafter(step, rollout, scores, batch, packing, learned.drafter_data)
+            faults.maybe_kill("learner", step)
+        synced = self._sync(learned.state, spans)
+        spans.end("step")
+        self.nonfinite_steps += learned.skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if learned.skipped == len(learned.updates) else 0
+        metrics = step_metrics(rollout, scores, learned, batch["loss_mask"], synced, spans)
+        return learned.state, metrics, data_position + self.config.prompts_per_step, rollout.rollouts
+
+    def _rollout(self, step: int, data_position: int, on_group_done: Callable[[int], None] | None) -> StepRollout:
+        """The step's prompts decoded, G samples each; with reward_overlap each sample is
+        handed to the scorer as it finishes, while the rest decode."""
         cfg, tlt = self.config, self.tlt
-        t0 = time.perf_counter()
         examples = self.prompts_for(data_position)
         episodes, sp = None, self.sampling_params
         if self.env is not None:
@@ -224,10 +377,8 @@ class RLLoop:
         else:
             prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
         key = jax.random.fold_in(self.key, step)
-        speculation = None
         if tlt is not None:
             tlt.begin(step, self.engine.num_groups)
-            speculation = tlt.tuner
 
         def group_done(g):
             faults.maybe_kill("rollout", step)
@@ -238,149 +389,105 @@ class RLLoop:
 
         scoring = self._scorer.begin() if cfg.reward_overlap else None
         example_fields = tasks.reward_fields(examples)  # per prompt; sample i is of prompt i // G
-        completions_by_sample: dict[int, str] = {}
+        completions: dict[int, str] = {}
 
         def sample_done(i, tokens):
             p, completion = i // cfg.num_samples, evaluation.decode_completions(self.tokenizer, [tokens],
                                                                                  self.end_token_ids)[0]
-            completions_by_sample[i] = completion
+            completions[i] = completion
             scoring.submit(i, examples[p].prompt, completion, {k: v[p] for k, v in example_fields.items()})
 
         rollouts = self.engine.generate(prompt_ids, cfg.num_samples, sp, key,
-                                        on_group_done=group_done, speculation=speculation,
+                                        on_group_done=group_done, speculation=tlt.tuner if tlt is not None else None,
                                         on_sample_done=sample_done if scoring is not None else None,
                                         episodes=episodes)
         if tlt is not None:
             tlt.after_rollout()
-        t_rollout = time.perf_counter()
+        return StepRollout(examples, prompt_ids, episodes, rollouts, scoring, completions)
 
-        with self.gap("reward"):
-            chosen = [examples[i] for i in rollouts.prompt_index]
-            # What the engine did not hand over (without overlap: every sample; with several
-            # processes: the other processes' groups') is decoded and scored now.
-            late = [i for i in range(len(rollouts)) if i not in completions_by_sample]
-            completions_by_sample.update(zip(late, evaluation.decode_completions(
-                self.tokenizer, [rollouts.tokens[i] for i in late], self.end_token_ids)))
-            completions = [completions_by_sample[i] for i in range(len(rollouts))]
-            prompts, fields = [e.prompt for e in chosen], tasks.reward_fields(chosen)
-            t_wait = time.perf_counter()
-            if scoring is None:
-                scored = self._scorer(prompts, completions, fields)
+    def _score(self, step: int, rollout: StepRollout, spans: Spans) -> StepScores:
+        """Every sample's reward (process 0's on every process) and correctness. What the
+        engine did not hand over (without overlap: every sample; with several processes:
+        the other processes' groups') is decoded and scored now."""
+        cfg, rollouts, episodes = self.config, rollout.rollouts, rollout.episodes
+        chosen = [rollout.examples[i] for i in rollout.rollouts.prompt_index]
+        late = [i for i in range(len(rollouts)) if i not in rollout.completions]
+        completions = {**rollout.completions, **dict(zip(late, evaluation.decode_completions(
+            self.tokenizer, [rollouts.tokens[i] for i in late], self.end_token_ids)))}
+        completions_n = [completions[i] for i in range(len(rollouts))]
+        prompts, fields = [e.prompt for e in chosen], tasks.reward_fields(chosen)
+        with spans("reward_wait"):
+            if rollout.scoring is None:
+                scored = self._scorer(prompts, completions_n, fields)
             else:
                 for i in late:
-                    scoring.submit(i, prompts[i], completions[i], {k: v[i] for k, v in fields.items()})
-                scored = scoring.result(len(rollouts))
-            t_scored = time.perf_counter()
-            # Process 0's scores everywhere: a reward that times out, or draws, on one process only
-            # must not split the learner's batch between processes.
-            if episodes is not None:  # a sample's reward: its steps' plus the reward on its transcript
-                scored = dataclasses.replace(scored, scores=episodes.total_rewards(scored.scores),
-                                             failures=scored.failures + episodes.failures)
-            reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
-            faults.maybe_kill("reward", step)
-            # With an environment, a sample is correct where its total reward is positive.
-            correct = (reward > 0).astype(np.float32) if episodes is not None else (
-                reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
-                rewards.get_reward(self.correctness_reward) if isinstance(self.correctness_reward, str)
-                else self.correctness_reward, prompts, completions, **fields)[0])
-            self.reward_failures += failures
-            advantages = np.asarray(grpo.get_advantage_estimator(cfg.advantage)(jnp.asarray(reward),
-                                                                                cfg.num_samples))
-        t_reward = time.perf_counter()
+                    rollout.scoring.submit(i, prompts[i], completions_n[i], {k: v[i] for k, v in fields.items()})
+                scored = rollout.scoring.result(len(rollouts))
+        # Process 0's scores everywhere: a reward that times out, or draws, on one process only
+        # must not split the learner's batch between processes.
+        if episodes is not None:  # a sample's reward: its steps' plus the reward on its transcript
+            scored = dataclasses.replace(scored, scores=episodes.total_rewards(scored.scores),
+                                         failures=scored.failures + episodes.failures)
+        reward, failures = multihost.broadcast_object((scored.scores, scored.failures))
+        faults.maybe_kill("reward", step)
+        # With an environment, a sample is correct where its total reward is positive.
+        correct = (reward > 0).astype(np.float32) if episodes is not None else (
+            reward if self.correctness_reward == cfg.reward else rewards.safe_rewards(
+            rewards.get_reward(self.correctness_reward) if isinstance(self.correctness_reward, str)
+            else self.correctness_reward, prompts, completions_n, **fields)[0])
+        self.reward_failures += failures
+        return StepScores([e.task for e in chosen], reward, correct, failures, scored.timed_out, scored.forgeable,
+                          scored.scoring_s)
 
-        with self.gap("batch"):
-            batch, packing = build_batch(prompt_ids, rollouts, advantages, self.seq_len, self.tokenizer.pad_token_id,
-                                         num_minibatches=self.learner.config.num_minibatches,
-                                         minibatch_rows=self.learner.minibatch_rows)
-        t_batch = time.perf_counter()
+    def _advantages(self, reward_n: np.ndarray) -> np.ndarray:
+        """float32 [n]: each sample's advantage within its prompt's G samples."""
+        estimator = grpo.get_advantage_estimator(self.config.advantage)
+        return np.asarray(estimator(jnp.asarray(reward_n), self.config.num_samples))
+
+    def _learn(self, state, batch: dict, spans: Spans) -> StepLearning:
+        """The GRPO updates of the step's batch (the learner's pure jitted steps), with the
+        reference's log-probs first when the run keeps one; the same target forward gives
+        the old log-probs and, with a drafter, its data."""
         rows = (batch["tokens"], batch["positions"], batch["segment_ids"])
-        drafter = tlt.drafter if tlt is not None else None
+        drafter = self.tlt.drafter if self.tlt is not None else None
         data_kw = {} if drafter is None else dict(top_k=drafter.config.top_k,
                                                   feature_layers=drafter.drafter_config.feature_layers)
-        if self.ref_params is not None:
-            batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
-        t_old_start = t_old_end = time.perf_counter()
-        t_ref = t_old_start - t_batch  # the starting policy's forward: a phase of its own, for the KL alone
+        with spans("ref_logp"):  # the starting policy's forward: a phase of its own, for the KL alone
+            if self.ref_params is not None:
+                batch["ref_logp"] = sharding.to_host(self.learner.logprobs(self.ref_params, *rows))
         if self.learner.on_policy:
             # The update's own forward gives the old log-probs, the entropy and the drafter's data.
             state, updates, entropy, drafter_data = self.learner.update_on_policy(state, batch, **data_kw)
         else:
-            # One target forward gives GRPO its old log-probs and the drafter its data.
-            if drafter is not None:
-                old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(state.params, *rows,
-                                                                                         **data_kw)
-            else:
-                (old_logp, entropy), drafter_data = self.learner.logprobs(state.params, *rows, with_entropy=True), None
-            batch["old_logp"] = sharding.to_host(old_logp)
-            t_old_end = time.perf_counter()
+            with spans("old_logp"):  # one target forward: GRPO's old log-probs and the drafter's data
+                if drafter is not None:
+                    old_logp, entropy, drafter_data = self.learner.logprobs_and_drafter_data(state.params, *rows,
+                                                                                             **data_kw)
+                else:
+                    (old_logp, entropy), drafter_data = self.learner.logprobs(state.params, *rows,
+                                                                              with_entropy=True), None
+                batch["old_logp"] = sharding.to_host(old_logp)
             state, updates = self.learner.update(state, batch)
-        if drafter is not None:  # the drafter's buffer reads one sample per row
-            prompt_lengths = np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index])
-            tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
-                    prompt_lengths, rollouts.lengths, unpack_drafter_data(packing, drafter_data),
-                    [e.task for e in chosen], observed_nT=observed_tokens(rollouts, prompt_lengths, self.seq_len))
-        faults.maybe_kill("learner", step)
-        skipped = int(sum(u["skipped"] for u in updates))
-        t_learner = time.perf_counter()
+        return StepLearning(state, updates, int(sum(u["skipped"] for u in updates)), entropy, drafter_data)
 
-        self.engine.update_params(state.params)
-        t_sync = time.perf_counter()
-        tlt_metrics = tlt.end() if tlt is not None else {}
-        t_end = time.perf_counter()
+    def _drafter(self, step: int, rollout: StepRollout, scores: StepScores, batch: dict, packing: Packing,
+                 drafter_data: DrafterData | None) -> None:
+        """The learner forward's by-products into the drafter's buffer, one sample per row."""
+        if self.tlt is None or self.tlt.drafter is None:
+            return
+        rollouts, prompt_ids = rollout.rollouts, rollout.prompt_ids
+        prompt_lengths = np.asarray([len(prompt_ids[i]) for i in rollouts.prompt_index])
+        self.tlt.add(step, unpack_samples(packing, batch["tokens"], self.seq_len, self.tokenizer.pad_token_id),
+                     prompt_lengths, rollouts.lengths, unpack_drafter_data(packing, drafter_data), scores.tasks_n,
+                     observed_nT=observed_tokens(rollouts, prompt_lengths, self.seq_len))
 
-        self.nonfinite_steps += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped == len(updates) else 0
-
-        mask = batch["loss_mask"]
-        lengths = rollouts.lengths
-        timeline = rollouts.timeline.summary()
-        last = updates[-1]
-        metrics = {
-            "reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
-            "accuracy": float(correct.mean()),
-            **evaluation.accuracy_by_task([e.task for e in chosen], correct),
-            "response_length_mean": float(lengths.mean()), "response_length_p50": float(np.percentile(lengths, 50)),
-            "response_length_p90": float(np.percentile(lengths, 90)), "response_length_max": int(lengths.max()),
-            # Which samples the step drew: equal across runs that drew the same tokens (coupled
-            # speculation, `rollout.spec_coupled`, makes runs with different drafters do so).
-            "samples_digest": fingerprint.digest_sequences(rollouts.tokens),
-            "entropy": float((sharding.to_host(entropy) * mask).sum() / max(mask.sum(), 1)),
-            "loss": float(np.mean([u["loss"] for u in updates])), "grad_norm": float(last["grad_norm"]),
-            "clip_fraction": float(np.mean([u["clip_fraction"] for u in updates])),
-            "rollout_logp_gap": float(np.mean([u["rollout_logp_gap"] for u in updates])),
-            "kl": float(np.mean([u["kl"] for u in updates])) if "kl" in last else 0.0,
-            # How far the policy has moved: the first update's forward is the policy as the step
-            # starts, on the step's own response tokens (what the drafter must draft for).
-            **({"policy_kl_from_start": float(updates[0]["kl"])} if "kl" in last else {}),
-            "skipped_updates": skipped, "reward_failures": failures, "reward_timeouts": scored.timed_out,
-            "code_forgeable_share": scored.forgeable / len(rollouts),
-            "time_rollout_s": t_rollout - t0, "time_reward_s": t_reward - t_rollout,
-            # Of time_reward_s, the wait on the scorer; beside the seconds the reward ran in all,
-            # most of them hidden in the rollout with reward_overlap.
-            "time_reward_wait_s": t_scored - t_wait, "time_reward_scoring_s": scored.scoring_s,
-            "time_batch_s": t_batch - t_reward, "time_ref_logp_s": t_ref, "time_old_logp_s": t_old_end - t_old_start,
-            "time_learner_s": t_learner - t_batch, "time_weight_sync_s": t_sync - t_learner,
-            "time_tlt_end_s": t_end - t_sync, "time_step_s": t_end - t0,
-            "time_idle_s": timeline["group_idle_s"],
-            # The rollout's wall by part, summed over groups: decode chunks, prefill, harvest,
-            # and the host's other time between chunks.
-            **{f"time_rollout_{part}_s": timeline[f"{part}_s"] for part in ROLLOUT_PARTS},
-            "rollout_group_idle_fraction": timeline["group_idle_fraction"],
-            "rollout_slot_idle_fraction": timeline["slot_idle_fraction"],
-            "rollout_tokens_per_s": timeline["tokens_per_s"],
-            "rollout_tokens": timeline["tokens"],
-            "acceptance_length": timeline["acceptance_length"],
-            "speculative_token_share": timeline["speculative_tokens"] / max(timeline["tokens"], 1),
-            **{f"accept_depth_{d}": rate for d, rate in enumerate(rollouts.timeline.acceptance_by_depth(), 1)
-               if rate is not None},
-            **tlt_metrics,
-        }
-        if episodes is not None:  # environment time, failures, turns per sample; observations' share
-            observed = sum(int(np.sum(m)) for m in rollouts.observation_mask)
-            metrics.update(episodes.metrics(), observation_token_share=observed / max(int(lengths.sum()), 1))
-        for g in rollouts.timeline.groups:
-            metrics[f"time_rollout_group{g.group}_s"] = g.end - g.start
-        return state, metrics, data_position + cfg.prompts_per_step, rollouts
+    def _sync(self, state, spans: Spans) -> StepSync:
+        """The new policy to the rollout engine; TLT's step end (catch-up drafter steps, the
+        drafter's publish) and its metrics."""
+        with spans("weight_sync"):
+            self.engine.update_params(state.params)
+        with spans("tlt_end"):
+            return StepSync(self.tlt.end() if self.tlt is not None else {})
 
     def check_finite(self, step: int) -> None:
         """Raises once max_consecutive_skips RL steps in a row changed nothing."""

@@ -37,7 +37,7 @@ from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout import tuner as tuner_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.tokenizer import end_token_ids, load_tokenizer
-from tlt_jax.train_state import OptimizerConfig
+from tlt_jax.train_state import TrainState
 
 _TIMING_KEYS = ("time_", "rollout_tokens_per_s", "rollout_group_idle_fraction", "wall_time", "tuner/", "spot/")
 RESULT_FILENAME = "result.json"  # the summary of a finished run, returned again when it is run again
@@ -80,30 +80,30 @@ def _drafter_warm_start(c, target_config, target_params):
         except ValueError as e:  # made for another target model
             raise ValueError(f"--config.tlt.drafter.init={c.init!r}: {e} Or set --config.tlt.drafter.init='' to "
                              "start the drafter from scratch.") from e
-    dcfg = drafter_lib.DrafterConfig(num_layers=c.num_layers, feature_layers=tuple(c.feature_layers),
-                                     layout=c.get("layout", "tlt"))
+    dcfg = launch.config_dataclass(drafter_lib.DrafterConfig, c, "tlt.drafter", others=launch.ALL_OTHERS,
+                                   feature_layers=tuple(c.feature_layers))
     dcfg.layer_config(target_config)  # feature layers outside the target fail here
     return dcfg, drafter_lib.init_drafter(target_config, dcfg, jax.random.PRNGKey(0))
 
 
+_DRAFTER_ARCHITECTURE = ("init", "num_layers", "feature_layers", "layout")  # tlt.drafter keys of the drafter itself
+
+
 def _online_drafter_config(c, max_prompt_length: int, max_tokens: int) -> OnlineDrafterConfig:
-    fields = {k: v for k, v in c.to_dict().items() if k not in ("init", "num_layers", "feature_layers", "layout",
-                                                                "optimizer")}
-    if fields["prompt_tail"] < -1:
-        raise ValueError(f"tlt.drafter.prompt_tail={fields['prompt_tail']}: give the prompt tokens a drafter row "
+    if c.prompt_tail < -1:
+        raise ValueError(f"tlt.drafter.prompt_tail={c.prompt_tail}: give the prompt tokens a drafter row "
                          "keeps, or -1 for the whole prompt (the default).")
-    if fields["seq_len"] < 0:
-        raise ValueError(f"tlt.drafter.seq_len={fields['seq_len']}: give a drafter row's length in tokens, or 0 for "
+    if c.seq_len < 0:
+        raise ValueError(f"tlt.drafter.seq_len={c.seq_len}: give a drafter row's length in tokens, or 0 for "
                          "a whole sample (the default).")
     # -1: the whole prompt, which live drafting attends over; rows without it teach the
     # drafter a context it never drafts in (and score it there).
-    if fields["prompt_tail"] == -1:
-        fields["prompt_tail"] = max_prompt_length - 1
+    prompt_tail = max_prompt_length - 1 if c.prompt_tail == -1 else c.prompt_tail
     # 0: rows as long as a whole sample. Shorter rows cut a long response's end off (the
     # buffer keeps a span's true prefix): the drafter never learns the positions the
     # rollout's tail drafts, and drafted worse there live than the one it started from.
-    fields["seq_len"] = fields["seq_len"] or fields["prompt_tail"] + 1 + max_tokens
-    return OnlineDrafterConfig(optimizer=OptimizerConfig(**c.optimizer), **fields)
+    return launch.config_dataclass(OnlineDrafterConfig, c, "tlt.drafter", others=_DRAFTER_ARCHITECTURE,
+                                   prompt_tail=prompt_tail, seq_len=c.seq_len or prompt_tail + 1 + max_tokens)
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -131,18 +131,36 @@ def _prefixed(prefix: str, build):
     try:
         return build()
     except ValueError as e:
+        if str(e).startswith(prefix):  # already named in full (`launch.config_dataclass`)
+            raise
         raise ValueError(f"{prefix}{e}") from e
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "max_tokens")  # the rollout section's keys of its sampling
 
 
 def _rollout_config(r, **engine_fields) -> RolloutConfig:
     """The engine's RolloutConfig from the config's `rollout` section; `engine_fields` are
     what the run adds (the model's end tokens, the tuner's deepest strategy)."""
-    return RolloutConfig(num_slots=r.num_slots, max_prompt_length=r.max_prompt_length,
-                         max_length=r.max_prompt_length + r.max_tokens, steps_per_sync=r.steps_per_sync,
-                         spec_steps_per_sync=r.get("spec_steps_per_sync", RolloutConfig.spec_steps_per_sync),
-                         kv_bucket=r.get("kv_bucket", RolloutConfig.kv_bucket),
-                         decode_mlp_size=r.get("decode_mlp_size", RolloutConfig.decode_mlp_size),
-                         spec_coupled=r.get("spec_coupled", RolloutConfig.spec_coupled), **engine_fields)
+    return launch.config_dataclass(RolloutConfig, r, "rollout", others=_SAMPLING_KEYS,
+                                   max_length=r.max_prompt_length + r.max_tokens, **engine_fields)
+
+
+def _sampling_params(r) -> sampling.SamplingParams:
+    """The rollouts' sampling, from the config's `rollout` section."""
+    return launch.config_dataclass(sampling.SamplingParams, r, "rollout", others=launch.ALL_OTHERS)
+
+
+def _learner_config(config) -> LearnerConfig:
+    """The learner's config from the `learner` and `grpo` sections; its log-probs are those
+    of the rollouts' temperature."""
+    return launch.config_dataclass(LearnerConfig, config.learner, "learner", temperature=config.rollout.temperature,
+                                   grpo=launch.config_dataclass(grpo.GRPOConfig, config.grpo, "grpo"))
+
+
+def _step_config(config) -> RLStepConfig:
+    """The RL step's config from the config's top-level fields."""
+    return launch.config_dataclass(RLStepConfig, config, "", others=launch.ALL_OTHERS, reward=_step_reward(config))
 
 
 def _check_mesh(mesh_config) -> jax.sharding.Mesh:
@@ -162,7 +180,11 @@ def _check_mesh(mesh_config) -> jax.sharding.Mesh:
 
 
 def _wandb_config(config) -> metrics.WandbConfig:
-    return metrics.WandbConfig(**config.get("wandb", {}))
+    return launch.config_dataclass(metrics.WandbConfig, config.get("wandb"), "wandb")
+
+
+def _spot_config(config) -> SpotConfig:
+    return launch.config_dataclass(SpotConfig, config.tlt.spot, "tlt.spot")
 
 
 def _step_reward(config):
@@ -180,9 +202,9 @@ def check_config(config) -> None:
         if config[name] < 1:
             raise ValueError(f"{name}={config[name]} must be >= 1.")
     r = config.rollout
-    _prefixed("rollout.", lambda: sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p,
-                                                         max_tokens=r.max_tokens))
+    _prefixed("rollout.", lambda: _sampling_params(r))
     _prefixed("rollout.", lambda: _rollout_config(r))
+    _learner_config(config)
     samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
     if k < 1 or samples % k:
         raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
@@ -211,7 +233,7 @@ def check_config(config) -> None:
     if not config.tlt.enabled:
         return
     tuner = tuner_lib.from_config(config.tlt.tuner)
-    SpotConfig(**config.tlt.spot)
+    _spot_config(config)
     _online_drafter_config(config.tlt.drafter, config.rollout.max_prompt_length, config.rollout.max_tokens)
     c = config.tlt.drafter
     fsdp = mesh.shape["fsdp"]  # a rollout group's devices the drafter's batches split over
@@ -254,51 +276,43 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     metrics.report(f"RL run in {run_dir}: {config.steps} steps, TLT {'on' if config.tlt.enabled else 'off'}, "
                    f"model {config[WARM_START_FIELD] or '(SFT trained first)'}")
     os.makedirs(run_dir, exist_ok=True)
-    model_cfg, params, tokenizer, model_path = _warm_start(config)
-    mesh = sharding.make_mesh(config.mesh)
-    problems = sources.problems_for(model_path, config.data, config.rollout.max_prompt_length)
-    end_ids = end_token_ids(tokenizer, model_cfg.end_token_ids)
-    dropped = {split: n for split, n in problems.dropped.items() if n}
-    if dropped:
-        counts = ", ".join(f"{n} of {split}" for split, n in dropped.items())
-        metrics.report(f"Dropped prompts longer than rollout.max_prompt_length={config.rollout.max_prompt_length}: "
-                       f"{counts}")
+    run = _Run(config)
+    end = config.steps if stop_after is None else min(config.steps, run.start + stop_after)
+    try:
+        rollouts, last_eval = run.train(end, progress)
+    finally:
+        run.close()
+    summary = run.finish(end, rollouts, last_eval)
+    _report_result(summary)
+    return summary
 
+
+def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[RLLoop, TrainState]:
+    """The run's RLLoop (engine, learner, TLT when enabled, data) with every decode chunk
+    compiled, and the learner's initial train state."""
     r = config.rollout
-    sp = sampling.SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
-    seq_len = r.max_prompt_length + r.max_tokens
+    sp = _sampling_params(r)
     env = agents.EnvConfig.from_config(config)
     # The chunks the rollouts run: with an environment, its stop sequences, its token budget
     # and the multi-turn slots, so that warm_up compiles those and not others.
     rollout_sp = agents.rollout_sampling_params(agents.env_class(env.name), env, tokenizer, sp) if env.name else sp
     tlt_on = config.tlt.enabled
     tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None
-    spot_config = SpotConfig(**config.tlt.spot) if tlt_on else None
     dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
     depth = max([s.depth for s in tuner.strategies], default=1) if tlt_on else 8
+    end_ids = end_token_ids(tokenizer, model_cfg.end_token_ids)
     engine = RolloutEngine(model_cfg, params, mesh, _rollout_config(r, eos_token_id=end_ids, max_draft_depth=depth),
                            dcfg, dparams)
-    lc = config.learner
-    learner = Learner(model_cfg, LearnerConfig(
-        optimizer=OptimizerConfig(**lc.optimizer), num_minibatches=lc.num_minibatches,
-        micro_batch_size=lc.micro_batch_size, temperature=r.temperature, remat=lc.remat,
-        old_policy_pass=lc.old_policy_pass,
-        logprob_impl=lc.logprob_impl, attention_impl=lc.attention_impl, grpo=grpo.GRPOConfig(**config.grpo)), mesh)
+    learner = Learner(model_cfg, _learner_config(config), mesh)
     state = learner.init_state(params)
     keep_reference = config.grpo.kl_coef > 0 or config.track_kl
     ref_params = jax.device_put(params, learner.param_shardings(params)) if keep_reference else None
-    step_cfg = RLStepConfig(prompts_per_step=config.prompts_per_step, num_samples=config.num_samples,
-                            advantage=config.advantage, reward=_step_reward(config),
-                            reward_workers=config.reward_workers,
-                            reward_timeout_s=config.reward_timeout_s, reward_overlap=config.reward_overlap,
-                            max_consecutive_skips=config.max_consecutive_skips,
-                            balance_tasks=config.get("balance_tasks", False))
     tlt = None
     if tlt_on:
         online = OnlineDrafter(engine, model_cfg, dcfg, dparams,
                                _online_drafter_config(config.tlt.drafter, r.max_prompt_length, r.max_tokens),
                                temperature=r.temperature, seed=config.seed)
-        tlt = TLT(tuner, online, spot_config)
+        tlt = TLT(tuner, online, _spot_config(config))
         decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
         # Where the drafter trains; its buffer holds one row at most per sample of a step.
         drafter_s = online.warm_up(config.prompts_per_step * config.num_samples) if tlt.spot is not None else 0.0
@@ -309,120 +323,165 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
         # mode pays a kv bucket's first compile inside a timed rollout.
         metrics.report(f"Compiled plain decode in {engine.warm_up(rollout_sp, turns=bool(env.name)):.1f} s")
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
-                  eval_examples=problems.eval, sampling_params=sp, step_config=step_cfg, seq_len=seq_len,
-                  seed=config.seed, ref_params=ref_params, tlt=tlt, prompt_format=problems.prompt_format,
+                  eval_examples=problems.eval, sampling_params=sp, step_config=_step_config(config),
+                  seq_len=r.max_prompt_length + r.max_tokens, seed=config.seed, ref_params=ref_params, tlt=tlt,
+                  prompt_format=problems.prompt_format,
                   correctness_reward=_step_reward(config) if env.name else
                   rewards.reward_from_config(config, sources.correctness_reward(config.data, config.reward)),
                   end_token_ids=end_ids, env=env)
+    return loop, state
 
-    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
-    # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
-    # cadence, written by the process where it trains.
-    drafter_ckpt = (checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"), max_to_keep=2,
-                                            this_process_only=True)
-                    if tlt is not None and tlt.spot is not None else None)
-    start, data_position, sft_eval = 0, 0, None
 
-    def saved_tree():
+class _Run:
+    """One RL run between its start and its summary: the loop, the train state, the data
+    position, the starting checkpoint's eval and the checkpointers, resumed from run_dir."""
+
+    def __init__(self, config):
+        self.config, run_dir = config, config.run_dir
+        self.model_cfg, params, self.tokenizer, model_path = _warm_start(config)
+        self.mesh = sharding.make_mesh(config.mesh)
+        self.problems = sources.problems_for(model_path, config.data, config.rollout.max_prompt_length)
+        dropped = {split: n for split, n in self.problems.dropped.items() if n}
+        if dropped:
+            counts = ", ".join(f"{n} of {split}" for split, n in dropped.items())
+            metrics.report(f"Dropped prompts longer than rollout.max_prompt_length="
+                           f"{config.rollout.max_prompt_length}: {counts}")
+        self.loop, self.state = _build_loop(config, self.model_cfg, params, self.tokenizer, self.problems, self.mesh)
+        self.tlt = self.loop.tlt
+        self.ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
+        # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
+        # cadence, written by the process where it trains.
+        self.drafter_ckpt = (checkpoint.Checkpointer(os.path.join(run_dir, "drafter_checkpoints"), max_to_keep=2,
+                                                     this_process_only=True)
+                             if self.tlt is not None and self.tlt.spot is not None else None)
+        self.start, self.data_position, self.sft_eval = 0, 0, None
+        self._resume()
+        self.writer = metrics.MetricsWriter(run_dir, resume_step=self.start, wandb=_wandb_config(config))
+        if self.sft_eval is None:
+            self._evaluate_start()
+
+    def _saved_tree(self) -> dict:
         # The key as one array of the mesh: each process holds its own copy of it.
-        tree = {"train": state, "key": jax.device_put(np.asarray(loop.key), sharding.replicated(mesh))}
-        if loop.ref_params is not None:
-            tree["ref"] = loop.ref_params
+        tree = {"train": self.state, "key": jax.device_put(np.asarray(self.loop.key), sharding.replicated(self.mesh))}
+        if self.loop.ref_params is not None:
+            tree["ref"] = self.loop.ref_params
         return tree
 
-    restored, meta = ckpt.resume(saved_tree())
-    if meta:
-        state, loop.ref_params = restored["train"], restored.get("ref")
+    def _resume(self) -> None:
+        """The last good checkpoint's state, key, data position and starting eval, with the
+        tuner's and drafter's, when run_dir holds one."""
+        restored, meta = self.ckpt.resume(self._saved_tree())
+        if not meta:
+            return
+        loop, tlt = self.loop, self.tlt
+        self.state, loop.ref_params = restored["train"], restored.get("ref")
         loop.key = jnp.asarray(np.asarray(restored["key"]))
-        start, data_position, sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
-        engine.update_params(state.params)
+        self.start, self.data_position, self.sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
+        loop.engine.update_params(self.state.params)
         if tlt is not None and meta.get("tlt") is None:
             logging.warning("Resuming a run saved with TLT off: the tuner and drafter start fresh.")
         elif tlt is not None:
             tlt.load_state_dict(meta["tlt"])
-            if drafter_ckpt is not None:
-                _restore_drafter(tlt.drafter, drafter_ckpt, start)
+            if self.drafter_ckpt is not None:
+                _restore_drafter(tlt.drafter, self.drafter_ckpt, self.start)
             tlt.drafter.to_engine()
-        metrics.report(f"Resumed {run_dir} at step {start} of {config.steps}")
-    writer = metrics.MetricsWriter(run_dir, resume_step=start, wandb=_wandb_config(config))
-    if sft_eval is None:
-        sft_eval = loop.evaluate(0)
-        writer.write(0, {k: sft_eval[k] for k in ("eval_accuracy", "eval_length_mean", "eval_truncated_share")})
-        writer.write_samples(0, loop.last_eval_samples)
-        metrics.report(f"Starting checkpoint: eval accuracy {sft_eval['eval_accuracy']:.3f}, "
-                       f"{sft_eval['eval_truncated_share']:.0%} cut off at max_tokens")
+        metrics.report(f"Resumed {self.config.run_dir} at step {self.start} of {self.config.steps}")
 
-    def save(step):
-        with loop.gap("checkpoint"):
-            ckpt.save(step, saved_tree(),
-                      {"step": step, "data_position": data_position, "sft_eval": sft_eval,
-                       "config": json.loads(config.to_json_best_effort()),
-                       "tlt": tlt.state_dict() if tlt is not None else None})
+    def _evaluate_start(self) -> None:
+        self.sft_eval = self.loop.evaluate(0)
+        self.writer.write(0, {k: self.sft_eval[k] for k in ("eval_accuracy", "eval_length_mean",
+                                                             "eval_truncated_share")})
+        self.writer.write_samples(0, self.loop.last_eval_samples)
+        metrics.report(f"Starting checkpoint: eval accuracy {self.sft_eval['eval_accuracy']:.3f}, "
+                       f"{self.sft_eval['eval_truncated_share']:.0%} cut off at max_tokens")
 
-    def save_drafter(step):
-        tree, meta = tlt.drafter.checkpoint()  # before a gap lets it train
-        with loop.gap("drafter_checkpoint"):
-            drafter_ckpt.save(step, tree, meta)
+    def _save(self, step: int) -> None:
+        with self.loop.gap("checkpoint"):
+            self.ckpt.save(step, self._saved_tree(),
+                           {"step": step, "data_position": self.data_position, "sft_eval": self.sft_eval,
+                            "config": json.loads(self.config.to_json_best_effort()),
+                            "tlt": self.tlt.state_dict() if self.tlt is not None else None})
 
-    bar = metrics.ProgressBar(config.steps, ["reward_mean", "accuracy", "eval_accuracy"], initial=start, desc="rl",
-                              disable=not progress or not multihost.is_leader())
-    record, rollouts, last_eval = {}, None, None
-    end = config.steps if stop_after is None else min(config.steps, start + stop_after)
-    try:
-        for step in range(start, end):
-            state, record, data_position, rollouts = loop.step(state, step, data_position)
-            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                last_eval = loop.evaluate(step + 1)
-                record.update(last_eval)
-                writer.write_samples(step + 1, loop.last_eval_samples)
-            writer.write(step + 1, record)
-            bar.update(record)
-            loop.check_finite(step + 1)
-            if drafter_ckpt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every, config.steps):
-                save_drafter(step + 1)
-            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                save(step + 1)
-    finally:
-        bar.close()
-        ckpt.wait()
-        ckpt.close()
-        if drafter_ckpt is not None:
-            drafter_ckpt.close()
-        writer.close()
-        loop.close()
+    def _save_drafter(self, step: int) -> None:
+        tree, meta = self.tlt.drafter.checkpoint()  # before a gap lets it train
+        with self.loop.gap("drafter_checkpoint"):
+            self.drafter_ckpt.save(step, tree, meta)
 
-    leader = multihost.is_leader()  # it writes the metrics, plots and result
-    records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if leader else []
-    if leader:
-        _plot(run_dir, records, rollouts, end, tlt is not None)
-    if end == config.steps and (config.save_hf or tlt is not None):
-        policy = jax.tree.map(sharding.to_host, state.params)  # gathered from every process
-        if config.save_hf:
-            save_hf(os.path.join(run_dir, "hf"), model_cfg, policy, tokenizer=tokenizer, overwrite=True)
+    def train(self, end: int, progress: bool):
+        """The steps from the resumed one up to `end`, each recorded, evaluated and
+        checkpointed on its cadence; returns (the last step's rollouts, the last eval)."""
+        config, loop = self.config, self.loop
+        bar = metrics.ProgressBar(config.steps, ["reward_mean", "accuracy", "eval_accuracy"], initial=self.start,
+                                  desc="rl", disable=not progress or not multihost.is_leader())
+        rollouts, last_eval = None, None
+        try:
+            for step in range(self.start, end):
+                self.state, record, self.data_position, rollouts = loop.step(self.state, step, self.data_position)
+                if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                    last_eval = loop.evaluate(step + 1)
+                    record.update(last_eval)
+                    self.writer.write_samples(step + 1, loop.last_eval_samples)
+                self.writer.write(step + 1, record)
+                bar.update(record)
+                loop.check_finite(step + 1)
+                if self.drafter_ckpt is not None and _due(step + 1, config.tlt.drafter.checkpoint_every,
+                                                          config.steps):
+                    self._save_drafter(step + 1)
+                if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                    self._save(step + 1)
+        finally:
+            bar.close()
+        return rollouts, last_eval
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.close()
+        if self.drafter_ckpt is not None:
+            self.drafter_ckpt.close()
+        self.writer.close()
+        self.loop.close()
+
+    def finish(self, end: int, rollouts, last_eval: dict | None) -> dict:
+        """Plots, exports (the policy, the drafter) and the run's summary, recorded in
+        result.json once the last step is done."""
+        config, run_dir, tlt = self.config, self.config.run_dir, self.tlt
+        leader = multihost.is_leader()  # it writes the metrics, plots and result
+        records = metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if leader else []
+        if leader:
+            _plot(run_dir, records, rollouts, end, tlt is not None)
+        if end == config.steps and (config.save_hf or tlt is not None):
+            self._export(end)
+        # A run resumed at its last step evaluates nothing: its final eval is on record.
+        final_eval = last_eval or next((r for r in reversed(records) if r["step"] == end and "eval_accuracy" in r),
+                                       {})
+        summary = {"steps": end, "sft_eval_accuracy": self.sft_eval["eval_accuracy"],
+                   "final_eval_accuracy": final_eval.get("eval_accuracy"),
+                   "final_eval_truncated_share": final_eval.get("eval_truncated_share"),
+                   "dropped_prompts": self.problems.dropped,
+                   "nonfinite_steps": self.loop.nonfinite_steps, "reward_failures": self.loop.reward_failures,
+                   "run_dir": run_dir}
         if tlt is not None:
-            # The trained drafter, a free by-product, as an export that decodes on its own
-            # (`experiments.generate --target=<run_dir>/hf --drafter=<run_dir>/drafter`); it
-            # trained on process 0.
-            drafter_params = multihost.broadcast_arrays(jax.device_get(tlt.drafter.state.params))
-            drafter_io.save_drafter(os.path.join(run_dir, "drafter"), drafter_params, dcfg, model_cfg,
-                                    fingerprint.fingerprint_arrays(policy), step=end)
-    # A run resumed at its last step evaluates nothing: its final eval is on record.
-    final_eval = last_eval or next((r for r in reversed(records) if r["step"] == end and "eval_accuracy" in r), {})
-    summary = {"steps": end, "sft_eval_accuracy": sft_eval["eval_accuracy"],
-               "final_eval_accuracy": final_eval.get("eval_accuracy"),
-               "final_eval_truncated_share": final_eval.get("eval_truncated_share"),
-               "dropped_prompts": problems.dropped,
-               "nonfinite_steps": loop.nonfinite_steps, "reward_failures": loop.reward_failures,
-               "run_dir": run_dir}
-    if tlt is not None:
-        summary["tlt"] = tlt_summary(records, tlt.drafter.version)
-    if leader:
-        summary = launch.with_config_changes(run_dir, summary)
-    summary = multihost.broadcast_object(summary)  # process 0 read the records
-    if end == config.steps and leader:
-        metrics.write_json(os.path.join(run_dir, RESULT_FILENAME), summary)
-    _report_result(summary)
-    return summary
+            summary["tlt"] = tlt_summary(records, tlt.drafter.version)
+        if leader:
+            summary = launch.with_config_changes(run_dir, summary)
+        summary = multihost.broadcast_object(summary)  # process 0 read the records
+        if end == config.steps and leader:
+            metrics.write_json(os.path.join(run_dir, RESULT_FILENAME), summary)
+        return summary
+
+    def _export(self, end: int) -> None:
+        """The trained policy as a Hugging Face checkpoint (save_hf) and, with TLT, the
+        trained drafter, a free by-product, as an export that decodes on its own
+        (`experiments.generate --target=<run_dir>/hf --drafter=<run_dir>/drafter`)."""
+        run_dir = self.config.run_dir
+        policy = jax.tree.map(sharding.to_host, self.state.params)  # gathered from every process
+        if self.config.save_hf:
+            save_hf(os.path.join(run_dir, "hf"), self.model_cfg, policy, tokenizer=self.tokenizer, overwrite=True)
+        if self.tlt is not None:  # it trained on process 0
+            drafter = self.tlt.drafter
+            drafter_params = multihost.broadcast_arrays(jax.device_get(drafter.state.params))
+            drafter_io.save_drafter(os.path.join(run_dir, "drafter"), drafter_params, drafter.drafter_config,
+                                    self.model_cfg, fingerprint.fingerprint_arrays(policy), step=end)
 
 
 def _plot(run_dir: str, records, rollouts, end: int, tlt_on: bool) -> None:
