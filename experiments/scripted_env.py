@@ -15,7 +15,7 @@ import functools
 import re
 import time
 
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 
 _NAME = re.compile(r"after_(?P<ms>\d+(?:\.\d+)?)ms")
 STOP = "answer:"

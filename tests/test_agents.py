@@ -3,21 +3,21 @@ a scripted policy evaluated through an environment."""
 import numpy as np
 import pytest
 
-from tlt_jax.data import agents
+from tlt_jax import envs
 
 
 @pytest.mark.parametrize("num_disks", [1, 3, 4])
 def test_hanoi_scorer_accepts_the_generators_solutions_and_nothing_short_or_illegal(num_disks):
-    moves = agents.hanoi_solution(num_disks)
+    moves = envs.hanoi_solution(num_disks)
     assert len(moves) == 2 ** num_disks - 1
-    assert agents.score_moves(num_disks, moves) == 1.0
-    assert agents.score_moves(num_disks, moves[:-1]) == 0.0
+    assert envs.score_moves(num_disks, moves) == 1.0
+    assert envs.score_moves(num_disks, moves[:-1]) == 0.0
     if num_disks > 1:
-        assert agents.score_moves(num_disks, ["A->B", "A->B"] + moves) == 0.0  # a larger disk on a smaller one
+        assert envs.score_moves(num_disks, ["A->B", "A->B"] + moves) == 0.0  # a larger disk on a smaller one
 
 
 def test_hanoi_observation_says_why_a_move_is_illegal():
-    env = agents.TowerOfHanoi({"num_disks": 2})
+    env = envs.TowerOfHanoi({"num_disks": 2})
     assert "A:[2, 1]" in env.reset()
     assert env.step("I move A->B")[0] == "State: A:[2] B:[1] C:[]"
     observation, reward, done = env.step("A->B")
@@ -33,20 +33,23 @@ class _NoStep:
 
 
 def test_bad_env_names_are_refused_naming_the_field():
-    assert agents.env_class("python_tool") is agents.PythonTool
-    for name, words in (("nope.module:Env", "cannot be imported"), ("tests.test_agents:Missing", "cannot be imported"),
-                        ("tests.test_agents:_NoStep", "no step"), ("python", "neither a built-in")):
-        with pytest.raises(ValueError, match=words):
-            agents.env_class(name)
+    assert envs.env_class("python_tool") is envs.PythonTool
+    for name, error, words in ((
+            "nope.module:Env", ImportError, "config.env.name='nope.module:Env': cannot import module 'nope.module'"),
+            ("tests.test_agents:Missing", ValueError, "module 'tests.test_agents' has no attribute 'Missing'"),
+            ("tests.test_agents:_NoStep", ValueError, "no step"),
+            ("python", ValueError, "not a registered environment \\(python_tool, tower_of_hanoi\\)")):
+        with pytest.raises(error, match=words):
+            envs.env_class(name)
     with pytest.raises(ValueError, match="env.max_turns=0"):
-        agents.EnvConfig(name="python_tool", max_turns=0).check(64)
+        envs.EnvConfig(name="python_tool", max_turns=0).check(64)
     with pytest.raises(ValueError, match="env.max_total_tokens=100"):
-        agents.EnvConfig(name="python_tool", max_total_tokens=100).check(64)
+        envs.EnvConfig(name="python_tool", max_total_tokens=100).check(64)
 
 
 @pytest.mark.xdist_group("test_code_reward")
 def test_python_tool_keeps_the_interpreters_state_and_scores_the_final_answer():
-    env = agents.PythonTool({"prompt": "2 + 3?", "answer": "5"})
+    env = envs.PythonTool({"prompt": "2 + 3?", "answer": "5"})
     assert env.step("```python\nx = 2 + 3\nprint(x)\n```\n```output") == ("\n5\n```\n", 0.0, False)
     observation, _, _ = env.step("```python\nprint(x * 2)\n1 / 0\n```\n```output")
     assert observation == "\n10\nZeroDivisionError: division by zero\n```\n"
@@ -116,7 +119,7 @@ def test_scripted_policy_turns_and_rewards_read_back_from_eval_samples(tmp_path)
 
     tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tok"))
     examples = [tasks.Example("7?", "", "7", "t"), tasks.Example("12?", "", "12", "t")]
-    env = agents.EnvConfig(name="tests.test_agents:_Guess", max_turns=3)
+    env = envs.EnvConfig(name="tests.test_agents:_Guess", max_turns=3)
     half = lambda prompts, completions, **_: [0.5] * len(completions)
     with pytest.warns(UserWarning, match="_Guess failed on a step"):
         out, samples = evaluation.evaluate_samples(_ScriptedPolicy(tokenizer), tokenizer, examples,
@@ -150,8 +153,8 @@ def test_a_stop_string_ends_a_turn_in_any_spelling_of_its_text(tmp_path):
     canonical = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     letters = tuple(tokenizer.convert_tokens_to_ids(list(text)))  # one token a character: a byte-level alphabet
     assert len(canonical) < len(letters)  # the merges make the tokenizer's own spelling shorter
-    seqs = agents.stop_sequences(tokenizer, text, limit=64)
+    seqs = envs.stop_sequences(tokenizer, text, limit=64)
     assert seqs[0] == canonical and letters in seqs and len(set(seqs)) == len(seqs)
     assert all(tokenizer.decode(list(s)) == text for s in seqs)
     assert [len(s) for s in seqs[1:]] == sorted(len(s) for s in seqs[1:])  # fewest tokens first
-    assert len(agents.stop_sequences(tokenizer, text, limit=2)) == 2
+    assert len(envs.stop_sequences(tokenizer, text, limit=2)) == 2

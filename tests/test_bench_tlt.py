@@ -398,16 +398,16 @@ _ENV = r"""
 import json, sys
 from absl import flags
 from experiments import bench_tlt, scripted_env
-from tlt_jax.data import agents
+from tlt_jax import envs
 flags.FLAGS(["bench_tlt", *sys.argv[1:]])
 preset = bench_tlt.PRESETS[flags.FLAGS.preset]
 out = {}
 for m in ("baseline", "tlt"):
     c = bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False)
-    e = agents.EnvConfig.from_config(c)
+    e = envs.EnvConfig.from_config(c)
     out[m] = [e.name, e.max_turns, e.overlap, c.reward]
 # The environment the runs resolve: its latency, stop string, observation and reward.
-make = lambda: agents.env_class(out["tlt"][0])({"prompt": "add 2+3\n", "answer": "5", "task": "addition"})
+make = lambda: envs.env_class(out["tlt"][0])({"prompt": "add 2+3\n", "answer": "5", "task": "addition"})
 env = make()
 out["env"] = [env.delay_s, list(env.stop_strings), list(env.step("2+3=5\nanswer:")), list(env.step("5"))]
 out["wrong"] = list(make().step("2+3=6\nanswer:")) + list(make().step("no answer line"))

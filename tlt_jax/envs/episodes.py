@@ -26,25 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import re
 import threading
 import time
 import warnings
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from tlt_jax.data import prompts as prompts_lib
-from tlt_jax.data import rewards, sandbox, tasks
-
-
-class Env(Protocol):
-    def __init__(self, example: dict): ...
-
-    def reset(self) -> str | list[dict] | None: ...
-
-    def step(self, action: str) -> tuple: ...
+from tlt_jax.data import tasks
+from tlt_jax.envs.registry import env_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,27 +73,6 @@ class EnvConfig:
 
     def total_tokens(self, max_tokens: int) -> int:
         return self.max_total_tokens or max_tokens
-
-
-def env_class(name: str) -> type:
-    """The class config.env.name names: a built-in or `module.path:ClassName`."""
-    if name in BUILT_IN:
-        return BUILT_IN[name]
-    module, _, attribute = name.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"config.env.name={name!r} is neither a built-in environment ({', '.join(BUILT_IN)}) nor "
-                         "module.path:ClassName.")
-    try:
-        cls = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"config.env.name={name!r} cannot be imported ({e}); check the module path and the class "
-                         "name, and that the module is on PYTHONPATH.") from e
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ValueError(f"config.env.name={name!r} has no {' or '.join(missing)} method; an environment needs "
-                         "reset() -> first message and step(action) -> (observation, reward, done[, info]).")
-    return cls
-
 
 def no_reward(prompts: Sequence, completions: Sequence[str], **_) -> list[float]:
     """The reward on the whole transcript when config.reward is "" with an environment:
@@ -325,133 +295,3 @@ class Episodes:
                 "env_step_max_s": float(max(self.step_seconds, default=0.0)), "env_failures": self.failures,
                 "env_turns_mean": float(np.mean(turns)) if turns else 0.0, "env_turns_max": int(max(turns, default=0))}
 
-
-# -- built-in environments -------------------------------------------------------------------
-
-_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
-
-
-def _cell_program(earlier: Sequence[str], cell: str) -> str:
-    """A program that replays the earlier cells silently (the interpreter's state, kept
-    across a sample's blocks), then runs `cell`, printing its error's last line if it raises."""
-    return "\n".join([
-        "import contextlib as _c, io as _io, traceback as _tb",
-        "_g = {'__name__': '__main__'}",
-        f"for _src in {list(earlier)!r}:",
-        "    with _c.redirect_stdout(_io.StringIO()), _c.redirect_stderr(_io.StringIO()):",
-        "        try:",
-        "            exec(compile(_src, '<cell>', 'exec'), _g)",
-        "        except BaseException:",
-        "            pass",
-        "try:",
-        f"    exec(compile({cell!r}, '<cell>', 'exec'), _g)",
-        "except BaseException as _e:",
-        "    print(_tb.format_exception_only(type(_e), _e)[-1].strip())",
-    ])
-
-
-class PythonTool:
-    """Tool-integrated reasoning (ToRL): the model writes a ```python block and then
-    ```output; the block runs in the `code` reward's sandbox (sandbox.execute), the
-    interpreter's state kept across the sample's blocks, and its output comes back,
-    closing the ```output block. A turn with no python block is the final answer, scored
-    by the math reward against the example's answer (1 or 0); the episode ends there."""
-
-    stop_strings = ("```output",)
-    limits = sandbox.Limits(timeout_s=5.0, memory_mb=512, output_bytes=1 << 14)
-    mode = "auto"
-    max_output_chars = 1000
-
-    def __init__(self, example: dict):
-        self.prompt, self.answer = example["prompt"], str(example["answer"])
-        self.cells: list[str] = []
-
-    def reset(self):
-        return None
-
-    def step(self, action: str):
-        blocks = _PYTHON_BLOCK.findall(action)
-        if not blocks or not action.rstrip().endswith("```output"):
-            score = rewards.math_correctness([self.prompt], [action], answer=[self.answer])[0]
-            return None, float(score), True
-        stdout, outcome = sandbox.execute(_cell_program(self.cells, blocks[-1]), self.limits, self.mode)
-        if outcome.failure is None:
-            self.cells.append(blocks[-1])
-        else:
-            stdout += f"{outcome.failure}: {outcome.detail}\n"
-        stdout = stdout[-self.max_output_chars:]
-        return "\n" + stdout + ("" if stdout.endswith("\n") else "\n") + "```\n", 0.0, False
-
-
-class TowerOfHanoi:
-    """A planning environment, one move a turn: move every disk from peg A to peg C,
-    never a larger disk onto a smaller one. The example's `num_disks` field sets the size
-    (default 3). The model writes a move as "A->C"; the observation is the new state, or
-    why the move was illegal. Solved: reward 1, done; an illegal or unreadable move:
-    reward 0, the state unchanged."""
-
-    stop_strings = ()
-    _MOVE = re.compile(r"\b([ABC])\s*->\s*([ABC])\b")
-
-    def __init__(self, example: dict):
-        self.num_disks = int(example.get("num_disks") or 3)
-        self.pegs = {"A": list(range(self.num_disks, 0, -1)), "B": [], "C": []}
-
-    def describe(self) -> str:
-        return " ".join(f"{peg}:{self.pegs[peg]}" for peg in "ABC")
-
-    def reset(self):
-        return (f"Tower of Hanoi with {self.num_disks} disks, largest 1st: {self.describe()}. Move all disks to C, "
-                "one move a turn, written as A->C. Never put a larger disk on a smaller one.")
-
-    def step(self, action: str):
-        move = self._MOVE.findall(action)
-        if not move:
-            return f"No move read; write one as A->C. State: {self.describe()}", 0.0, False
-        source, target = move[-1]
-        why = illegal_move(self.pegs, source, target)
-        if why:
-            return f"Illegal move {source}->{target}: {why}. State: {self.describe()}", 0.0, False
-        self.pegs[target].append(self.pegs[source].pop())
-        if solved(self.pegs, self.num_disks):
-            return None, 1.0, True
-        return f"State: {self.describe()}", 0.0, False
-
-
-def illegal_move(pegs: Mapping[str, list[int]], source: str, target: str) -> str:
-    """Why moving the top disk of `source` onto `target` is illegal ("" when it is legal)."""
-    if source == target:
-        return "source and target are the same peg"
-    if not pegs[source]:
-        return f"peg {source} is empty"
-    if pegs[target] and pegs[target][-1] < pegs[source][-1]:
-        return f"disk {pegs[source][-1]} is larger than disk {pegs[target][-1]} on {target}"
-    return ""
-
-
-def solved(pegs: Mapping[str, list[int]], num_disks: int) -> bool:
-    return pegs["C"] == list(range(num_disks, 0, -1))
-
-
-def hanoi_solution(num_disks: int, source: str = "A", spare: str = "B", target: str = "C") -> list[str]:
-    """The optimal moves (2^n - 1 of them) as "A->C" strings: the generator's solutions."""
-    if num_disks == 0:
-        return []
-    return (hanoi_solution(num_disks - 1, source, target, spare) + [f"{source}->{target}"]
-            + hanoi_solution(num_disks - 1, spare, source, target))
-
-
-def score_moves(num_disks: int, moves: Sequence[str]) -> float:
-    """1.0 when `moves` (one "X->Y" each), played from the start, are all legal and solve
-    the puzzle; else 0.0: the environment's own scorer, outside any rollout."""
-    env = TowerOfHanoi({"num_disks": num_disks})
-    for move in moves:
-        observation, reward, done = env.step(move)
-        if observation is not None and observation.startswith(("Illegal", "No move")):
-            return 0.0
-        if done:
-            return reward
-    return 0.0
-
-
-BUILT_IN: dict[str, Any] = {"python_tool": PythonTool, "tower_of_hanoi": TowerOfHanoi}
