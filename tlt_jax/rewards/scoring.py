@@ -11,14 +11,15 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
-import multiprocessing.connection
 import queue
 import signal
 import threading
 import time
-from typing import Sequence
+from concurrent.futures.process import BrokenProcessPool
+from typing import Protocol, Sequence
 
 import numpy as np
+import pebble
 
 from tlt_jax.rewards.registry import get_reward
 from tlt_jax.rewards.safe import FailedSample, checked_rewards, warn_failures
@@ -50,27 +51,6 @@ def _sample_job(job, i: int):
     return reward, [prompts[i]], [completions[i]], {k: v[i:i + 1] for k, v in fields.items()}, warn
 
 
-def _worker_main(connection) -> None:
-    """A reward worker process: scores the jobs `connection` brings, one at a time, until
-    None (or until the training process is gone)."""
-    connection.send("ready")
-    while True:
-        try:
-            job = connection.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            reply = (True, _score_job(job))
-        except Exception as error:  # noqa: BLE001 - the waiting side raises it
-            reply = (False, error)
-        try:
-            connection.send(reply)
-        except Exception as error:  # noqa: BLE001 - a result or exception that does not pickle
-            connection.send((False, RuntimeError(f"a reward worker could not send back {reply[1]!r:.200}: {error!r}")))
-
-
 def _exit_text(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         with contextlib.suppress(ValueError):
@@ -92,153 +72,114 @@ class _Died:
                                 f"its reward worker died ({_exit_text(exitcode)})"), exitcode)
 
 
-class _Workers:
-    """`count` spawned worker processes, each scoring one job at a time, fed in order of
-    submission by one thread of this process per worker.
+def _outcome(job, future: concurrent.futures.Future):
+    """What a job came to: `_score_job`'s result, `_Died` where its worker died, None where
+    it did not finish in time (still running, cancelled, or past its task timeout)."""
+    if not future.done() or future.cancelled():
+        return None
+    error = future.exception()
+    if error is None:
+        return future.result()
+    if isinstance(error, pebble.ProcessExpired):
+        return _Died.of(job, error.exitcode)
+    if isinstance(error, BrokenProcessPool):  # the pool lost every worker
+        return _Died.of(job, None)
+    if isinstance(error, concurrent.futures.TimeoutError):
+        return None
+    raise error
 
-    A multiprocessing.Pool replaces a worker that dies but loses the job it held, which
-    then waits out the batch's deadline (or forever, without one). Here the job's future
-    gets `_Died` at once, and a fresh process takes the dead one's place. `terminate` kills
-    every worker (a deadline passed); `close` lets them finish what they were given."""
+
+class _Backend(Protocol):
+    """Where jobs are scored: worker processes (`_Workers`) or threads of this process (`_Threads`)."""
+
+    def submit(self, job, timeout: float | None = None) -> concurrent.futures.Future: ...
+
+    def abandon(self, pending: Sequence[concurrent.futures.Future]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _count_start(started) -> None:
+    """Each worker's initializer, once this module is imported there: counts it as up."""
+    with started.get_lock():
+        started.value += 1
+
+
+class _Workers:
+    """`count` spawned worker processes of a pebble ProcessPool, each scoring one job at a
+    time. A job whose worker dies gets `_Died` at once (pebble's ProcessExpired) and pebble
+    starts a fresh worker in its place; a job past its task timeout has its worker killed
+    and replaced. A pool starts at once and waits for its workers to be up, so a deadline
+    counts scoring, not start-up; after a deadline passed (`abandon`) a fresh pool, up
+    before the next batch, takes the next jobs."""
 
     def __init__(self, count: int):
+        self._count = count
+        self._pool = self._start()
+
+    def _start(self) -> pebble.ProcessPool:
         # Spawned, not forked: forking a process that runs JAX threads can deadlock.
-        self._context = multiprocessing.get_context("spawn")
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._live: set = set()
-        self._closing = False
-        started = [self._spawn() for _ in range(count)]  # side by side: they start in parallel
+        context = multiprocessing.get_context("spawn")
+        started = context.Value("i", 0)
+        pool = pebble.ProcessPool(self._count, initializer=_count_start, initargs=(started,), context=context)
         deadline = time.monotonic() + _START_TIMEOUT_S
-        workers = [self._await_ready(*w, deadline) for w in started]
-        self._threads = [threading.Thread(target=self._serve, args=w, name="reward-worker", daemon=True)
-                         for w in workers]
-        for thread in self._threads:
-            thread.start()
+        while started.value < self._count:
+            if not pool.active:  # asking starts the pool; a worker that dies on the way up breaks it
+                pool.stop()
+                raise RuntimeError("A reward worker died as it started; see its error above.")
+            if time.monotonic() > deadline:
+                pool.stop()
+                raise RuntimeError(f"A reward worker did not start within {_START_TIMEOUT_S:g} s.")
+            time.sleep(0.01)
+        return pool
 
-    def submit(self, job) -> concurrent.futures.Future:
-        future = concurrent.futures.Future()
-        self._jobs.put((future, job))
-        return future
+    @property
+    def broken(self) -> bool:
+        """Whether the pool takes no more jobs (it lost every worker at once)."""
+        return not self._pool.active
 
-    def _spawn(self):
-        parent_end, child_end = self._context.Pipe()
-        process = self._context.Process(target=_worker_main, args=(child_end,), name="reward-worker", daemon=True)
-        process.start()
-        child_end.close()  # so that the worker's death reads as the end of the pipe
-        with self._lock:
-            self._live.add(process)
-            if self._closing:  # terminate ran meanwhile
-                process.kill()
-        return process, parent_end
+    def submit(self, job, timeout: float | None = None) -> concurrent.futures.Future:
+        return self._pool.schedule(_score_job, (job,), timeout=timeout)
 
-    @staticmethod
-    def _await_ready(process, connection, deadline: float):
-        if connection.poll(max(deadline - time.monotonic(), 0.0)):
-            try:
-                if connection.recv() == "ready":
-                    return process, connection
-            except EOFError:  # it died on the way up
-                process.join(5.0)
-        connection.close()
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-            raise RuntimeError(f"A reward worker did not start within {_START_TIMEOUT_S:g} s.")
-        raise RuntimeError(f"A reward worker died as it started ({_exit_text(process.exitcode)}).")
-
-    def _start(self):
-        return self._await_ready(*self._spawn(), time.monotonic() + _START_TIMEOUT_S)
-
-    @staticmethod
-    def _exchange(process, connection, job):
-        """The worker's reply to `job`, or None if the worker died first."""
-        try:
-            connection.send(job)
-            # Its sentinel too: a program the reward started may hold the pipe open past its death.
-            if connection in multiprocessing.connection.wait([connection, process.sentinel]):
-                return connection.recv()
-        except (EOFError, OSError):
-            pass
-        return None
-
-    def _serve(self, process, connection) -> None:
-        while (item := self._jobs.get()) is not None and not self._closing:
-            future, job = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            if process is None:  # the last replacement failed to start: try again, for this job
-                try:
-                    process, connection = self._start()
-                except RuntimeError as error:
-                    future.set_exception(error)
-                    continue
-            reply = self._exchange(process, connection, job)
-            if reply is not None:
-                ok, value = reply
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
-                continue
-            process.join()
-            connection.close()
-            with self._lock:
-                self._live.discard(process)
-            if self._closing:  # terminated: killed, not dead
-                return
-            future.set_result(_Died.of(job, process.exitcode))
-            try:
-                process, connection = self._start()
-            except RuntimeError as error:
-                if self._closing:
-                    return
-                logger.error("%s The next job tries again.", error)
-                process = connection = None
-        if process is not None:
-            with contextlib.suppress(OSError):
-                connection.send(None)
-            process.join()
-            connection.close()
-
-    def terminate(self) -> None:
-        """Kills every worker, and what they hold with them; for a pool no one uses again."""
-        with self._lock:
-            self._closing = True
-            live = list(self._live)
-        for process in live:
-            process.kill()
-        for _ in self._threads:
-            self._jobs.put(None)
-        for process in live:
-            process.join()
+    def abandon(self, pending: Sequence[concurrent.futures.Future]) -> None:
+        """Jobs past their batch's deadline: every worker is killed, the hung ones with
+        them, and a fresh pool takes the next jobs."""
+        self._pool.stop()
+        self._pool.join()
+        self._pool = self._start()
 
     def close(self) -> None:
-        """Waits for the jobs given, then for every worker to exit."""
-        for _ in self._threads:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join()
+        """Waits for the jobs given, then for every worker to exit (a broken pool: at once)."""
+        if self.broken:
+            self._pool.stop()
+        else:
+            self._pool.close()
+        self._pool.join()
 
 
-class _ScoringThread:
+class _Threads:
     """Daemon threads scoring jobs in this process, in order of submission: submitting
     never blocks the caller (the engine's host loop), and a reward that hangs past a
     deadline is left behind with its thread (a daemon: it keeps no process alive). One
     thread, or a reward's `parallel` (one that waits on subprocesses, as `CodeReward`)."""
 
     def __init__(self, threads: int = 1):
-        self._jobs, self._threads = queue.SimpleQueue(), threads
-        for _ in range(threads):
-            threading.Thread(target=self._serve, name="reward", daemon=True).start()
+        self._threads = threads
+        self._jobs: queue.SimpleQueue | None = None  # started at the first job, again after `abandon`
 
-    def submit(self, job) -> concurrent.futures.Future:
+    def submit(self, job, timeout: float | None = None) -> concurrent.futures.Future:
+        """timeout: unused (a thread cannot be stopped); the waiting side keeps the deadline."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            for _ in range(self._threads):
+                threading.Thread(target=self._serve, args=(self._jobs,), name="reward", daemon=True).start()
         future = concurrent.futures.Future()
         self._jobs.put((future, job))
         return future
 
-    def _serve(self):
-        while (item := self._jobs.get()) is not None:
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue):
+        while (item := jobs.get()) is not None:
             future, job = item
             if future.set_running_or_notify_cancel():  # cancelled: its batch passed its deadline
                 try:
@@ -246,9 +187,18 @@ class _ScoringThread:
                 except BaseException as error:  # noqa: BLE001 - the waiting side reports it
                     future.set_exception(error)
 
-    def close(self):
-        for _ in range(self._threads):
-            self._jobs.put(None)
+    def abandon(self, pending: Sequence[concurrent.futures.Future]) -> None:
+        """Jobs past their batch's deadline: fresh threads take the next ones; the old ones
+        finish their current job, if ever, and skip the rest."""
+        for future in pending:
+            future.cancel()
+        self.close()
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            for _ in range(self._threads):
+                self._jobs.put(None)
+            self._jobs = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,26 +214,64 @@ class BatchScores:
     forgeable: int = 0  # samples with tests only the program's own interpreter could decide (code reward)
 
 
+def _reward_name(reward) -> str:
+    return getattr(reward, "__name__", reward)
+
+
+def _batch_scores(reward, timeout_s: float, sizes: list[int], results: list, batch: int) -> BatchScores:
+    """The BatchScores of consecutive parts of `sizes` samples each, from their results
+    (`_score_job`'s, None for a part not scored by the deadline, or `_Died`), with one
+    warning for the parts past the deadline and one for the dead workers."""
+    scores, failed_sample = [np.zeros((0,), np.float32)], None
+    failures = timed_out = forgeable = 0
+    seconds = 0.0
+    deaths: list[tuple[int, _Died]] = []
+    for n, result in zip(sizes, results, strict=True):
+        if result is None or isinstance(result, _Died):
+            scores.append(np.zeros((n,), np.float32))
+            failures += n
+            if result is None:
+                timed_out += n
+            else:
+                deaths.append((n, result))
+        else:
+            scores.append(result[0])
+            failures += result[1]
+            failed_sample = failed_sample or result[2]
+            seconds += result[3]
+            forgeable += result[4]
+    if timed_out:
+        logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
+                       _reward_name(reward), timed_out, batch, timeout_s)
+    died = sum(n for n, _ in deaths)
+    if died:
+        logger.warning("reward %s: %d worker process(es) died (%s) while scoring %d of %d samples; they score 0, "
+                       "and fresh workers took their places. The first: %s", _reward_name(reward), len(deaths),
+                       ", ".join(sorted({_exit_text(d.exitcode) for _, d in deaths})), died, batch,
+                       deaths[0][1].sample)
+    return BatchScores(np.concatenate(scores), failures, timed_out, failed_sample, seconds, died, forgeable)
+
+
 class Scorer:
     """Scores batches with one reward: `safe_rewards` in this process (workers=0) or split
     over `workers` spawned processes, within `timeout_s` seconds per batch (0: no deadline).
 
     What has not finished by the deadline (the batch inline, or a worker's part of it)
     scores 0 and is counted (`BatchScores.timed_out`), and the next batch is scored as usual.
-    Worker processes past the deadline are terminated and a fresh pool serves the next
-    batch; a pool starts at once and waits for its workers to be up, so the deadline
-    counts scoring, not start-up. A worker that dies (killed, or a reward that exits its
-    process) is replaced at once: the sample it was scoring scores 0 and is counted
-    (`BatchScores.died`, among the failures) and shown in one warning, and the rest of the
-    batch does not wait for the deadline. A worker's part of a batch is then scored again
-    sample by sample, so that only a sample that kills its worker scores 0. Inline, the
-    call is left running on a daemon thread (Python cannot stop a thread), which is enough
-    for a reward that waits (on I/O, a lock, a sleep); a reward that can hang while it
-    computes, or that can take its process down, belongs in workers.
+    A worker past the deadline is killed and a fresh one takes its place; the pool starts
+    at once and waits for its workers to be up, so the deadline counts scoring, not
+    start-up. A worker that dies (killed, or a reward that exits its process) is replaced
+    at once: the sample it was scoring scores 0 and is counted (`BatchScores.died`, among
+    the failures) and shown in one warning, and the rest of the batch does not wait for
+    the deadline. A worker's part of a batch is then scored again sample by sample, so
+    that only a sample that kills its worker scores 0. Inline, the call is left running on
+    a daemon thread (Python cannot stop a thread), which is enough for a reward that waits
+    (on I/O, a lock, a sleep); a reward that can hang while it computes, or that can take
+    its process down, belongs in workers.
 
-    `begin` scores a batch sample by sample instead, as its samples come (`PendingBatch`): the
-    RL loop hands each sample over as it finishes decoding, so the reward runs while the
-    rest decode.
+    `begin` scores a batch sample by sample instead, as its samples come (`PendingBatch`):
+    the RL loop hands each sample over as it finishes decoding, so the reward runs while
+    the rest decode.
 
     reward: a name `get_reward` resolves (of `REWARDS`, or module.path:function), or a
     reward function (with workers: a module-level one, as it is pickled by reference).
@@ -297,8 +285,8 @@ class Scorer:
         if not timeout_s >= 0:
             raise ValueError(f"reward_timeout_s={timeout_s} must be >= 0 (0: no deadline).")
         self.reward, self.workers, self.timeout_s = reward, workers, timeout_s
-        self._pool = _Workers(workers) if workers else None  # replaced after a deadline passes
-        self._thread: _ScoringThread | None = None  # PendingBatch's, with workers=0; started at the first
+        self._pool = _Workers(workers) if workers else None
+        self._threads: _Threads | None = None  # PendingBatch's, with workers=0; started at the first
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], fields: dict) -> BatchScores:
         """Scores [B] for B samples; `fields` are per-sample sequences of length B."""
@@ -310,44 +298,24 @@ class Scorer:
             scored = self._in_workers(jobs, deadline)
         else:
             scored = [(job, self._inline(job, deadline)) for job in jobs]
-        return self._gather([len(job[2]) for job, _ in scored], [result for _, result in scored], len(completions))
+        return _batch_scores(self.reward, self.timeout_s, [len(job[2]) for job, _ in scored],
+                             [result for _, result in scored], len(completions))
 
     def begin(self) -> PendingBatch:
         """A batch to score sample by sample as its samples come (see `PendingBatch`)."""
-        return PendingBatch(self)
+        return PendingBatch(self.reward, self.timeout_s, self._backend())
 
-    def _gather(self, sizes: list[int], results: list, batch: int) -> BatchScores:
-        """The BatchScores of consecutive parts of `sizes` samples each, from their results
-        (`_score_job`'s, None for a part not scored by the deadline, or `_Died`)."""
-        scores, failed_sample = [np.zeros((0,), np.float32)], None
-        failures = timed_out = forgeable = 0
-        seconds = 0.0
-        deaths: list[tuple[int, _Died]] = []
-        for n, result in zip(sizes, results, strict=True):
-            if result is None or isinstance(result, _Died):
-                scores.append(np.zeros((n,), np.float32))
-                failures += n
-                if result is None:
-                    timed_out += n
-                else:
-                    deaths.append((n, result))
-            else:
-                scores.append(result[0])
-                failures += result[1]
-                failed_sample = failed_sample or result[2]
-                seconds += result[3]
-                forgeable += result[4]
-        if timed_out:
-            logger.warning("reward %s did not score %d of %d samples within reward_timeout_s=%g s; they score 0.",
-                           getattr(self.reward, "__name__", self.reward), timed_out, batch, self.timeout_s)
-        died = sum(n for n, _ in deaths)
-        if died:
-            logger.warning("reward %s: %d worker process(es) died (%s) while scoring %d of %d samples; they score 0, "
-                           "and fresh workers took their places. The first: %s",
-                           getattr(self.reward, "__name__", self.reward), len(deaths),
-                           ", ".join(sorted({_exit_text(d.exitcode) for _, d in deaths})), died, batch,
-                           deaths[0][1].sample)
-        return BatchScores(np.concatenate(scores), failures, timed_out, failed_sample, seconds, died, forgeable)
+    def _backend(self) -> _Backend:
+        """The workers (a fresh pool where the last one broke), or this process's threads."""
+        if self.workers:
+            if self._pool.broken:
+                self._pool.close()
+                self._pool = _Workers(self.workers)
+            return self._pool
+        if self._threads is None:
+            fn = get_reward(self.reward) if isinstance(self.reward, str) else self.reward
+            self._threads = _Threads(getattr(fn, "parallel", 1))
+        return self._threads
 
     @staticmethod
     def _inline(job, deadline: float | None):
@@ -359,18 +327,19 @@ class Scorer:
         thread.join(max(deadline - time.monotonic(), 0.0))
         return out[0] if out else None
 
-    def _restart_pool(self) -> None:
-        self._pool.terminate()  # the hung workers with it
-        self._pool = _Workers(self.workers)
-
     def _wait(self, jobs, deadline: float | None) -> list:
-        """`jobs` scored in workers: each one's result, None for one past the deadline."""
-        futures = [self._pool.submit(job) for job in jobs]
+        """`jobs` scored in workers, each with the time left as its task timeout: each
+        one's result, None for one past the deadline (the pool then replaced)."""
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        pool = self._backend()
+        futures = [pool.submit(job, timeout) for job in jobs]
+        # A job queued behind others starts late, and its task timeout with it: the batch's deadline still holds.
         _, pending = concurrent.futures.wait(futures, None if deadline is None else
                                              max(deadline - time.monotonic(), 0.0))
-        if pending:
-            self._restart_pool()
-        return [None if f in pending else f.result() for f in futures]
+        results = [None if f in pending else _outcome(job, f) for job, f in zip(jobs, futures)]
+        if any(result is None for result in results):  # past the deadline, whether pebble or the wait saw it first
+            pool.abandon([f for f, result in zip(futures, results) if result is None])
+        return results
 
     def _in_workers(self, jobs, deadline: float | None) -> list[tuple]:
         """(job, result) for jobs that together hold `jobs`' samples in order: a job whose
@@ -386,34 +355,13 @@ class Scorer:
             scored += [(single, next(retried)) for single in again[i]] if i in again else [(job, result)]
         return scored
 
-    def _submit(self, job) -> concurrent.futures.Future:
-        """Starts scoring `job` in a worker or on the scoring thread; its future result."""
-        if not self.workers:
-            if self._thread is None:
-                fn = get_reward(self.reward) if isinstance(self.reward, str) else self.reward
-                self._thread = _ScoringThread(getattr(fn, "parallel", 1))
-            return self._thread.submit(job)
-        return self._pool.submit(job)
-
-    def _abandon(self, pending: Sequence[concurrent.futures.Future]) -> None:
-        """After a deadline passed with `pending` unfinished: the next batch gets fresh
-        workers, or a fresh scoring thread (the old one finishes its current sample, if
-        ever, and skips the rest)."""
-        if self.workers:
-            self._restart_pool()
-        else:
-            for future in pending:
-                future.cancel()
-            self._thread.close()
-            self._thread = None
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
 
 
 class PendingBatch:
@@ -422,16 +370,17 @@ class PendingBatch:
     `submit` hands one sample to a worker process (reward_workers > 0) or to a scoring
     thread of this process and returns at once: the engine calls it between device chunks,
     which a reward run inline there would hold up. `result` waits for every sample and
-    gives the batch's `BatchScores`, equal to `Scorer.__call__` on the whole batch, bit for bit,
-    for a reward whose score of a sample depends on that sample alone (every reward of
+    gives the batch's `BatchScores`, equal to `Scorer.__call__` on the whole batch, bit for
+    bit, for a reward whose score of a sample depends on that sample alone (every reward of
     `REWARDS`): each sample is scored as the batch fallback of `safe_rewards` scores it,
-    and failures warn once for the batch. The Scorer's deadline counts from `result`: it
-    bounds the wait after the last sample was handed over. Submitting from several
+    and failures warn once for the batch. The deadline, timeout_s, counts from `result`:
+    it bounds the wait after the last sample was handed over. Submitting from several
     threads (the engine's rollout groups) is safe.
     """
 
-    def __init__(self, scorer: Scorer):
-        self._scorer = scorer
+    def __init__(self, reward: str | RewardFn, timeout_s: float, backend: _Backend):
+        self._reward, self._timeout_s, self._backend = reward, timeout_s, backend
+        self._jobs: dict[int, tuple] = {}
         self._futures: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
 
@@ -443,8 +392,8 @@ class PendingBatch:
         with self._lock:
             if index in self._futures:
                 raise ValueError(f"Sample {index} was submitted twice; each sample is scored once.")
-            job = (self._scorer.reward, [prompt], [completion], {k: [v] for k, v in fields.items()}, False)
-            self._futures[index] = self._scorer._submit(job)
+            job = (self._reward, [prompt], [completion], {k: [v] for k, v in fields.items()}, False)
+            self._jobs[index], self._futures[index] = job, self._backend.submit(job)
 
     def result(self, batch: int) -> BatchScores:
         """The BatchScores [batch] of samples 0..batch-1, every one of them submitted."""
@@ -454,13 +403,12 @@ class PendingBatch:
             raise ValueError(f"A batch of {batch} samples, but samples {missing[:8]} were never submitted and "
                              f"{extra[:8]} are not of it.")
         futures = [self._futures[i] for i in range(batch)]
-        timeout = self._scorer.timeout_s if self._scorer.timeout_s > 0 else None
-        _, pending = concurrent.futures.wait(futures, timeout)
-        results = [None if f in pending else f.result() for f in futures]
+        _, pending = concurrent.futures.wait(futures, self._timeout_s if self._timeout_s > 0 else None)
+        results = [None if f in pending else _outcome(self._jobs[i], f) for i, f in enumerate(futures)]
         if pending:
-            self._scorer._abandon(list(pending))
-        scores = self._scorer._gather([1] * batch, results, batch)
+            self._backend.abandon(list(pending))
+        scores = _batch_scores(self._reward, self._timeout_s, [1] * batch, results, batch)
         failed = [i for i, r in enumerate(results) if isinstance(r, tuple) and r[1]]
         if failed:
-            warn_failures(self._scorer.reward, len(failed), batch, scores.failed_sample)
+            warn_failures(self._reward, len(failed), batch, scores.failed_sample)
         return scores
