@@ -64,9 +64,12 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
     if env is not None and env.name:
         ends = tuple(end_token_ids) if end_token_ids is not None else (tokenizer.eos_token_id,)
         episodes = envs.Episodes(envs.env_class(env.name), examples, num_samples, tokenizer, prompt_format, ends,
-                                   env)
-        out = engine.generate(episodes.prompt_ids(), num_samples, episodes.sampling_params(sampling_params), key,
-                              episodes=episodes)
+                                 env)
+        try:
+            out = engine.generate(episodes.prompt_ids(), num_samples, episodes.sampling_params(sampling_params), key,
+                                  episodes=episodes)
+        finally:
+            episodes.close()
         prompt_texts = episodes.prompt_texts()
     else:
         out = engine.generate(encode_prompts(tokenizer, examples, prompt_format), num_samples, sampling_params, key)

@@ -4,7 +4,7 @@ the python tool (`python_tool`) and a planning puzzle (`hanoi`).
 
 The names below are the package's public API; the modules hold the rest.
 """
-from tlt_jax.envs.base import Env
+from tlt_jax.envs.base import Env, StepResult
 from tlt_jax.envs.episodes import (
                                    MAX_STOP_TOKENIZATIONS,
                                    EnvConfig,
@@ -20,4 +20,4 @@ from tlt_jax.envs.registry import BUILT_IN, env_class
 
 __all__ = ["BUILT_IN", "MAX_STOP_TOKENIZATIONS", "Env", "EnvConfig", "Episodes", "PythonTool", "TowerOfHanoi",
            "env_class", "example_dict", "hanoi_solution", "illegal_move", "no_reward", "rollout_sampling_params",
-           "score_moves", "solved", "stop_sequences"]
+           "score_moves", "solved", "stop_sequences", "StepResult"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
+from tlt_jax.envs.base import StepResult
+
 
 class TowerOfHanoi:
     """A planning environment, one move a turn: move every disk from peg A to peg C,
@@ -26,18 +28,18 @@ class TowerOfHanoi:
         return (f"Tower of Hanoi with {self.num_disks} disks, largest 1st: {self.describe()}. Move all disks to C, "
                 "one move a turn, written as A->C. Never put a larger disk on a smaller one.")
 
-    def step(self, action: str):
+    def step(self, action: str) -> StepResult:
         move = self._MOVE.findall(action)
         if not move:
-            return f"No move read; write one as A->C. State: {self.describe()}", 0.0, False
+            return StepResult(f"No move read; write one as A->C. State: {self.describe()}")
         source, target = move[-1]
         why = illegal_move(self.pegs, source, target)
         if why:
-            return f"Illegal move {source}->{target}: {why}. State: {self.describe()}", 0.0, False
+            return StepResult(f"Illegal move {source}->{target}: {why}. State: {self.describe()}")
         self.pegs[target].append(self.pegs[source].pop())
         if solved(self.pegs, self.num_disks):
-            return None, 1.0, True
-        return f"State: {self.describe()}", 0.0, False
+            return StepResult(None, 1.0, True)
+        return StepResult(f"State: {self.describe()}")
 
 
 def illegal_move(pegs: Mapping[str, list[int]], source: str, target: str) -> str:
@@ -68,10 +70,10 @@ def score_moves(num_disks: int, moves: Sequence[str]) -> float:
     the puzzle; else 0.0: the environment's own scorer, outside any rollout."""
     env = TowerOfHanoi({"num_disks": num_disks})
     for move in moves:
-        observation, reward, done = env.step(move)
-        if observation is not None and observation.startswith(("Illegal", "No move")):
+        result = env.step(move)
+        if result.observation is not None and result.observation.startswith(("Illegal", "No move")):
             return 0.0
-        if done:
-            return reward
+        if result.done:
+            return result.reward
     return 0.0
 

@@ -17,5 +17,5 @@ def env_class(name: str) -> type:
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ValueError(f"config.env.name={name!r} has no {' or '.join(missing)} method; an environment needs "
-                         "reset() -> first message and step(action) -> (observation, reward, done[, info]).")
+                         "reset() -> first message and step(action) -> envs.StepResult.")
     return cls

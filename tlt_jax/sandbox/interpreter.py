@@ -18,7 +18,8 @@ from tlt_jax.sandbox.spec import Limits
 _EXIT_GRACE_S = 0.5  # for a sandbox whose tests all ended to exit by itself
 
 # Each role's names for the two pipe ends it holds: (what it says on, what it is told on).
-_ROLE_FDS = {"solution": ("reply_fd", "request_fd"), "checker": ("report_fd", "reply_fd"), "stdio": ("report_fd", None)}
+_ROLE_FDS = {"solution": ("reply_fd", "request_fd"), "checker": ("report_fd", "reply_fd"), "stdio": ("report_fd", None),
+             "session": ("reply_fd", "request_fd")}
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,6 +38,7 @@ class Interpreter:
     output_bytes: int = 0
     said_bytes: int = 0
     ready: bool = False
+    ended: set[str] = dataclasses.field(default_factory=set)  # the streams read to their end
 
     def lines(self, data: bytes, cap: int) -> list[bytes] | None:
         """The whole lines `data` completes; None once an unfinished one passes `cap`."""

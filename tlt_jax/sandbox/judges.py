@@ -12,6 +12,15 @@ from tlt_jax.sandbox.interpreter import Interpreter
 from tlt_jax.sandbox.spec import DETAIL_CHARS, Limits, Outcome, Suite, stdout_matches
 
 
+def json_object(line: bytes) -> dict | None:
+    """The JSON object a line holds (None for anything else)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class Judge:
     """The host's side of one run's tests: each test's end, in order and once, and what
     cut the run short. Subclasses read what the interpreters say (`on_line`)."""
@@ -131,11 +140,8 @@ class CheckJudge(Judge):
             self.from_solution(interpreter, line)
 
     def from_checker(self, checker: Interpreter, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            return
-        if not isinstance(record, dict):
+        record = json_object(line)
+        if record is None:
             return
         event, detail = record.get("event"), str(record.get("detail", ""))[:DETAIL_CHARS]
         if event == "ready":

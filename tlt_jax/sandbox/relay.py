@@ -41,7 +41,7 @@ from tlt_jax.sandbox.spec import Limits, Outcome, Suite
 _SAID_CAP_FACTOR = 16  # what a sandbox may say (reports, requests, replies), in code.output_bytes
 
 
-class _Relay:
+class Relay:
     """The host's loop over one run's interpreters, until every test has ended, a window
     passes, a cap is passed or every interpreter has gone: feeds their jobs, hands the
     lines they say to the judge, writes what the judge tells them, drains and counts
@@ -53,14 +53,17 @@ class _Relay:
         self.told: set[int] = set()  # the told pipes registered for writing
         self.started = self.last_progress = time.monotonic()
         self.progress = judge.progress
-        for interpreter in interpreters:
+        for interpreter in interpreters:  # an interpreter a session relays again: what is still open
             process = interpreter.process
-            for stream in (process.stdin, process.stdout, process.stderr):
-                os.set_blocking(stream.fileno(), False)
-            self.selector.register(process.stdin, selectors.EVENT_WRITE, (interpreter, "job"))
-            self.selector.register(process.stdout, selectors.EVENT_READ, (interpreter, "output"))
-            self.selector.register(process.stderr, selectors.EVENT_READ, (interpreter, "stderr"))
-            self.selector.register(interpreter.said_fd, selectors.EVENT_READ, (interpreter, "said"))
+            streams = [(process.stdin, selectors.EVENT_WRITE, "job")] if interpreter.job else []
+            streams += [(process.stdout, selectors.EVENT_READ, "output"),
+                        (process.stderr, selectors.EVENT_READ, "stderr")]
+            for stream, event, what in streams:
+                if what not in interpreter.ended:
+                    os.set_blocking(stream.fileno(), False)
+                    self.selector.register(stream, event, (interpreter, what))
+            if "said" not in interpreter.ended:
+                self.selector.register(interpreter.said_fd, selectors.EVENT_READ, (interpreter, "said"))
 
     def run(self) -> None:
         judge = self.judge
@@ -142,6 +145,7 @@ class _Relay:
         data = os.read(key.fd, 1 << 16)
         if not data:
             self.selector.unregister(key.fileobj)
+            interpreter.ended.add(what)
             if what == "said" and interpreter.role == "solution":
                 self.solution_gone()
         elif what == "said":
@@ -208,5 +212,5 @@ def _run(program: str, suite: Suite, limits: Limits, mode: str, python: str,
     with contextlib.ExitStack() as stack:
         interpreters = [stack.enter_context(interpreter_lib.start(role, dict(job, windows=windows), mode, python,
                                                                   limits)) for role, job in jobs]
-        _Relay(interpreters, judge).run()
+        Relay(interpreters, judge).run()
         return judge.outcome(interpreters), judge.stdouts
