@@ -104,16 +104,18 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # Each sample scored as it finishes, while the rest decode (the same rewards for a reward
     # that scores each sample on its own; False for one that reads the whole batch).
     c.reward_overlap = True
-    c.code = code_config()  # the code reward's sandbox and scoring (reward="code"; docs/code.md)
+    c.code = code_config()  # the code reward's sandbox and scoring (reward="code"; docs/code.md), the python tool's
     # Multi-turn rollouts (docs/agents.md): name a built-in environment (python_tool,
     # tower_of_hanoi) or module.path:ClassName; "" keeps rollouts single-turn. max_turns:
     # model turns per sample; max_total_tokens: the transcript after the prompt, model and
     # observation tokens (0: rollout.max_tokens); stop_strings: text that ends a turn
     # besides the end tokens (empty: the environment's own); overlap: environments step
-    # while the other samples decode (False: decoding waits for them, to measure the gain).
-    # With a name, reward="" scores by the environment's step rewards alone.
+    # while the other samples decode (False: decoding waits for them, to measure the gain);
+    # step_timeout_s: the rollout's wait for one step (0: no deadline). The python tool's
+    # sandbox and limits are config.code's. With a name, reward="" scores by the
+    # environment's step rewards alone.
     c.env = ml_collections.ConfigDict(dict(name="", max_turns=1, max_total_tokens=0, stop_strings=(),
-                                           overlap=True))
+                                           overlap=True, step_timeout_s=0.0))
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0

@@ -21,7 +21,7 @@ def run(work: dict, check: dict, max_logit_diff: float, logit_diff) -> dict:
     import transformers
     import trl
 
-    from tlt_jax.data import rewards
+    from tlt_jax import rewards
 
     model = transformers.AutoModelForCausalLM.from_pretrained(work["model_dir"], dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(work["model_dir"])

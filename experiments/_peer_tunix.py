@@ -3,7 +3,7 @@
   <venv>/bin/python experiments/_peer_tunix.py --work=runs/bench_peers/work_sft_tiny.json --out=OUT.json
 
 Runs in the virtual environment bench_peers builds (google-tunix 0.1.7 and what it pins), so it
-imports nothing of tlt_jax but the reward (`tlt_jax.data.rewards`, numpy only). The model is
+imports nothing of tlt_jax but the reward (`tlt_jax.rewards`, numpy only). The model is
 tunix's llama3 `Llama3`, read from the checkpoint by tunix's own safetensors loader
 (`tunix.models.llama3.params.create_model_from_safe_tensors`); the rollout is the vanilla
 engine (tunix's `Sampler`); one RLCluster on a 1x1 (fsdp, tp) mesh, actor and rollout sharing
@@ -74,7 +74,7 @@ def run(work: dict) -> dict:
     from tunix.rl.rollout import base_rollout, vanilla_rollout
 
     sys.path.insert(0, work["repo_root"])
-    from tlt_jax.data import rewards
+    from tlt_jax import rewards
 
     with open(f"{work['model_dir']}/config.json") as f:
         hf = json.load(f)

@@ -28,8 +28,7 @@ import time
 from absl import flags
 
 from experiments import machine, make_code_dataset
-from tlt_jax import launch
-from tlt_jax.data import rewards, sandbox
+from tlt_jax import launch, rewards, sandbox
 
 _COMPLETIONS = flags.DEFINE_integer("completions", 64, "Completions per batch.")
 _LOOPS = flags.DEFINE_integer("loops", 8, "Of them, infinite loops.")

@@ -27,7 +27,8 @@ import time
 from absl import app, flags
 
 from experiments import machine
-from tlt_jax.data import code_tests, rewards, sandbox
+from tlt_jax import rewards, sandbox
+from tlt_jax.rewards import code_tests
 
 _PROBLEMS = flags.DEFINE_integer("problems", 164, "The first this many HumanEval problems.")
 _PAIRS = flags.DEFINE_integer("pairs", 2, "ABBA pairs of fresh processes per side of the throughput comparison.")

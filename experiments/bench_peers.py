@@ -12,7 +12,7 @@ loop, `RLLoop.prompts_for`), G samples each, the same max_tokens, temperature 1,
 learning rate (constant, AdamW b1 0.9, b2 0.99, no weight decay, gradients clipped at norm 1),
 PPO clipping (0.2 low, 0.28 high), no KL term, token-mean loss aggregation (TRL's `dapo`,
 tunix's `token-mean`), one optimizer update per step over all samples, and the reward of the
-task, `tlt_jax.data.rewards.task_reward`, a plain `fn(prompts, completions, **columns)` that
+task, `tlt_jax.rewards.task_reward`, a plain `fn(prompts, completions, **columns)` that
 every framework calls as it is. Frameworks (`--frameworks`):
   baseline   tlt_jax with TLT off (`bench_tlt.mode_config`, `train_rl`)
   tlt        tlt_jax with TLT on: adaptive speculation and the drafter trained on the spot

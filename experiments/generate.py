@@ -20,9 +20,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from tlt_jax import launch, metrics, sampling, sharding
-from tlt_jax.data.rewards import parse_answer
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import from_config_dict
+from tlt_jax.rewards import parse_answer
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.speculative import FixedSpeculation, Strategy
 

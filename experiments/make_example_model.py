@@ -20,9 +20,9 @@ TASKS = ("basic_arithmetic", "chain_sum", "leg_counting")
 
 def corpus(tasks=TASKS, per_task: int = 400, seed: int = 0) -> list[str]:
     """Questions and <answer>-tagged answers of the tasks: the tokenizer's training text."""
-    from tlt_jax.data import environments
+    from tlt_jax.data import reasoning_gym_problems
 
-    rg = environments.import_reasoning_gym()
+    rg = reasoning_gym_problems.import_reasoning_gym()
     texts = []
     for name in tasks:
         for entry in rg.create_dataset(name, size=per_task, seed=seed):

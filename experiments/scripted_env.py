@@ -15,7 +15,7 @@ import functools
 import re
 import time
 
-from tlt_jax.data import rewards
+from tlt_jax import envs, rewards
 
 _NAME = re.compile(r"after_(?P<ms>\d+(?:\.\d+)?)ms")
 STOP = "answer:"
@@ -41,15 +41,15 @@ class Scripted:
     def reset(self):
         return None
 
-    def step(self, action: str):
+    def step(self, action: str) -> envs.StepResult:
         time.sleep(self.delay_s)
         self.actions.append(action)
         if len(self.actions) == 1 and action.endswith(STOP):
-            return " ", 0.0, False
+            return envs.StepResult(" ")
         transcript = " ".join(self.actions)
         right = rewards.answer_correctness([self.example["prompt"]], [transcript], answer=[self.example["answer"]],
                                            task=[self.example["task"]])[0]
-        return None, float(right), True
+        return envs.StepResult(None, float(right), True)
 
 
 @functools.cache

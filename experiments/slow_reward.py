@@ -10,7 +10,7 @@ import functools
 import re
 import time
 
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 
 _NAME = re.compile(r"(?P<reward>\w+?)_after_(?P<ms>\d+(?:\.\d+)?)ms")
 

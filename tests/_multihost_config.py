@@ -9,7 +9,7 @@ with them every learning metric, then depend only on the seed. The reward, the s
 an answer's length cap a completion fills, gives a random policy a learning signal.
 """
 from configs import rl
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 
 MAX_TOKENS = 24
 

@@ -24,7 +24,7 @@ _batches = []
 
 def hang_on_second_batch(prompts, completions, **fields):
     """The task reward, except that the second batch it is given never returns."""
-    from tlt_jax.data import rewards
+    from tlt_jax import rewards
 
     _batches.append(len(completions))
     if len(_batches) == 2:

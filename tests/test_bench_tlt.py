@@ -398,19 +398,20 @@ _ENV = r"""
 import json, sys
 from absl import flags
 from experiments import bench_tlt, scripted_env
-from tlt_jax.data import agents
+from tlt_jax import envs
 flags.FLAGS(["bench_tlt", *sys.argv[1:]])
 preset = bench_tlt.PRESETS[flags.FLAGS.preset]
 out = {}
 for m in ("baseline", "tlt"):
     c = bench_tlt.mode_config(m, preset, "t", "d", 0, 2, built=False)
-    e = agents.EnvConfig.from_config(c)
+    e = envs.EnvConfig.from_config(c)
     out[m] = [e.name, e.max_turns, e.overlap, c.reward]
 # The environment the runs resolve: its latency, stop string, observation and reward.
-make = lambda: agents.env_class(out["tlt"][0])({"prompt": "add 2+3\n", "answer": "5", "task": "addition"})
+make = lambda: envs.env_class(out["tlt"][0])({"prompt": "add 2+3\n", "answer": "5", "task": "addition"})
 env = make()
-out["env"] = [env.delay_s, list(env.stop_strings), list(env.step("2+3=5\nanswer:")), list(env.step("5"))]
-out["wrong"] = list(make().step("2+3=6\nanswer:")) + list(make().step("no answer line"))
+shown = lambda result: [result.observation, result.reward, result.done]
+out["env"] = [env.delay_s, list(env.stop_strings), shown(env.step("2+3=5\nanswer:")), shown(env.step("5"))]
+out["wrong"] = shown(make().step("2+3=6\nanswer:")) + shown(make().step("no answer line"))
 # Decode (the chunks alone), rollout and step paired per step, as each mode's summary gives them.
 mode = lambda chunks, rollout, step: dict(steady_steps=[4, 5, 6], steady_times=dict(
     time_rollout_chunks_s=chunks, time_rollout_s=rollout, time_step_s=step))

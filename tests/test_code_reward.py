@@ -12,13 +12,18 @@ import pickle
 import shutil
 import socket
 import tempfile
+import threading
 import time
 
 import pytest
 
 from experiments import make_code_dataset
 from tests import _code_hacks
-from tlt_jax.data import code_tests, files, rewards, sandbox, sandbox_uids
+from tlt_jax import rewards, sandbox
+from tlt_jax.data import files
+from tlt_jax.rewards import code_reward, code_tests
+from tlt_jax.sandbox import modes as sandbox_modes
+from tlt_jax.sandbox import uids as sandbox_uids
 
 # One worker runs them all: a test checks that no sandbox process is left, of any test.
 pytestmark = pytest.mark.xdist_group("test_code_reward")
@@ -28,7 +33,7 @@ STRONG = sandbox.resolve_mode("auto", sandbox.default_python())
 
 def _mode(mode: str) -> str:
     if mode == "bwrap" and STRONG != "bwrap":
-        pytest.skip(f"bwrap is not available here: {sandbox._bwrap_problem(sandbox.default_python())}")
+        pytest.skip(f"bwrap is not available here: {sandbox_modes.bwrap_problem(sandbox.default_python())}")
     return mode
 
 
@@ -120,7 +125,7 @@ def test_bad_input_is_one_line_naming_the_field():
 
 
 def test_unavailable_sandbox_mode_says_which_one_runs(monkeypatch):
-    monkeypatch.setattr(sandbox, "_bwrap_problem", lambda python: "bwrap is not installed (apt-get ...)")
+    monkeypatch.setattr(sandbox_modes, "bwrap_problem", lambda python: "bwrap is not installed (apt-get ...)")
     with pytest.raises(ValueError) as error:
         sandbox.resolve_mode("bwrap", "python3")
     assert "\n" not in str(error.value)
@@ -137,7 +142,7 @@ def test_config_builds_the_reward_and_scores_pickle():
     reward = rewards.reward_from_config(config)
     assert reward == rewards.CodeReward(timeout_s=2.0, partial_credit=False)
     assert pickle.loads(pickle.dumps(reward)) == reward  # to reward workers
-    scored = rewards.Scored(0.5, {"passed": 1, "total": 2})
+    scored = rewards.ExplainedScore(0.5, {"passed": 1, "total": 2})
     again = pickle.loads(pickle.dumps(scored))
     assert again == 0.5 and again.info == scored.info
     assert rewards.get_reward("code") == rewards.REWARDS["code"] == rewards.CodeReward()  # bare: the defaults
@@ -321,7 +326,7 @@ def test_values_cross_as_their_builtin_base_value():
     value (a rigged __eq__ never reaches the comparison), and nothing else crosses."""
     import collections
 
-    from tlt_jax.data import sandbox_harness as harness
+    from tlt_jax.sandbox import harness
 
     def crossed(value):
         return harness.loads_value(json.dumps(harness.encode_value(value)))
@@ -382,7 +387,7 @@ def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
 
 
 def test_auto_without_bubblewrap_says_what_is_not_contained(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox, "_bwrap_problem", lambda python: "bwrap is not installed (test_code_reward)")
+    monkeypatch.setattr(sandbox_modes, "bwrap_problem", lambda python: "bwrap is not installed (test_code_reward)")
     assert sandbox.resolve_mode("auto", "python3") == "rlimits"
     warned = [r.getMessage() for r in caplog.records if "resource limits alone" in r.getMessage()]
     assert len(warned) == 1 and "the network" in warned[0] and sandbox.INSTALL_HINT in warned[0]
@@ -391,7 +396,7 @@ def test_auto_without_bubblewrap_says_what_is_not_contained(monkeypatch, caplog)
 def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
     """A setup that builds the program's own objects (two MBPP rows do) cannot run on the
     checker's path: its tests are counted as forgeable and handled by code.forgeable."""
-    monkeypatch.setattr(rewards, "_forgeable_warned", rewards.threading.Event())
+    monkeypatch.setattr(code_reward, "_forgeable_warned", threading.Event())
     program = ("class Node:\n    def __init__(self, v):\n        self.v = v\n"
                "def value(node):\n    return node.v")
     fields = {"test_list": [["assert value(root) == 3"]], "test_setup_code": ["root = Node(3)"]}
@@ -524,8 +529,8 @@ def test_parallel_loops_cost_one_timeout_not_one_each():
 def test_a_dead_sandbox_scores_zero_counted_once(monkeypatch, caplog):
     """A sandbox that dies before its program runs: NaN, so the callers count it among
     failed samples and show it once; the rest of the batch scores as usual."""
-    real, calls = sandbox._command, itertools.count()
-    monkeypatch.setattr(sandbox, "_command", lambda *args: (
+    real, calls = sandbox_modes.command, itertools.count()
+    monkeypatch.setattr(sandbox_modes, "command", lambda *args: (
         ["/bin/sh", "-c", "echo sandbox crashed >&2; exit 1"] if next(calls) == 0 else real(*args)))
     reward = rewards.get_reward("code", timeout_s=3.0)
     scores, failures, infos = rewards.safe_rewards_with_info(

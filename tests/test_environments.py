@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tlt_jax.data import environments
+from tlt_jax.data import reasoning_gym_problems
 
 pytest.importorskip("reasoning_gym")
 
@@ -12,9 +12,9 @@ SOURCE = "reasoning_gym:basic_arithmetic=3,chain_sum=1"
 
 
 def test_mixture_splits_are_disjoint_deterministic_and_weighted():
-    train = environments.make_split(SOURCE, "train", 200, seed=1)
-    again = environments.make_split(SOURCE, "train", 200, seed=1)
-    evals = environments.make_split(SOURCE, "eval", 40, seed=1, unique=True)
+    train = reasoning_gym_problems.make_split(SOURCE, "train", 200, seed=1)
+    again = reasoning_gym_problems.make_split(SOURCE, "train", 200, seed=1)
+    evals = reasoning_gym_problems.make_split(SOURCE, "eval", 40, seed=1, unique=True)
     assert [e.prompt for e in train] == [e.prompt for e in again]
     assert not {e.prompt for e in train} & {e.prompt for e in evals}
     assert len({e.prompt for e in evals}) == 40
@@ -26,16 +26,16 @@ def test_mixture_splits_are_disjoint_deterministic_and_weighted():
 
 
 def test_bad_sources_name_the_field():
-    assert environments.parse_source("reasoning_gym:leg_counting") == {"leg_counting": 1.0}
+    assert reasoning_gym_problems.parse_source("reasoning_gym:leg_counting") == {"leg_counting": 1.0}
     with pytest.raises(ValueError, match="unknown reasoning-gym task"):
-        environments.parse_source("reasoning_gym:no_such_task")
+        reasoning_gym_problems.parse_source("reasoning_gym:no_such_task")
     with pytest.raises(ValueError, match="the weight of 'chain_sum' is not a number"):
-        environments.parse_source("reasoning_gym:chain_sum=lots")
+        reasoning_gym_problems.parse_source("reasoning_gym:chain_sum=lots")
     with pytest.raises(ValueError, match="data.source='reasoning_gym:'"):
-        environments.parse_source("reasoning_gym:")
+        reasoning_gym_problems.parse_source("reasoning_gym:")
 
 
 def test_without_the_extra_the_error_says_which_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails as if not installed
     with pytest.raises(ImportError, match=r"pip install -e '\.\[envs\]'"):
-        environments.parse_source("reasoning_gym:leg_counting")
+        reasoning_gym_problems.parse_source("reasoning_gym:leg_counting")

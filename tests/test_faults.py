@@ -20,8 +20,7 @@ from tests import _rewards as test_rewards
 from tests import _teacher_cache_writer as fake
 from tests.test_rl_train import OVERRIDES, _learning_records
 from tests.test_tlt import TLT
-from tlt_jax import checkpoint, faults, metrics
-from tlt_jax.data import rewards
+from tlt_jax import checkpoint, faults, metrics, rewards
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models.hf_io import load_hf
 
@@ -78,7 +77,7 @@ launch.cache_programs_for_any_devices()  # a program of one rollout group serves
 from tests import _rewards
 from tests.test_faults import _spy
 from tests.test_rl_train import _config
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 from tlt_jax.rl.loop import RLLoop
 from tlt_jax.rl.train import train_rl
 run_dir, overrides, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from tlt_jax.data import rewards, tasks
+from tlt_jax import rewards
+from tlt_jax.data import tasks
 
 
 def _batch(n=12):

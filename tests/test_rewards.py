@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from tests import _rewards
-from tlt_jax.data import rewards, tasks
+from tlt_jax import rewards
+from tlt_jax.data import tasks
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import numpy as np
 
 from tests.test_rl_train import _config, _length_reward, warm_start  # noqa: F401 (a fixture)
 from tests.test_tlt import TLT
-from tlt_jax import metrics
-from tlt_jax.data import agents, rewards
+from tlt_jax import envs, metrics, rewards
 from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
@@ -16,7 +15,7 @@ from tlt_jax.tokenizer import load_tokenizer
 OBSERVATION = "\n42\n```\n"  # what the sandbox prints for the block below, closing the output block
 
 
-class FirstTurnRuns(agents.PythonTool):
+class FirstTurnRuns(envs.PythonTool):
     """python_tool whose first turn runs a fixed block, whatever the model wrote (a random
     policy never writes one): every sample whose first turn ends gets an observation from
     the sandbox, then answers."""

@@ -5,8 +5,8 @@ import functools
 import numpy as np
 import pytest
 
-from tlt_jax import evaluation
-from tlt_jax.data import rewards, tasks
+from tlt_jax import evaluation, rewards
+from tlt_jax.data import tasks
 from tlt_jax.data.packing import pack_spans
 from tlt_jax.rl import loop
 from tlt_jax.rollout.engine import Rollouts

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs import rl
-from tlt_jax import checkpoint, metrics
-from tlt_jax.data import rewards, tasks
+from tlt_jax import checkpoint, metrics, rewards
+from tlt_jax.data import tasks
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import save_hf
@@ -75,7 +75,7 @@ _KILLED_RUN = """
 from experiments import train_rl
 from tests.test_rl_train import _length_reward
 from tlt_jax import launch
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 rewards.REWARDS["length"] = _length_reward
 launch.run(train_rl.main)
 """

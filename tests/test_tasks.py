@@ -5,7 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from tlt_jax.data import packing, rewards, tasks
+from tlt_jax import rewards
+from tlt_jax.data import packing, tasks
 
 NUM_SAMPLES = 300
 

@@ -15,8 +15,7 @@ import pytest
 
 from configs import rl as rl_configs
 from tests.test_rl_train import OVERRIDES, _config, warm_start  # noqa: F401 (a fixture)
-from tlt_jax import checkpoint, metrics, sharding
-from tlt_jax.data import rewards
+from tlt_jax import checkpoint, metrics, rewards, sharding
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.online import DrafterData, OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.models import drafter as drafter_lib

@@ -5,10 +5,10 @@ template or a format string); a completion is the text of the answer's tokens wi
 its end token (any of the model's end tokens). `evaluate_samples` also returns one
 record per sample, what `eval_samples.jsonl` holds: the prompt as templated text, the
 completion, the reference answer, the reward (and `reward_info`, where the reward says
-why: `rewards.Scored`), the length, and whether the sample ended on an end token or was
+why: `rewards.ExplainedScore`), the length, and whether the sample ended on an end token or was
 cut off (`max_tokens`, or the engine's cache length).
 
-With an environment (`env`, `data.agents`) each sample is a multi-turn episode: its
+With an environment (`env`, `envs`) each sample is a multi-turn episode: its
 record's `completion` is the whole transcript after the prompt (the model's turns and the
 observations), `turns` its steps ({action, observation, reward}, and `error` where the
 environment failed), `reward` the total (step rewards plus `reward` on the transcript),
@@ -21,8 +21,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from tlt_jax import sampling
-from tlt_jax.data import agents, prompts, rewards, tasks
+from tlt_jax import envs, rewards, sampling
+from tlt_jax.data import prompts, tasks
 
 _DEFAULT_FORMAT = prompts.PromptFormat()
 _ENDED = ("eos", "stop")  # finish reasons of a sample that ended on its own (not on max_tokens or the cache)
@@ -53,20 +53,23 @@ def evaluate_samples(engine, tokenizer, examples: Sequence[tasks.Example], sampl
                      key: jax.Array, num_samples: int = 1, *, reward: str | rewards.RewardFn = "answer_correctness",
                      prompt_format: prompts.PromptFormat = _DEFAULT_FORMAT,
                      end_token_ids: Sequence[int] | None = None,
-                     env: agents.EnvConfig | None = None) -> tuple[dict, list[dict]]:
+                     env: envs.EnvConfig | None = None) -> tuple[dict, list[dict]]:
     """(metrics, samples): the mean of `reward` over the samples (accuracy: pass@1 averaged
     over samples for a 0/1 reward), the answer lengths, the share of samples cut off before
     an end token; and a record per sample (see the module doc). env: with a name, one
     environment per sample (multi-turn; metrics then add reward_mean and
-    `agents.Episodes.metrics`: environment time, failures, turns per sample)."""
+    `envs.Episodes.metrics`: environment time, failures, turns per sample)."""
     examples = list(examples)
     episodes = None
     if env is not None and env.name:
         ends = tuple(end_token_ids) if end_token_ids is not None else (tokenizer.eos_token_id,)
-        episodes = agents.Episodes(agents.env_class(env.name), examples, num_samples, tokenizer, prompt_format, ends,
-                                   env)
-        out = engine.generate(episodes.prompt_ids(), num_samples, episodes.sampling_params(sampling_params), key,
-                              episodes=episodes)
+        episodes = envs.Episodes(envs.env_class(env.name), examples, num_samples, tokenizer, prompt_format, ends,
+                                 env)
+        try:
+            out = engine.generate(episodes.prompt_ids(), num_samples, episodes.sampling_params(sampling_params), key,
+                                  episodes=episodes)
+        finally:
+            episodes.close()
         prompt_texts = episodes.prompt_texts()
     else:
         out = engine.generate(encode_prompts(tokenizer, examples, prompt_format), num_samples, sampling_params, key)

@@ -7,8 +7,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from tlt_jax import checkpoint, evaluation, launch, metrics, sampling, sharding
-from tlt_jax.data import rewards, sources, tasks
+from tlt_jax import checkpoint, evaluation, launch, metrics, rewards, sampling, sharding
+from tlt_jax.data import sources, tasks
 from tlt_jax.data.packing import batch_indices, pack_examples
 from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm

@@ -60,8 +60,8 @@ import time
 import numpy as np
 
 from configs.common import tasks_tiny
-from tlt_jax import evaluation, sampling, sharding
-from tlt_jax.data import rewards, tasks
+from tlt_jax import evaluation, rewards, sampling, sharding
+from tlt_jax.data import tasks
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine

@@ -155,7 +155,7 @@ print(f"{len(rollouts)} answers of {rollouts.lengths.mean():.1f} tokens on avera
 # answer's log-probability has moved with its advantage.
 
 # %%
-from tlt_jax.data import rewards
+from tlt_jax import rewards
 from tlt_jax.rl import grpo, loop
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.train_state import OptimizerConfig

@@ -84,12 +84,12 @@ sft_result
 # %%
 import datasets
 
-from tlt_jax.data import environments
+from tlt_jax.data import reasoning_gym_problems
 
 
 def rows(split, n):
     return [{"question": e.prompt, "answer": e.answer, "task": e.task}
-            for e in environments.make_split(TASKS, split, n, seed=7, unique=split == "eval")]
+            for e in reasoning_gym_problems.make_split(TASKS, split, n, seed=7, unique=split == "eval")]
 
 
 TRAIN_FILE, EVAL_FILE = os.path.join(WORK_DIR, "train.parquet"), os.path.join(WORK_DIR, "eval.parquet")

@@ -4,7 +4,7 @@
                 "files"                 `data.train` / `data.eval`: files or save_to_disk
                                         directories (files.py), columns by
                                         `data.prompt_field` / `answer_field` / `response_field`
-                "reasoning_gym:NAME..." procedural environments (environments.py)
+                "reasoning_gym:NAME..." procedural problems (reasoning_gym_problems.py)
 
 `load_problems` returns both splits as sequences of `tasks.Example` with every prompt
 measured in the model's own format (`prompts.PromptFormat`): prompts longer than the
@@ -17,9 +17,9 @@ import functools
 import json
 from typing import Sequence
 
-from tlt_jax.data import environments, files, prompts, tasks
+from tlt_jax.data import files, prompts, reasoning_gym_problems, tasks
 
-SOURCES = ("tasks", "files", environments.PREFIX + "NAME[=WEIGHT],...")
+SOURCES = ("tasks", "files", reasoning_gym_problems.PREFIX + "NAME[=WEIGHT],...")
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ def kind(data_config) -> str:
     source = data_config.get("source", "tasks")
     if source in ("tasks", "files"):
         return source
-    if isinstance(source, str) and source.startswith(environments.PREFIX):
+    if isinstance(source, str) and source.startswith(reasoning_gym_problems.PREFIX):
         return "reasoning_gym"
     raise ValueError(f"data.source={source!r}; choose one of {', '.join(SOURCES)}.")
 
@@ -95,8 +95,8 @@ def load_problems(data_config, *, tokenizer, max_prompt_length: int = 0) -> Prob
         train = tasks.make_split(task, "train", num_train, seed)
         eval_ = tasks.make_split(task, "eval", num_eval, seed, unique=True)
     else:
-        train = environments.make_split(data_config.source, "train", num_train, seed)
-        eval_ = environments.make_split(data_config.source, "eval", num_eval, seed, unique=True)
+        train = reasoning_gym_problems.make_split(data_config.source, "train", num_train, seed)
+        eval_ = reasoning_gym_problems.make_split(data_config.source, "eval", num_eval, seed, unique=True)
     train, dropped_train = _filter(train, prompt_ids, max_prompt_length, "train")
     eval_, dropped_eval = _filter(eval_, prompt_ids, max_prompt_length, "eval")
     return Problems(train, eval_, {"train": dropped_train, "eval": dropped_eval}, fmt)

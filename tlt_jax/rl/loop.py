@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import evaluation, faults, fingerprint, multihost, sampling, sharding
-from tlt_jax.data import agents, rewards, tasks
+from tlt_jax import envs as agents
+from tlt_jax import evaluation, faults, fingerprint, multihost, rewards, sampling, sharding
+from tlt_jax.data import tasks
 from tlt_jax.data.packing import Packing, pack_spans
 from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.drafter_training.online import DrafterData

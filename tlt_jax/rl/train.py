@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, sampling, sharding
-from tlt_jax.data import agents, environments, rewards, sources
+from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, rewards, sampling, sharding
+from tlt_jax import envs as agents
+from tlt_jax.data import reasoning_gym_problems as environments
+from tlt_jax.data import sources
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig

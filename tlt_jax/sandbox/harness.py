@@ -1,4 +1,4 @@
-"""What runs inside a sandbox: `sandbox.py` passes this file's text to `python -I -c`
+"""What runs inside a sandbox: `modes.py` passes this file's text to `python -I -c`
 (it imports only the standard library), and imports it for the value codec.
 
 Each sandboxed interpreter reads its job, one JSON object, from stdin to the end (so
@@ -579,7 +579,8 @@ def _stdio(job):
     report(event="done")
 
 
-_ROLES = {"solution": _solution, "checker": _checker, "stdio": _stdio}
+# session: a tool's interpreter (`session.py`), the solution's loop on the tool's own program.
+_ROLES = {"solution": _solution, "checker": _checker, "stdio": _stdio, "session": _solution}
 
 
 def main():

@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any, Mapping
 
-from tlt_jax.data import sandbox
+from tlt_jax import sandbox
 
 TEST_FIELDS = ("test_list", "test + entry_point", "input_output", "tests", "answer")
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)

@@ -5,7 +5,8 @@ An environment is any class with this shape (`Env`), one instance per sample:
     env = MyEnv(example)      # example: the row's fields (prompt, answer, task, and its own columns)
     env.reset()               # the first user message (str or a list of {role, content}); None: the row's prompt
     env.step(action)          # action: the model's turn as text
-        -> (observation: str | None, reward: float, done: bool[, info: dict])
+        -> StepResult(observation: str | None, reward: float, done: bool, info: dict)
+    env.close()               # optional: once the episode is over, however it ended
 
 `config.env.name` names it: a built-in (`BUILT_IN`) or `module.path:ClassName`. A turn
 ends at one of the model's end tokens or at one of `env.stop_strings` (tokenized, matched
@@ -20,31 +21,26 @@ A sample's reward is the sum of its step rewards (plus the configured reward on 
 whole transcript, if one is set: the RL loop's part). It ends when `step` says done, at
 `env.max_turns` turns (finish reason "max_turns"), or when its tokens reach
 `env.max_total_tokens` ("max_tokens"). An environment that raises or answers in the
-wrong shape ends its sample with reward 0, counted and shown once.
+wrong shape (not a StepResult), or whose close raises, ends its sample with reward 0,
+counted and shown once; so does a step past `env.step_timeout_s`, which the rollout
+stops waiting for (`Episodes.step_timed_out`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import re
 import threading
 import time
 import warnings
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from tlt_jax import rewards
 from tlt_jax.data import prompts as prompts_lib
-from tlt_jax.data import rewards, sandbox, tasks
-
-
-class Env(Protocol):
-    def __init__(self, example: dict): ...
-
-    def reset(self) -> str | list[dict] | None: ...
-
-    def step(self, action: str) -> tuple: ...
+from tlt_jax.data import tasks
+from tlt_jax.envs.base import StepResult
+from tlt_jax.envs.registry import env_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +50,25 @@ class EnvConfig:
     rollout's max_tokens), stop_strings (text that ends a turn besides the end tokens;
     empty: the environment's own `stop_strings`, if it has them), overlap (environments
     step on worker threads while the other samples decode; False: on the rollout's own
-    thread, decoding stopped meanwhile, to measure what the overlap hides)."""
+    thread, decoding stopped meanwhile, to measure what the overlap hides), step_timeout_s
+    (the rollout waits this long for one `step`, 0: no deadline); and config.code, the
+    sandbox of the environments that run code (the python tool)."""
 
     name: str = ""
     max_turns: int = 1
     max_total_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
     overlap: bool = True
+    step_timeout_s: float = 0.0
+    code: rewards.CodeReward = rewards.CodeReward()
 
     @classmethod
     def from_config(cls, config) -> EnvConfig:
-        env = config.get("env") or {}
+        env, code = config.get("env") or {}, config.get("code") or {}
         return cls(name=env.get("name", "") or "", max_turns=int(env.get("max_turns", 1)),
                    max_total_tokens=int(env.get("max_total_tokens", 0)),
-                   stop_strings=tuple(env.get("stop_strings", ()) or ()), overlap=bool(env.get("overlap", True)))
+                   stop_strings=tuple(env.get("stop_strings", ()) or ()), overlap=bool(env.get("overlap", True)),
+                   step_timeout_s=float(env.get("step_timeout_s", 0.0)), code=rewards.CodeReward(**code))
 
     def check(self, max_tokens: int) -> None:
         """Raises ValueError naming the field; max_tokens: what the engine's slots hold after a prompt."""
@@ -77,32 +78,19 @@ class EnvConfig:
             raise ValueError(f"env.max_total_tokens={self.max_total_tokens} is beyond what the engine's slots hold "
                              f"after a prompt (rollout.max_tokens={max_tokens}); lower it or raise "
                              "rollout.max_tokens (0: rollout.max_tokens).")
+        if not self.step_timeout_s >= 0:
+            raise ValueError(f"env.step_timeout_s={self.step_timeout_s} must be >= 0 (0: no deadline).")
         if self.name:
             env_class(self.name)
 
+    def make(self, env_cls: type, example: dict):
+        """One sample's environment: `env_cls.from_env_config(example, self)` where the
+        class has it (to read config.code, say), else `env_cls(example)`."""
+        build = getattr(env_cls, "from_env_config", None)
+        return build(example, self) if build is not None else env_cls(example)
+
     def total_tokens(self, max_tokens: int) -> int:
         return self.max_total_tokens or max_tokens
-
-
-def env_class(name: str) -> type:
-    """The class config.env.name names: a built-in or `module.path:ClassName`."""
-    if name in BUILT_IN:
-        return BUILT_IN[name]
-    module, _, attribute = name.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"config.env.name={name!r} is neither a built-in environment ({', '.join(BUILT_IN)}) nor "
-                         "module.path:ClassName.")
-    try:
-        cls = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"config.env.name={name!r} cannot be imported ({e}); check the module path and the class "
-                         "name, and that the module is on PYTHONPATH.") from e
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ValueError(f"config.env.name={name!r} has no {' or '.join(missing)} method; an environment needs "
-                         "reset() -> first message and step(action) -> (observation, reward, done[, info]).")
-    return cls
-
 
 def no_reward(prompts: Sequence, completions: Sequence[str], **_) -> list[float]:
     """The reward on the whole transcript when config.reward is "" with an environment:
@@ -176,17 +164,26 @@ class Episodes:
     """The environments of one multi-turn rollout: one per sample (request i is sample
     i % num_samples of example i // num_samples), driven by the engine's `Episodes`
     protocol. After the rollout: `turns[i]` (a list of {action, observation, reward}),
-    `rewards()`, `failures` and `metrics()`."""
+    `rewards()`, `failures` and `metrics()`.
+
+    An environment is closed once its episode is over: at once when its `step` ends it,
+    or by `close`, which the rollout calls in `finally` for the rest. `step_timed_out`
+    ends a sample whose step passed env.step_timeout_s (`step_timeout_s`, read by the
+    rollout) without waiting for it."""
 
     def __init__(self, env_cls: type, examples: Sequence[tasks.Example], num_samples: int, tokenizer,
                  prompt_format: prompts_lib.PromptFormat, end_token_ids: Sequence[int], config: EnvConfig):
         self.tokenizer, self.prompt_format, self.config = tokenizer, prompt_format, config
         self.env_cls, self.overlap = env_cls, config.overlap  # overlap: rollout.engine.Episodes'
+        self.step_timeout_s = config.step_timeout_s  # the rollout's wait for one step (0: none)
         self.end_token_ids = set(end_token_ids)
         self.examples, self.num_samples = list(examples), num_samples
-        self.envs = [env_cls(example_dict(e)) for e in self.examples for _ in range(num_samples)]
+        self.envs = [config.make(env_cls, example_dict(e)) for e in self.examples for _ in range(num_samples)]
         self.turns: list[list[dict]] = [[] for _ in self.envs]
         self.failed = [False] * len(self.envs)
+        self._open = [True] * len(self.envs)  # not closed yet
+        self._acting: dict[int, str] = {}  # request -> the action its step was given
+        self._abandoned: set[int] = set()  # requests whose step passed its deadline
         self._lock, self._shown = threading.Lock(), False
         self.step_seconds: list[float] = []  # each `step` call's wall time (on the engine's worker threads)
         self.first_messages = []
@@ -224,26 +221,49 @@ class Episodes:
         """rollout.engine.Episodes.step: the observation's ids, or the finish reason at the end."""
         text = self.tokenizer.decode([int(t) for t in action if int(t) not in self.end_token_ids])
         env = self.envs[request]
+        self._acting[request] = text
         t0 = time.perf_counter()
         try:
-            answer = self._timed_step(env, text, t0)
-            if not isinstance(answer, tuple) or len(answer) not in (3, 4) or \
-                    not (answer[0] is None or isinstance(answer[0], str)):
-                raise TypeError(f"step returned {answer!r:.80}; return (observation: str | None, reward: float, "
-                                "done: bool) or with a fourth element, an info dict")
-            observation, reward, done = answer[0], float(answer[1]), bool(answer[2])
+            result = self._timed_step(env, text, t0)
+            if not isinstance(result, StepResult):
+                raise TypeError(f"{type(env).__name__}.step returned {result!r:.80}; return "
+                                "envs.StepResult(observation, reward, done, info)")
         except Exception as e:  # noqa: BLE001 - any failure of the environment ends its sample alone
-            self._fail(request, text, e)
+            if request not in self._abandoned:
+                self._fail(request, e, text)
+                self._close(request)
             return ""
-        record = {"action": text, "observation": observation, "reward": reward}
-        if len(answer) == 4 and answer[3]:
-            record["info"] = answer[3]
+        if request in self._abandoned:  # the rollout stopped waiting for this step: it ended the sample
+            return ""
+        record = {"action": text, "observation": result.observation, "reward": float(result.reward)}
+        if result.info:
+            record["info"] = dict(result.info)
         self.turns[request].append(record)
-        if done or observation is None:
+        if result.done or result.observation is None:
+            self._close(request)
             return ""
         if len(self.turns[request]) >= self.config.max_turns:
+            self._close(request)
             return "max_turns"
-        return self.observation_ids(observation, ended_on_end_token=finish_reason == "eos")
+        return self.observation_ids(result.observation, ended_on_end_token=finish_reason == "eos")
+
+    def step_timed_out(self, request: int) -> None:
+        """The rollout stopped waiting for request's step (env.step_timeout_s passed): its
+        sample ends with that failure (counted in env_failures, shown once), what the step
+        returns later is dropped, and its environment is closed on a thread of its own (the
+        step may still hold it)."""
+        with self._lock:
+            self._abandoned.add(request)
+        self._fail(request, TimeoutError(f"step did not return within env.step_timeout_s={self.step_timeout_s:g} s"),
+                   self._acting.get(request, ""))
+        threading.Thread(target=self._close, args=(request,), name="env-close", daemon=True).start()
+
+    def close(self) -> None:
+        """Closes every environment not closed yet (the rollout calls it in `finally`, however
+        the rollout ended); never raises: a close that raises fails its sample."""
+        for request in range(len(self.envs)):
+            if request not in self._abandoned:
+                self._close(request)
 
     def _timed_step(self, env, text: str, t0: float):
         try:
@@ -252,15 +272,32 @@ class Episodes:
             with self._lock:
                 self.step_seconds.append(time.perf_counter() - t0)
 
-    def _fail(self, request: int, action: str, error: Exception) -> None:
+    def _close(self, request: int) -> None:
+        """Closes request's environment, once, if it has `close`."""
+        with self._lock:
+            if not self._open[request]:
+                return
+            self._open[request] = False
+        close = getattr(self.envs[request], "close", None)
+        try:
+            if close is not None:
+                close()
+        except Exception as e:  # noqa: BLE001 - as a step's failure: its sample alone
+            self._fail(request, e, None)
+
+    def _fail(self, request: int, error: Exception, action: str | None) -> None:
+        """Ends request's sample with reward 0, counted, the first failure shown; action:
+        the step's (None: the failure came in `close`, after the episode's turns)."""
         with self._lock:
             self.failed[request] = True
-            self.turns[request].append({"action": action, "observation": None, "reward": 0.0,
-                                        "error": f"{type(error).__name__}: {error}"[:300]})
+            where = "a step" if action is not None else "close"
+            prefix = "" if action is not None else "close: "
+            self.turns[request].append({"action": action or "", "observation": None, "reward": 0.0,
+                                        "error": f"{prefix}{type(error).__name__}: {error}"[:300]})
             if not self._shown:
                 self._shown = True
-                warnings.warn(f"The environment {type(self.envs[request]).__name__} failed on a step ({error}); that "
-                              "sample ends and scores 0 (counted in env_failures; shown once).", stacklevel=2)
+                warnings.warn(f"The environment {type(self.envs[request]).__name__} failed on {where} ({error}); "
+                              "that sample ends and scores 0 (counted in env_failures; shown once).", stacklevel=3)
 
     # -- observations as tokens --------------------------------------------------------------
 
@@ -325,133 +362,3 @@ class Episodes:
                 "env_step_max_s": float(max(self.step_seconds, default=0.0)), "env_failures": self.failures,
                 "env_turns_mean": float(np.mean(turns)) if turns else 0.0, "env_turns_max": int(max(turns, default=0))}
 
-
-# -- built-in environments -------------------------------------------------------------------
-
-_PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
-
-
-def _cell_program(earlier: Sequence[str], cell: str) -> str:
-    """A program that replays the earlier cells silently (the interpreter's state, kept
-    across a sample's blocks), then runs `cell`, printing its error's last line if it raises."""
-    return "\n".join([
-        "import contextlib as _c, io as _io, traceback as _tb",
-        "_g = {'__name__': '__main__'}",
-        f"for _src in {list(earlier)!r}:",
-        "    with _c.redirect_stdout(_io.StringIO()), _c.redirect_stderr(_io.StringIO()):",
-        "        try:",
-        "            exec(compile(_src, '<cell>', 'exec'), _g)",
-        "        except BaseException:",
-        "            pass",
-        "try:",
-        f"    exec(compile({cell!r}, '<cell>', 'exec'), _g)",
-        "except BaseException as _e:",
-        "    print(_tb.format_exception_only(type(_e), _e)[-1].strip())",
-    ])
-
-
-class PythonTool:
-    """Tool-integrated reasoning (ToRL): the model writes a ```python block and then
-    ```output; the block runs in the `code` reward's sandbox (sandbox.execute), the
-    interpreter's state kept across the sample's blocks, and its output comes back,
-    closing the ```output block. A turn with no python block is the final answer, scored
-    by the math reward against the example's answer (1 or 0); the episode ends there."""
-
-    stop_strings = ("```output",)
-    limits = sandbox.Limits(timeout_s=5.0, memory_mb=512, output_bytes=1 << 14)
-    mode = "auto"
-    max_output_chars = 1000
-
-    def __init__(self, example: dict):
-        self.prompt, self.answer = example["prompt"], str(example["answer"])
-        self.cells: list[str] = []
-
-    def reset(self):
-        return None
-
-    def step(self, action: str):
-        blocks = _PYTHON_BLOCK.findall(action)
-        if not blocks or not action.rstrip().endswith("```output"):
-            score = rewards.math_correctness([self.prompt], [action], answer=[self.answer])[0]
-            return None, float(score), True
-        stdout, outcome = sandbox.execute(_cell_program(self.cells, blocks[-1]), self.limits, self.mode)
-        if outcome.failure is None:
-            self.cells.append(blocks[-1])
-        else:
-            stdout += f"{outcome.failure}: {outcome.detail}\n"
-        stdout = stdout[-self.max_output_chars:]
-        return "\n" + stdout + ("" if stdout.endswith("\n") else "\n") + "```\n", 0.0, False
-
-
-class TowerOfHanoi:
-    """A planning environment, one move a turn: move every disk from peg A to peg C,
-    never a larger disk onto a smaller one. The example's `num_disks` field sets the size
-    (default 3). The model writes a move as "A->C"; the observation is the new state, or
-    why the move was illegal. Solved: reward 1, done; an illegal or unreadable move:
-    reward 0, the state unchanged."""
-
-    stop_strings = ()
-    _MOVE = re.compile(r"\b([ABC])\s*->\s*([ABC])\b")
-
-    def __init__(self, example: dict):
-        self.num_disks = int(example.get("num_disks") or 3)
-        self.pegs = {"A": list(range(self.num_disks, 0, -1)), "B": [], "C": []}
-
-    def describe(self) -> str:
-        return " ".join(f"{peg}:{self.pegs[peg]}" for peg in "ABC")
-
-    def reset(self):
-        return (f"Tower of Hanoi with {self.num_disks} disks, largest 1st: {self.describe()}. Move all disks to C, "
-                "one move a turn, written as A->C. Never put a larger disk on a smaller one.")
-
-    def step(self, action: str):
-        move = self._MOVE.findall(action)
-        if not move:
-            return f"No move read; write one as A->C. State: {self.describe()}", 0.0, False
-        source, target = move[-1]
-        why = illegal_move(self.pegs, source, target)
-        if why:
-            return f"Illegal move {source}->{target}: {why}. State: {self.describe()}", 0.0, False
-        self.pegs[target].append(self.pegs[source].pop())
-        if solved(self.pegs, self.num_disks):
-            return None, 1.0, True
-        return f"State: {self.describe()}", 0.0, False
-
-
-def illegal_move(pegs: Mapping[str, list[int]], source: str, target: str) -> str:
-    """Why moving the top disk of `source` onto `target` is illegal ("" when it is legal)."""
-    if source == target:
-        return "source and target are the same peg"
-    if not pegs[source]:
-        return f"peg {source} is empty"
-    if pegs[target] and pegs[target][-1] < pegs[source][-1]:
-        return f"disk {pegs[source][-1]} is larger than disk {pegs[target][-1]} on {target}"
-    return ""
-
-
-def solved(pegs: Mapping[str, list[int]], num_disks: int) -> bool:
-    return pegs["C"] == list(range(num_disks, 0, -1))
-
-
-def hanoi_solution(num_disks: int, source: str = "A", spare: str = "B", target: str = "C") -> list[str]:
-    """The optimal moves (2^n - 1 of them) as "A->C" strings: the generator's solutions."""
-    if num_disks == 0:
-        return []
-    return (hanoi_solution(num_disks - 1, source, target, spare) + [f"{source}->{target}"]
-            + hanoi_solution(num_disks - 1, spare, source, target))
-
-
-def score_moves(num_disks: int, moves: Sequence[str]) -> float:
-    """1.0 when `moves` (one "X->Y" each), played from the start, are all legal and solve
-    the puzzle; else 0.0: the environment's own scorer, outside any rollout."""
-    env = TowerOfHanoi({"num_disks": num_disks})
-    for move in moves:
-        observation, reward, done = env.step(move)
-        if observation is not None and observation.startswith(("Illegal", "No move")):
-            return 0.0
-        if done:
-            return reward
-    return 0.0
-
-
-BUILT_IN: dict[str, Any] = {"python_tool": PythonTool, "tower_of_hanoi": TowerOfHanoi}
