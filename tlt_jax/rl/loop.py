@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import envs as agents
-from tlt_jax import evaluation, faults, fingerprint, multihost, rewards, sampling, sharding
+from tlt_jax import envs, evaluation, faults, fingerprint, multihost, rewards, sampling, sharding
 from tlt_jax.data import tasks
 from tlt_jax.data.packing import Packing, pack_spans
 from tlt_jax.data.prompts import PromptFormat
@@ -60,7 +59,7 @@ class RLStepConfig:
     reward_workers: int = 0  # > 0: score in a process pool (slow reward functions)
     # A batch not scored by then (with overlap: after the rollout) scores 0, counted (0: no deadline).
     reward_timeout_s: float = 600.0
-    # Score each sample as it finishes, while the rest decode (`rewards.Scoring`): the same
+    # Score each sample as it finishes, while the rest decode (`rewards.PendingBatch`): the same
     # rewards as scoring the batch after the rollout, for a reward that scores each sample
     # on its own (every registered one); False for a reward that reads the whole batch.
     reward_overlap: bool = True
@@ -181,9 +180,9 @@ class StepRollout:
 
     examples: list[tasks.Example]  # the step's prompts; sample i is of examples[rollouts.prompt_index[i]]
     prompt_ids: list  # each prompt's tokens, as the engine read them
-    episodes: agents.Episodes | None  # the samples' environments (multi-turn), else None
+    episodes: envs.Episodes | None  # the samples' environments (multi-turn), else None
     rollouts: Rollouts
-    scoring: rewards.Scoring | None  # with reward_overlap: the samples scored as they finished
+    scoring: rewards.PendingBatch | None  # with reward_overlap: the samples scored as they finished
     completions: dict[int, str]  # the decoded completions of the samples handed to `scoring`, by index
 
 
@@ -282,7 +281,7 @@ class RLLoop:
                  step_config: RLStepConfig, seq_len: int, seed: int, ref_params=None, tlt: TLT | None = None,
                  prompt_format: PromptFormat | None = None,
                  correctness_reward: str | rewards.RewardFn = "answer_correctness",
-                 end_token_ids: Sequence[int] | None = None, env: agents.EnvConfig | None = None):
+                 end_token_ids: Sequence[int] | None = None, env: envs.EnvConfig | None = None):
         """train_examples / eval_examples: any sequences (a dataset from disk makes its
         examples on access); prompt_format: how a prompt becomes the engine's tokens;
         correctness_reward: the reward whose mean is `accuracy` and `eval_accuracy`;
@@ -295,7 +294,7 @@ class RLLoop:
         self.prompt_format, self.correctness_reward = prompt_format or PromptFormat(), correctness_reward
         self.end_token_ids = tuple(end_token_ids) if end_token_ids is not None else (tokenizer.eos_token_id,)
         self.env = env if env is not None and env.name else None
-        self.env_class = agents.env_class(self.env.name) if self.env is not None else None
+        self.env_class = envs.env_class(self.env.name) if self.env is not None else None
         self.last_eval_samples: list[dict] = []  # the records of the latest `evaluate`
         self._epoch_order: tuple[int, np.ndarray] | None = None
         self.sampling_params, self.config, self.seq_len, self.seed = sampling_params, step_config, seq_len, seed
@@ -372,7 +371,7 @@ class RLLoop:
         examples = self.prompts_for(data_position)
         episodes, sp = None, self.sampling_params
         if self.env is not None:
-            episodes = agents.Episodes(self.env_class, examples, cfg.num_samples, self.tokenizer, self.prompt_format,
+            episodes = envs.Episodes(self.env_class, examples, cfg.num_samples, self.tokenizer, self.prompt_format,
                                        self.end_token_ids, self.env)
             prompt_ids, sp = episodes.prompt_ids(), episodes.sampling_params(sp)
         else:

@@ -23,10 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, fingerprint, launch, metrics, multihost, rewards, sampling, sharding
-from tlt_jax import envs as agents
-from tlt_jax.data import reasoning_gym_problems as environments
-from tlt_jax.data import sources
+from tlt_jax import checkpoint, envs, fingerprint, launch, metrics, multihost, rewards, sampling, sharding
+from tlt_jax.data import reasoning_gym_problems, sources
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
@@ -191,8 +189,8 @@ def _spot_config(config) -> SpotConfig:
 
 def _step_reward(config):
     """The reward on each whole completion: config.reward, or none with an environment and reward=""."""
-    if agents.EnvConfig.from_config(config).name and not config.reward:
-        return agents.no_reward
+    if envs.EnvConfig.from_config(config).name and not config.reward:
+        return envs.no_reward
     return rewards.reward_from_config(config)
 
 
@@ -213,13 +211,13 @@ def check_config(config) -> None:
                          f"{samples} samples.")
     if config.advantage not in grpo.ADVANTAGE_ESTIMATORS:
         raise ValueError(f"advantage={config.advantage!r}; choose from {sorted(grpo.ADVANTAGE_ESTIMATORS)}.")
-    env = agents.EnvConfig.from_config(config)
+    env = envs.EnvConfig.from_config(config)
     env.check(r.max_tokens)
     if not (env.name and not config.reward):
         rewards.reward_from_config(config)  # a registered name or an importable module.path:function
         sources.check_reward(config.data, config.reward)
     if sources.kind(config.data) == "reasoning_gym":
-        environments.parse_source(config.data.source)
+        reasoning_gym_problems.parse_source(config.data.source)
     mesh = _check_mesh(config.mesh)
     _wandb_config(config).check()
     _check_warm_start(config)
@@ -294,10 +292,10 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
     compiled, and the learner's initial train state."""
     r = config.rollout
     sp = _sampling_params(r)
-    env = agents.EnvConfig.from_config(config)
+    env = envs.EnvConfig.from_config(config)
     # The chunks the rollouts run: with an environment, its stop sequences, its token budget
     # and the multi-turn slots, so that warm_up compiles those and not others.
-    rollout_sp = agents.rollout_sampling_params(agents.env_class(env.name), env, tokenizer, sp) if env.name else sp
+    rollout_sp = envs.rollout_sampling_params(envs.env_class(env.name), env, tokenizer, sp) if env.name else sp
     tlt_on = config.tlt.enabled
     tuner = tuner_lib.from_config(config.tlt.tuner) if tlt_on else None
     dcfg, dparams = _drafter_warm_start(config.tlt.drafter, model_cfg, params) if tlt_on else (None, None)
