@@ -98,7 +98,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.cache_dtype = "bfloat16"  # 32768 x 100 x (4 + 2) bytes = 19.7 MB of cache per row
         # Memory by plan_memory (`python -m experiments.plan_memory --presets=llama3.2-3b
         # --steps=distill --seq_lens=32768`, XLA:CPU's buffer assignment, an upper bound for
-        # bf16): 61.6 GB at 32k for one row, 127.3 GB for four, the most that fit 141 GB. The
+        # bf16): 61.6 GB at 32k for one row, 127.3 GB for four, the most that fit 141 GB
+        # (docs/results/plan_distill_llama3.2-3b_32k_h200.json). The
         # teacher leaves the device once its cache is written. The teacher pass holds the
         # 8B's bf16 weights (16 GB) and, for its top-100, one token block's logits, not the
         # row's [32768, 128256] (plan_memory --steps=teacher_topk: 0.41 GB temp at 32k).
