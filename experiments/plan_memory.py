@@ -132,6 +132,32 @@ def _device_bytes(x, sharding) -> int:
     return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
+def _lowered_learner(case: Case, model_config, mesh, batch: int, params):
+    """`_lowered` for the learner's micro-step (plain, remat, or on-policy with the drafter's data)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tlt_jax.drafter_training.online import OnlineDrafterConfig
+    from tlt_jax.rl.learner import Learner, LearnerConfig
+
+    s = case.seq_len
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+    learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step != "learner",
+                                                  attention_impl=case.attention_impl), mesh)
+    on_policy = case.step == "learner_tlt"
+    minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+    minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
+    minibatch.update({name: spec((batch, s - 1), jnp.float32)
+                      for name in ("rollout_logp", "advantages", "loss_weights", "token_weights")
+                      + (() if on_policy else ("old_logp",))})
+    outputs = (OnlineDrafterConfig().top_k, ()) if on_policy else None
+    step, zeros = learner.micro_step(params, minibatch, outputs)
+    opt_state = _abstract_state(learner.optimizer, params).opt_state
+    resident = sum(_device_bytes(x, sh) for x, sh in zip(
+        jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))
+    return step.lower(params, jax.eval_shape(zeros), minibatch), resident
+
+
 def _lowered(case: Case, model_config, mesh, batch: int):
     """(the step of `case` at `batch` rows (slots) lowered from abstract arguments, the
     per-device bytes that stay on the device across the call without being one of its
@@ -144,23 +170,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     params = _abstract_params(model_config)
     if case.step in ("learner", "learner_remat", "learner_tlt"):
-        from tlt_jax.drafter_training.online import OnlineDrafterConfig
-        from tlt_jax.rl.learner import Learner, LearnerConfig
-
-        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step != "learner",
-                                                      attention_impl=case.attention_impl), mesh)
-        on_policy = case.step == "learner_tlt"
-        minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
-        minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
-        minibatch.update({name: spec((batch, s - 1), jnp.float32)
-                          for name in ("rollout_logp", "advantages", "loss_weights", "token_weights")
-                          + (() if on_policy else ("old_logp",))})
-        outputs = (OnlineDrafterConfig().top_k, ()) if on_policy else None
-        step, zeros = learner.micro_step(params, minibatch, outputs)
-        opt_state = _abstract_state(learner.optimizer, params).opt_state
-        resident = sum(_device_bytes(x, sh) for x, sh in zip(
-            jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))
-        return step.lower(params, jax.eval_shape(zeros), minibatch), resident
+        return _lowered_learner(case, model_config, mesh, batch, params)
     if case.step == "old_logp":
         from tlt_jax.drafter_training.online import OnlineDrafterConfig
         from tlt_jax.rl.learner import Learner, LearnerConfig
