@@ -7,7 +7,8 @@
 # fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: drift 300 s (after spec),
-# drift_learn 420 s, agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s.
+# drift_learn 420 s, agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s,
+# distill32k 180 s.
 #
 # Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
 # stops at once) and must not stop the blocks after it (no `set -e`). Every benchmark
@@ -35,7 +36,7 @@ PLAN=${PLAN:-0}
 dry() { [[ $DRY != 0 ]]; }
 plan() { [[ $PLAN != 0 ]]; }
 if dry; then
-  BLOCKS=${BLOCKS:-"spec tlt rollout attention verify losses"}
+  BLOCKS=${BLOCKS:-"spec tlt rollout attention verify losses distill32k"}
   DRY_TIMEOUT=${DRY_TIMEOUT:-300}
   if [[ -z ${OUT:-} ]]; then
     if plan; then OUT=/tmp/device_check_dry; else OUT=$(mktemp -d /tmp/device_check_dry.XXXXXX); fi
@@ -404,6 +405,30 @@ if want losses; then
   block_end "$OUT/bench_kl.json" "$OUT/bench_kl_table.json"
 fi
 # ===== END losses ====================================================================
+
+# ===== BEGIN distill32k: one real update of the 3.2B student at 32k tokens (plan_memory --execute) =====
+# Budget: 180 s, by name (BLOCKS=distill32k), beyond the default 8-minute plan: 215 s with the
+# setup and summary. configs/distill.py:llama3-8b-to-3b-32k's student step (Llama-3.2-3B shape,
+# random bf16 weights, one row of 32,768 tokens, a top-100 bfloat16 cache row, remat per layer)
+# compiled by the GPU and run once; the JSON holds the GPU's compile-time total beside the
+# device's measured peak (memory_stats) and the CPU plan's total from
+# docs/results/plan_distill_llama3.2-3b_32k_h200.json. Bar: the peak fits the H200's 141 GB.
+# Never run on a GPU yet: the compile of 28 remat layers at 32k is the unknown in the budget.
+if want distill32k; then
+  block_start distill32k
+  if dry; then
+    note "distill32k: the tiny preset at 256 tokens on the CPU: no device memory stats, the measured peak reads n/a"
+    DISTILL32K=(--presets=tiny --seq_lens=256)
+  else
+    DISTILL32K=(--backend=gpu --presets=llama3.2-3b --seq_lens=32768
+                --planned=docs/results/plan_distill_llama3.2-3b_32k_h200.json)
+  fi
+  step plan_distill_32k 180 "$OUT/plan_distill_32k.log" env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    "$PYTHON" -m experiments.plan_memory --steps=distill --execute "${DISTILL32K[@]}" --out="$OUT/plan_distill_32k.json"
+  plan || tail -n 3 "$OUT/plan_distill_32k.log"
+  block_end "$OUT/plan_distill_32k.json"
+fi
+# ===== END distill32k ===============================================================================
 
 # ===== The bars against their targets: one table (experiments/device_summary.py) =====
 PLANNED=$((PLANNED + 5))

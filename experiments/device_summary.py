@@ -202,6 +202,18 @@ def _kl_throughput(data):
     return best, f"best of {len(ratios)}: {r['impl']} N={r['n']}"
 
 
+def _distill_peak(data):
+    """The executed distill step's measured device peak (plan_memory --execute), with its plan."""
+    row = _rows(data, "results")[0]
+    peak, total = _get(row, "measured_peak_gb"), _get(row, "total_gb")
+    planned = row.get("planned_total_gb")
+    where = (f"{row.get('preset')} seq_len={row.get('seq_len')} micro-batch {row.get('micro_batch')}: compile-time "
+             f"{total:.1f} GB here" + ("" if planned is None else f", {planned:.1f} GB planned on the CPU"))
+    if peak is None:
+        raise NotHere(f"no device memory stats (backend {data.get('backend')}); {where}")
+    return peak, where
+
+
 S5 = "DESIGN.md 5"
 BARS = (
     Bar("spec acceptance length", "spec", "bench_spec.json", ">=", 4.0, _spec("acceptance_length"), S5),
@@ -226,6 +238,8 @@ BARS = (
     Bar("KL peak at 256k tokens (GiB)", "losses", "bench_kl.json", "<=", 7.0, _kl_peak, S5),
     Bar("KL XLA temp, bf16 (GiB)", "losses", "bench_kl.json", "<=", 2.0, _kl_temp, S5),
     Bar("KL throughput vs dense", "losses", "bench_kl.json", ">=", 0.95, _kl_throughput, S5 + ": scalar loss"),
+    Bar("distill 3.2B at 32k, peak (GB)", "distill32k", "plan_distill_32k.json", "<=", 141.0, _distill_peak,
+        "issue 59: one H200 (docs/results/plan_distill_llama3.2-3b_32k_h200.json)"),
 )
 
 

@@ -15,7 +15,9 @@ import datetime
 import functools
 import math
 import os
+import shlex
 import subprocess
+import sys
 import time
 
 import jax
@@ -91,10 +93,17 @@ def machine_record() -> dict:
     return dict(cpu=cpu_model(), last_level_cache_bytes=last_level_cache_bytes(), cpus=os.cpu_count())
 
 
+def command_line() -> str:
+    """The command that started this process, as typed: `python -m module args` for a module run."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
 @functools.cache
 def provenance() -> dict:
     """Where a benchmark's figures come from: the commit (and whether the tree differed
-    from it), the date, the machine, jax and its backend."""
+    from it), the command, the date, the machine, jax and its backend."""
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
@@ -102,7 +111,7 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
     return dict(commit=git("rev-parse", "--short", "HEAD"), uncommitted_changes=bool(git("status", "--porcelain")),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=command_line(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=machine_record(), jax=jax.__version__, backend=jax.default_backend())
 
 

@@ -132,6 +132,32 @@ def _device_bytes(x, sharding) -> int:
     return int(np.prod(sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
+def _lowered_learner(case: Case, model_config, mesh, batch: int, params):
+    """`_lowered` for the learner's micro-step (plain, remat, or on-policy with the drafter's data)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tlt_jax.drafter_training.online import OnlineDrafterConfig
+    from tlt_jax.rl.learner import Learner, LearnerConfig
+
+    s = case.seq_len
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+    learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step != "learner",
+                                                  attention_impl=case.attention_impl), mesh)
+    on_policy = case.step == "learner_tlt"
+    minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+    minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
+    minibatch.update({name: spec((batch, s - 1), jnp.float32)
+                      for name in ("rollout_logp", "advantages", "loss_weights", "token_weights")
+                      + (() if on_policy else ("old_logp",))})
+    outputs = (OnlineDrafterConfig().top_k, ()) if on_policy else None
+    step, zeros = learner.micro_step(params, minibatch, outputs)
+    opt_state = _abstract_state(learner.optimizer, params).opt_state
+    resident = sum(_device_bytes(x, sh) for x, sh in zip(
+        jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))
+    return step.lower(params, jax.eval_shape(zeros), minibatch), resident
+
+
 def _lowered(case: Case, model_config, mesh, batch: int):
     """(the step of `case` at `batch` rows (slots) lowered from abstract arguments, the
     per-device bytes that stay on the device across the call without being one of its
@@ -144,23 +170,7 @@ def _lowered(case: Case, model_config, mesh, batch: int):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     params = _abstract_params(model_config)
     if case.step in ("learner", "learner_remat", "learner_tlt"):
-        from tlt_jax.drafter_training.online import OnlineDrafterConfig
-        from tlt_jax.rl.learner import Learner, LearnerConfig
-
-        learner = Learner(model_config, LearnerConfig(micro_batch_size=batch, remat=case.step != "learner",
-                                                      attention_impl=case.attention_impl), mesh)
-        on_policy = case.step == "learner_tlt"
-        minibatch = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
-        minibatch["loss_mask"] = spec((batch, s - 1), jnp.bool_)
-        minibatch.update({name: spec((batch, s - 1), jnp.float32)
-                          for name in ("rollout_logp", "advantages", "loss_weights", "token_weights")
-                          + (() if on_policy else ("old_logp",))})
-        outputs = (OnlineDrafterConfig().top_k, ()) if on_policy else None
-        step, zeros = learner.micro_step(params, minibatch, outputs)
-        opt_state = _abstract_state(learner.optimizer, params).opt_state
-        resident = sum(_device_bytes(x, sh) for x, sh in zip(
-            jax.tree.leaves(opt_state), jax.tree.leaves(learner.state_shardings(params).opt_state)))
-        return step.lower(params, jax.eval_shape(zeros), minibatch), resident
+        return _lowered_learner(case, model_config, mesh, batch, params)
     if case.step == "old_logp":
         from tlt_jax.drafter_training.online import OnlineDrafterConfig
         from tlt_jax.rl.learner import Learner, LearnerConfig
@@ -200,17 +210,8 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         step = group.chunk_step(None, speculative=False)
         return step.lower(engine._param_shapes, None, state, key, spec((), jnp.bool_), spec((), jnp.int32), sp), 0
     if case.step == "distill":
-        from tlt_jax.distill.train import DistillTrainer
-        from tlt_jax.train_state import OptimizerConfig
-
-        k = min(DISTILL_TOP_K, model_config.vocab_size)
-        trainer = DistillTrainer(model_config, OptimizerConfig(), mesh, temperature=1.0, tail=False, top_k=k,
-                                 remat=True)
-        rows = {name: spec((batch, s), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
-        rows["mask"] = spec((batch, s - 1), jnp.bool_)
-        # As the teacher cache stores them (CacheMeta: int32 ids, bfloat16 logp by default).
-        rows["ids"] = spec((batch, s, k), jnp.int32)
-        rows["logp"] = spec((batch, s, k), jnp.bfloat16)
+        trainer = _distill_trainer(model_config, mesh)
+        rows = distill_rows(batch, s, trainer.top_k, spec)
         return trainer.step_fn(params, rows).lower(_abstract_state(trainer.optimizer, params), rows), 0
     if case.step == "teacher":
         from tlt_jax.distill.train import teacher_topk_step
@@ -233,6 +234,28 @@ def _lowered(case: Case, model_config, mesh, batch: int):
         step = sharding.jit_sharded(fn, in_shardings=(head_sh, rows_sh), out_shardings=(rows_sh, rows_sh))
         return step.lower(head, spec((batch, s, model_config.hidden_size), model_config.jnp_dtype)), 0
     raise ValueError(f"Unknown step {case.step!r}; steps: {', '.join(STEPS)}.")
+
+
+def _distill_trainer(model_config, mesh):
+    """The student's trainer of the `distill` step: top-100 (at most V), the paper's loss, remat per layer."""
+    from tlt_jax.distill.train import DistillTrainer
+    from tlt_jax.train_state import OptimizerConfig
+
+    return DistillTrainer(model_config, OptimizerConfig(), mesh, temperature=1.0, tail=False,
+                          top_k=min(DISTILL_TOP_K, model_config.vocab_size), remat=True)
+
+
+def distill_rows(batch: int, seq_len: int, k: int, make) -> dict:
+    """The `distill` step's batch, each array made by make(shape, dtype): the rows' tokens and
+    layout, the target mask, and the teacher cache's [rows, seq_len, K] ids and log-probs as
+    the cache stores them (CacheMeta: int32 ids, bfloat16 logp by default)."""
+    import jax.numpy as jnp
+
+    rows = {name: make((batch, seq_len), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
+    rows["mask"] = make((batch, seq_len - 1), jnp.bool_)
+    rows["ids"] = make((batch, seq_len, k), jnp.int32)
+    rows["logp"] = make((batch, seq_len, k), jnp.bfloat16)
+    return rows
 
 
 def measure(case: Case, model_config, mesh, batch: int) -> dict:
@@ -326,7 +349,9 @@ def plan_case(case: Case, model_config, mesh, limit: float, cache: dict, cap: in
                capped=found["capped"], probes=found["probes"], **{f"{k}_gb": v / GB for k, v in found["at"].items()
                                                                    if k != "compile_s"})
     row["tokens"] = None if found["batch"] is None else found["batch"] * case.seq_len
-    row["smallest_total_gb"] = measure_at(granule(case))["total"] / GB  # one micro-batch of `unit` rows
+    smallest = measure_at(granule(case))  # one micro-batch of `unit` rows
+    row["smallest_total_gb"] = smallest["total"] / GB
+    row["smallest_gb"] = {k: v / GB for k, v in smallest.items() if k != "compile_s"}  # its parts
     row["compile_s"] = sum(cache[(case, b)]["compile_s"] for b in found["probes"])
     return row
 
@@ -382,11 +407,12 @@ def configs_of(presets) -> dict:
     return {p: from_config_dict(preset_config(p)) for p in presets}
 
 
-def compile_devices(n_devices: int, backend: str) -> list:
+def compile_devices(n_devices: int, backend: str, execute: bool = False) -> list:
     """At least `n_devices` devices of `backend` to compile for; on CPU they are simulated,
-    which must be asked for before jax first starts a backend."""
+    which must be asked for before jax first starts a backend. execute: the programs will run,
+    so the backend optimises them as usual."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # read when jax first starts a backend
+    if "xla_force_host_platform_device_count" not in flags and not execute:  # read when jax first starts a backend
         # Nothing here runs, so LLVM need not optimise: buffer assignment, all that is
         # read, comes before it (the same sizes, a third less compile time).
         flags += (f" --xla_force_host_platform_device_count={n_devices} --xla_backend_optimization_level=0"
@@ -429,6 +455,12 @@ def _arg_parser():
                          "dense,auto shows what blockwise attention buys")
     ap.add_argument("--device_memory_gb", type=float, default=141.0, help="memory per device, GB (H200: 141)")
     ap.add_argument("--max_micro_batch", type=int, default=MAX_MICRO_BATCH, help="the search's upper end")
+    ap.add_argument("--execute", action="store_true",
+                    help="distill only: instead of the search, run one real update at the smallest micro-batch on "
+                         "the backend's devices (random weights) and record its compile-time total beside the "
+                         "device's measured peak (a GPU's memory_stats; none on the CPU)")
+    ap.add_argument("--planned", default="", help="with --execute: a plan JSON of the same case (this script's "
+                    "--out); its total at the smallest micro-batch is recorded beside the measured peak")
     ap.add_argument("--out", default=None, help="JSON output path")
     return ap
 
@@ -466,7 +498,9 @@ def run(args, cache: dict | None = None) -> list[dict]:
         raise ValueError(f"--seq_lens={args.seq_lens}: every sequence length must be >= 4.")
     n_devices = _devices_needed(meshes, args.devices)
     configs = configs_of(presets)
-    devices = compile_devices(n_devices, args.backend)
+    if args.execute and set(steps) != {"distill"}:
+        raise ValueError(f"--execute runs the distill step only; pass --steps=distill, not --steps={args.steps}.")
+    devices = compile_devices(n_devices, args.backend, args.execute)
     resolved = [resolve_mesh(m, devices[:n_devices]) for m in meshes]
     limit = args.device_memory_gb * GB
     cache = {} if cache is None else cache
@@ -477,14 +511,22 @@ def run(args, cache: dict | None = None) -> list[dict]:
                 for step in steps:
                     # Only the learner's steps take the attention impl.
                     for impl in impls if step in ATTENTION_STEPS else ["auto"]:
-                        row = plan_case(Case(preset, step, shape, seq_len, impl), configs[preset], mesh, limit,
-                                        cache, args.max_micro_batch)
+                        case = Case(preset, step, shape, seq_len, impl)
+                        if args.execute:
+                            from experiments import plan_memory_check
+
+                            row = plan_memory_check.execute_distill(case, configs[preset], mesh, granule(case))
+                            row["planned_total_gb"] = plan_memory_check.planned_total(args.planned, row)
+                            print(f"[{time.perf_counter() - t0:6.0f}s] {plan_memory_check.describe(row)}", flush=True)
+                        else:
+                            row = plan_case(case, configs[preset], mesh, limit, cache, args.max_micro_batch)
+                            print(f"[{time.perf_counter() - t0:6.0f}s] {describe(row)}", flush=True)
                         rows.append(row)
-                        print(f"[{time.perf_counter() - t0:6.0f}s] {describe(row)}", flush=True)
                         _write(args, rows, t0, final=False)
     rows.sort(key=lambda r: (presets.index(r["preset"]), r["mesh"], steps.index(r["step"]), r["seq_len"],
                              r["attention_impl"]))
-    print_table(rows)
+    if not args.execute:
+        print_table(rows)
     _write(args, rows, t0, final=True)
     return rows
 

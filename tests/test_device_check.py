@@ -15,10 +15,10 @@ from experiments import device_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "experiments/device_check.sh"
-BLOCKS = ("spec", "tlt", "rollout", "attention", "verify", "losses")  # least measured first
+BLOCKS = ("spec", "tlt", "rollout", "attention", "verify", "losses", "distill32k")  # least measured first
 JSON = {"spec": ["bench_spec.json"], "tlt": ["bench_tlt.json"], "rollout": ["bench_rollout.json"],
         "attention": ["bench_attention.json", "bench_attention_segments.json"], "verify": ["bench_verify.json"],
-        "losses": ["bench_kl.json"]}
+        "losses": ["bench_kl.json"], "distill32k": ["plan_distill_32k.json"]}
 
 
 def _env(**extra):
@@ -92,11 +92,12 @@ def test_the_json_has_every_field_the_summary_reads(dry):
     assert [r["name"] for r in rows] == [b.name for b in device_summary.BARS]
     missing = [f"{r['name']}: {r['where']}" for r in rows if r["status"] == "missing"]
     assert not missing, missing
-    # Only the device peak has no CPU counterpart, and the speculation efficiency comes from
+    # Only the device peaks have no CPU counterpart, and the speculation efficiency comes from
     # bench_spec --breakdown, which the default spec block leaves out (SPEC_ARGS names it);
     # every other bar has a value to compare.
     assert {r["name"] for r in rows if r["status"] == "n/a"} <= {
-        "KL peak at 256k tokens (GiB)", "spec efficiency, batch 1-8", "spec efficiency, batch 32-64"}
+        "KL peak at 256k tokens (GiB)", "distill 3.2B at 32k, peak (GB)", "spec efficiency, batch 1-8",
+        "spec efficiency, batch 32-64"}
     assert {r["block"] for r in rows} == set(BLOCKS)
 
 

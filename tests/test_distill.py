@@ -168,6 +168,8 @@ def test_the_32k_preset_is_the_papers_setting_and_names_its_required_teacher():
     c = distill_config.get_config("llama3-8b-to-3b-32k")
     assert (c.top_k, c.eval_top_k, c.cache_dtype, c.data.seq_len, c.data.source, c.remat) == (
         100, 100, "bfloat16", 32768, "files", True)
+    # The paper's loss is one flag away (--config.tail=False): the default adds the tail bucket.
+    assert (c.tail, c.cache_kind) == (True, "topk")
     student = from_config_dict(c.student)
     assert student == from_config_dict(models.model_config("llama3.2-3b"))
     assert from_config_dict(models.model_config("llama3.1-8b")).vocab_size == student.vocab_size

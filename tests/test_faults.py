@@ -21,6 +21,7 @@ from tests import _teacher_cache_writer as fake
 from tests.test_rl_train import OVERRIDES, _learning_records
 from tests.test_tlt import TLT
 from tlt_jax import checkpoint, faults, metrics, rewards
+from tlt_jax.distill import array_store
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models.hf_io import load_hf
 
@@ -357,9 +358,10 @@ def test_disk_full_in_a_patched_write(tmp_path, monkeypatch):
     tokens = fake.make_tokens(12, 4)
     meta = fake.make_meta(tokens)
     path = tmp_path / "cache"
-    write_marker = tc._write_marker
+    write_marker = array_store._write_marker
     with monkeypatch.context() as patch:
-        patch.setattr(tc, "_write_marker", lambda p, shard, *a: full() if shard == 2 else write_marker(p, shard, *a))
+        patch.setattr(array_store, "_write_marker",
+                      lambda p, shard, *a: full() if shard == 2 else write_marker(p, shard, *a))
         with pytest.raises(faults.DiskFullError, match=f"teacher cache at {path}.*its 2 complete shard"):
             tc.write_teacher_cache(path, tokens, fake.fake_teacher, meta, batch_size=2, rows_per_shard=2,
                                    progress=False)

@@ -2,6 +2,7 @@
 shapes at the tiny preset, and its named input errors."""
 import json
 
+import numpy as np
 import pytest
 
 from experiments import plan_memory as pm
@@ -99,9 +100,31 @@ def test_blockwise_attention_frees_what_dense_scores_take(tmp_path):
     (["--presets=tiny", "--mesh=2x2"], "expected DATAxFSDPxTENSOR"),
     (["--presets=tiny", "--steps=prefill"], "Unknown steps ['prefill']"),
     (["--presets=tiny", "--attention_impl=flash"], "--attention_impl=flash: choose from auto, dense"),
+    (["--presets=tiny", "--steps=learner", "--execute"], "--execute runs the distill step only; pass --steps=distill"),
 ])
 def test_bad_input_is_one_named_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         pm.main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_executed_step_reports_its_plan_beside_the_measured_peak(tmp_path):
+    """--execute runs one real distill update (the CPU has no device memory stats: the
+    peak is None) and reads the planned total of the same case from a plan JSON."""
+    plan = pm.run(_args(tmp_path, steps="distill", device_memory_gb=1e-6))[0]
+
+    def executed(planned):
+        args = _args(tmp_path, steps="distill", planned=planned, out=tmp_path / "executed.json")
+        args.execute = True
+        return pm.run(args)[0]
+
+    row = executed(tmp_path / "plan.json")
+    assert row["planned_total_gb"] == pytest.approx(plan["smallest_total_gb"])
+    assert row["total_gb"] == pytest.approx(row["args_gb"] + row["out_gb"] + row["temp_gb"] - row["alias_gb"])
+    assert row["measured_peak_gb"] is None and np.isfinite(row["loss"])
+    other = json.loads((tmp_path / "plan.json").read_text())
+    other["results"][0]["seq_len"] = 128
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="has no row for"):
+        executed(tmp_path / "other.json")

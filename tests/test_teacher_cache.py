@@ -15,6 +15,7 @@ import pytest
 
 from tests import _teacher_cache_writer as fake
 from tlt_jax import fingerprint, losses
+from tlt_jax.distill import array_store
 from tlt_jax.distill import teacher_cache as tc
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _expected(tokens_NT, logp_dtype):
     ids_NTK, logp_NTK = fake.fake_teacher(tokens_NT)
-    return ids_NTK, logp_NTK.astype(tc._np_dtype(logp_dtype))
+    return ids_NTK, logp_NTK.astype(tc.FieldSpec(logp_dtype, ()).np_dtype)
 
 
 def _read_all(reader):
@@ -55,7 +56,7 @@ def test_round_trip(tmp_path, logp_dtype):
 
     assert len(reader) == reader.num_sequences == 11 and reader.seq_len == fake.SEQ_LEN
     ids, logp = _read_all(reader)
-    assert ids.dtype == np.int32 and logp.dtype == tc._np_dtype(logp_dtype)
+    assert ids.dtype == np.int32 and logp.dtype == tc.FieldSpec(logp_dtype, ()).np_dtype
     np.testing.assert_array_equal(ids, ids_NTK)
     np.testing.assert_array_equal(logp, logp_NTK)  # exact: cast once, stored losslessly
 
@@ -190,14 +191,14 @@ def test_unmarked_shard_is_recomputed(tmp_path, monkeypatch):
     tokens_NT = fake.make_tokens()
     meta = fake.make_meta(tokens_NT, "float32")
     path = tmp_path / "c"
-    real_write_marker = tc._write_marker
+    real_write_marker = array_store._write_marker
 
     def crash_at_shard_3(path_, shard, start, stop):
         if shard == 3:
             raise KeyboardInterrupt("simulated crash between data and marker")
         real_write_marker(path_, shard, start, stop)
 
-    monkeypatch.setattr(tc, "_write_marker", crash_at_shard_3)
+    monkeypatch.setattr(array_store, "_write_marker", crash_at_shard_3)
     with pytest.raises(KeyboardInterrupt):
         _write(path, tokens_NT, meta, batch_size=2)
     monkeypatch.undo()

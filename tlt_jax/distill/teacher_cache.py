@@ -15,30 +15,12 @@ KL distillation"). `CacheMeta.cache_kind` says which view:
   KL against it is the full-vocabulary KL's. A reader hands it out as log-probs
   (`empirical_logp`), so the student's loss is the same for both kinds.
 
-Two layers:
-
-* `ShardedArrayStore` — generic: named arrays sharing a leading row axis, stored as
-  zarr v3 arrays through tensorstore, written one shard (a fixed block of rows) at a
-  time with a completion marker per shard. A killed writer resumes where it stopped and
-  a reader never takes a partly written shard for a complete one. The drafter data
-  buffer reuses it with its own fields and metadata.
-* The teacher cache on top: `CacheMeta` (what the cache was made from: the teacher, the
-  tokenizer, the tokens and the packed layout the teacher attended with),
-  `write_teacher_cache` (resumable writer) and `TeacherCacheReader` (checked reader);
-  `losses.topk_from_logits` turns teacher logits into cache rows.
-
-On-disk layout of a store at `path`::
-
-    store.json          layout (rows, rows per shard, fields) and caller metadata;
-                        written first, atomically, and never changed afterwards
-    <field>/            one zarr v3 array per field, shape [num_rows, *row_shape]; one
-                        zarr shard file per store shard ([rows_per_shard, *row_shape]),
-                        inner chunks of one row so a single row reads on its own
-    done/<shard>.json   completion marker of one shard, written atomically (tmp file,
-                        fsync, os.replace) only after all of the shard's data is durable
-
-Because a store shard is exactly one zarr shard file, writing one shard never touches
-another shard's file, and complete shards are never rewritten.
+The cache is a `ShardedArrayStore` (`array_store`: named arrays on disk, written a shard at a
+time with completion markers, so a killed writer resumes and a reader never takes a partial
+shard) with the teacher cache on top: `CacheMeta` (what the cache was made from: the teacher,
+the tokenizer, the tokens and the packed layout the teacher attended with),
+`write_teacher_cache` (resumable writer) and `TeacherCacheReader` (checked reader);
+`losses.topk_from_logits` turns teacher logits into cache rows.
 
 This module imports jax only inside the functions that need it, so a writer driven by
 a numpy teacher (tests, host-side tools) starts without it.
@@ -49,18 +31,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-import ml_dtypes
 import numpy as np
-import tensorstore as ts
 from tqdm import auto as tqdm_auto
 
 from tlt_jax import faults
+from tlt_jax.distill.array_store import (  # noqa: F401  (the store's names, as a cache's user meets them)
+    STORE_FILE,
+    FieldSpec,
+    IncompleteStoreError,
+    MetadataMismatchError,
+    NotAStoreError,
+    Pending,
+    ShardedArrayStore,
+    differences,
+    json_normal,
+    load_store_json,
+)
 from tlt_jax.fingerprint import fingerprint_tokens
 
 # Of the teacher cache (its fields and their meaning). 2: the layout of packed rows
@@ -68,7 +58,6 @@ from tlt_jax.fingerprint import fingerprint_tokens
 # 1 left it to be recovered from the tokens (<bos>, <pad>), wrong for tokenizers without
 # a <bos> or whose <pad> is also an end token.
 FORMAT_VERSION = 2
-STORE_VERSION = 1  # of the generic store layout
 CACHE_KIND = "teacher_topk_cache"  # the store's kind (a teacher cache of either cache_kind)
 CACHE_KINDS = ("topk", "sampled")
 LOGP_DTYPES = ("bfloat16", "float32")
@@ -78,335 +67,6 @@ _COUNTS_DTYPE = {"float32": "int32", "bfloat16": "uint16"}
 # Caches written before cache_kind existed are top-K caches: what their metadata lacks.
 _TOPK_DEFAULTS = {"cache_kind": "topk", "samples": 0, "sample_seed": 0}
 
-_STORE_FILE = "store.json"
-_DONE_DIR = "done"
-_MARKER_RE = re.compile(r"^(\d{8})\.json$")
-# Default shard size: large enough that per-file overheads vanish, small enough that a
-# killed writer loses little work and the writer's buffers stay modest.
-_TARGET_SHARD_BYTES = 256 << 20
-
-
-class NotAStoreError(FileNotFoundError):
-    """The path holds no store (or no teacher cache)."""
-
-
-class MetadataMismatchError(ValueError):
-    """The store on disk was made with different metadata or layout than expected."""
-
-
-class IncompleteStoreError(RuntimeError):
-    """Some shards are not complete (the writer was interrupted or is still running)."""
-
-
-# ----------------------------------------------------------------------------------
-# Generic sharded array store
-# ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldSpec:
-    """One array of a store: every row has shape `row_shape` and dtype `dtype`.
-
-    `dtype` is a numpy dtype name; "bfloat16" means ml_dtypes.bfloat16.
-    """
-    dtype: str
-    row_shape: tuple[int, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
-        _np_dtype(self.dtype)  # fail early on unknown names
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return _np_dtype(self.dtype)
-
-    @property
-    def row_bytes(self) -> int:
-        return int(np.prod(self.row_shape, dtype=np.int64)) * self.np_dtype.itemsize
-
-
-def _np_dtype(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def _atomic_write_json(path: str, obj: Any) -> None:
-    """Writes JSON so that readers see either nothing or the whole file, even on a crash."""
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    # The rename itself is durable only once the directory entry is synced.
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _json_normal(obj: Any) -> Any:
-    # What `obj` reads back as from JSON (tuples become lists), for like-for-like compares.
-    return json.loads(json.dumps(obj))
-
-
-def _differences(found: Any, expected: Any, prefix: str = "") -> list[str]:
-    """Human-readable differences between two JSON values, naming each differing key."""
-    if isinstance(found, dict) and isinstance(expected, dict):
-        out = []
-        for key in sorted(set(found) | set(expected), key=str):
-            name = f"{prefix}{key}"
-            if key not in found:
-                out.append(f"{name} is absent on disk, {expected[key]!r} expected")
-            elif key not in expected:
-                out.append(f"{name} is {found[key]!r} on disk, absent from what is expected")
-            else:
-                out.extend(_differences(found[key], expected[key], f"{name}."))
-        return out
-    if found != expected:
-        return [f"{prefix.rstrip('.')} is {found!r} on disk, {expected!r} expected"]
-    return []
-
-
-class _Pending:
-    """Tensorstore futures plus a step to run once they are all done."""
-
-    def __init__(self, futures: Sequence[Any], finish: Callable[[list[Any]], Any]):
-        self._futures = futures
-        self._finish = finish
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def result(self) -> Any:
-        return self._finish([f.result() for f in self._futures])
-
-
-class ShardedArrayStore:
-    """Named arrays with a shared row axis, written shard by shard with completion markers.
-
-    Shard s holds rows [s * rows_per_shard, min((s + 1) * rows_per_shard, num_rows)).
-    A shard counts as complete only once its marker exists; the marker is written after
-    every field's data for the shard is committed (tensorstore syncs files by default),
-    so a writer killed at any point leaves at worst an unmarked shard, which the next
-    writer recomputes and readers refuse. Complete shards are immutable. One writer at a
-    time; any number of readers.
-
-    Make one with `open_or_create` (writers) or `open` (readers).
-    """
-
-    def __init__(self, path: str, layout: dict[str, Any], metadata: dict[str, Any],
-                 arrays: dict[str, ts.TensorStore]):
-        self.path = path
-        self.num_rows: int = layout["num_rows"]
-        self.rows_per_shard: int = layout["rows_per_shard"]
-        self.fields = {name: FieldSpec(f["dtype"], f["row_shape"])
-                       for name, f in layout["fields"].items()}
-        self.metadata = metadata
-        self._layout = layout
-        self._arrays = arrays
-        self.complete_S = self._read_markers()
-
-    def _array(self, name: str) -> ts.TensorStore:
-        if name not in self._arrays:
-            spec = _zarr_spec(self.path, name, self.fields[name], self._layout)
-            self._arrays[name] = ts.open(spec, open=True).result()
-        return self._arrays[name]
-
-    # -- opening --------------------------------------------------------------------
-
-    @classmethod
-    def open_or_create(cls, path: str | os.PathLike, *, fields: Mapping[str, FieldSpec],
-                       num_rows: int, metadata: Mapping[str, Any],
-                       rows_per_shard: int | None = None) -> ShardedArrayStore:
-        """Opens the store at `path` for writing, creating it if absent.
-
-        An existing store must have the same fields, `num_rows` and `metadata` (and
-        `rows_per_shard`, if given), else MetadataMismatchError names every differing key.
-        `rows_per_shard=None` keeps an existing store's value, or for a new store picks
-        about 256 MiB of data per shard.
-        """
-        path = os.fspath(path)
-        fields = dict(fields)
-        metadata = _json_normal(dict(metadata))
-        if rows_per_shard is None:
-            if os.path.exists(os.path.join(path, _STORE_FILE)):
-                rows_per_shard = _load_store_json(path)["layout"]["rows_per_shard"]
-            else:
-                row_bytes = sum(f.row_bytes for f in fields.values())
-                rows_per_shard = max(1, _TARGET_SHARD_BYTES // max(row_bytes, 1))
-        if num_rows < 1 or rows_per_shard < 1:
-            raise ValueError(f"need num_rows >= 1 and rows_per_shard >= 1, "
-                             f"got {num_rows} and {rows_per_shard}")
-        layout = _json_normal({
-            "store_version": STORE_VERSION,
-            "num_rows": int(num_rows),
-            "rows_per_shard": int(rows_per_shard),
-            "fields": {name: dataclasses.asdict(f) for name, f in fields.items()},
-        })
-        store_file = os.path.join(path, _STORE_FILE)
-        if os.path.exists(store_file):
-            found = _load_store_json(path)
-            problems = (_differences(found["metadata"], metadata)
-                        + _differences(found["layout"], layout))
-            if problems:
-                raise MetadataMismatchError(
-                    f"cannot resume the store at {path}: it was made differently; "
-                    + "; ".join(problems))
-        else:
-            os.makedirs(path, exist_ok=True)
-            # Only a crashed creator's temp files may be here; anything else is not ours.
-            strangers = [n for n in os.listdir(path) if not n.startswith(f".{_STORE_FILE}.tmp")]
-            if strangers:
-                raise NotAStoreError(f"{path} is not empty and holds no {_STORE_FILE}; "
-                                     f"refusing to create a store there (found {strangers[:5]})")
-            _atomic_write_json(store_file, {"layout": layout, "metadata": metadata})
-        os.makedirs(os.path.join(path, _DONE_DIR), exist_ok=True)
-        arrays = {name: ts.open(_zarr_spec(path, name, f, layout), create=True,
-                                open=True).result()
-                  for name, f in fields.items()}
-        return cls(path, layout, metadata, arrays)
-
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> ShardedArrayStore:
-        """Opens an existing store for reading; NotAStoreError if `path` holds none."""
-        path = os.fspath(path)
-        found = _load_store_json(path)
-        layout = found["layout"]
-        if layout.get("store_version") != STORE_VERSION:
-            raise MetadataMismatchError(
-                f"store at {path} has store_version {layout.get('store_version')!r}, "
-                f"this code reads {STORE_VERSION}")
-        # Arrays open on first read: a creator killed before making them leaves a store
-        # with no complete shard, which must still open (and report itself incomplete).
-        return cls(path, layout, found["metadata"], arrays={})
-
-    # -- shards ---------------------------------------------------------------------
-
-    @property
-    def num_shards(self) -> int:
-        return -(-self.num_rows // self.rows_per_shard)
-
-    def shard_bounds(self, shard: int) -> tuple[int, int]:
-        """Rows [start, stop) of `shard`."""
-        start = int(shard) * self.rows_per_shard
-        return start, min(start + self.rows_per_shard, self.num_rows)
-
-    @property
-    def missing_shards(self) -> np.ndarray:
-        """Indices of shards without a completion marker (as of open or last write)."""
-        return np.flatnonzero(~self.complete_S)
-
-    def complete_rows(self) -> np.ndarray:
-        """Indices [M] of the rows that lie in complete shards, ascending."""
-        rows = [np.arange(*self.shard_bounds(s)) for s in np.flatnonzero(self.complete_S)]
-        return np.concatenate(rows) if rows else np.zeros((0,), np.int64)
-
-    def _read_markers(self) -> np.ndarray:
-        complete_S = np.zeros((self.num_shards,), bool)
-        done_dir = os.path.join(self.path, _DONE_DIR)
-        for name in os.listdir(done_dir) if os.path.isdir(done_dir) else ():
-            if (m := _MARKER_RE.match(name)) and int(m.group(1)) < self.num_shards:
-                complete_S[int(m.group(1))] = True
-        return complete_S
-
-    def start_write_shard(self, shard: int, arrays_R: Mapping[str, np.ndarray]) -> _Pending:
-        """Starts writing every field of `shard`; `.result()` waits, then marks it complete.
-
-        `arrays_R[name]` has shape [rows of the shard, *row_shape] and is cast to the
-        field's dtype. The shard is complete (for this and later readers) only after
-        `.result()` returns.
-        """
-        shard = int(shard)
-        if self.complete_S[shard]:
-            raise ValueError(f"shard {shard} of {self.path} is complete; complete shards "
-                             "are never rewritten")
-        if set(arrays_R) != set(self.fields):
-            raise ValueError(f"shard data has fields {sorted(arrays_R)}, the store has "
-                             f"{sorted(self.fields)}")
-        start, stop = self.shard_bounds(shard)
-        futures = []
-        for name, spec in self.fields.items():
-            x = np.asarray(arrays_R[name]).astype(spec.np_dtype, copy=False)
-            if x.shape != (stop - start, *spec.row_shape):
-                raise ValueError(f"field {name!r} of shard {shard}: shape {x.shape}, "
-                                 f"expected {(stop - start, *spec.row_shape)}")
-            # Waiting on `commit` (not just the copy out of `x`) means the data is on disk.
-            futures.append(self._array(name)[start:stop].write(x).commit)
-
-        def mark_complete(_):
-            _write_marker(self.path, shard, start, stop)
-            self.complete_S[shard] = True
-
-        return _Pending(futures, mark_complete)
-
-    def write_shard(self, shard: int, arrays_R: Mapping[str, np.ndarray]) -> None:
-        """Writes `shard` and marks it complete; see `start_write_shard`."""
-        self.start_write_shard(shard, arrays_R).result()
-
-    # -- reading --------------------------------------------------------------------
-
-    def start_read_rows(self, indices_B: Sequence[int] | np.ndarray,
-                        fields: Sequence[str] | None = None) -> _Pending:
-        """Starts reading rows `indices_B` (any order, repeats allowed) of complete shards.
-
-        `.result()` gives {field: array [B, *row_shape]}. Raises IncompleteStoreError at
-        once if a row lies in a shard that is not complete.
-        """
-        indices_B = np.asarray(indices_B, np.int64).reshape(-1)
-        if indices_B.size and (indices_B.min() < 0 or indices_B.max() >= self.num_rows):
-            raise IndexError(f"row indices must lie in [0, {self.num_rows})")
-        bad_shards = np.unique(indices_B // self.rows_per_shard)
-        bad_shards = bad_shards[~self.complete_S[bad_shards]]
-        if bad_shards.size:
-            raise IncompleteStoreError(
-                f"rows requested from incomplete shards {bad_shards[:10].tolist()} of "
-                f"{self.path}")
-        names = list(self.fields if fields is None else fields)
-        futures = [self._array(name)[indices_B].read() for name in names]
-        return _Pending(futures, lambda results: dict(zip(names, results)))
-
-    def read_rows(self, indices_B, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """Reads rows of complete shards; see `start_read_rows`."""
-        return self.start_read_rows(indices_B, fields).result()
-
-
-def _load_store_json(path: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(path, _STORE_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise NotAStoreError(f"{path} is not a sharded array store (no {_STORE_FILE}); "
-                             "was it written by write_teacher_cache?") from None
-
-
-def _write_marker(path: str, shard: int, start: int, stop: int) -> None:
-    _atomic_write_json(os.path.join(path, _DONE_DIR, f"{shard:08d}.json"),
-                       {"shard": shard, "rows": [start, stop]})
-
-
-def _zarr_spec(path: str, name: str, field: FieldSpec, layout: dict[str, Any]) -> dict:
-    """zarr v3 spec: one shard file per store shard, one inner chunk per row."""
-    row_shape = list(field.row_shape)
-    return {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": os.path.join(path, name)},
-        "metadata": {
-            "shape": [layout["num_rows"], *row_shape],
-            "data_type": field.dtype,
-            "chunk_grid": {"name": "regular", "configuration": {
-                "chunk_shape": [layout["rows_per_shard"], *row_shape]}},
-            "codecs": [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": [1, *row_shape],
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                           {"name": "zstd", "configuration": {"level": 1}}],
-                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                 {"name": "crc32c"}],
-            }}],
-            "fill_value": 0,
-        },
-    }
 
 
 # ----------------------------------------------------------------------------------
@@ -546,6 +206,27 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    layout = _checked_layout(tokens_NT, meta, layout)
+    seq_len = int(tokens_NT.shape[1])
+    store = None
+
+    def disk_full() -> str:
+        kept = int(store.complete_S.sum()) if store is not None else 0
+        return (f"Out of disk space writing the teacher cache at {os.fspath(path)}. Free space on that disk (or give "
+                f"the cache a path on a larger one) and run the same command again: its {kept} complete shard(s) "
+                "are kept and only the missing ones are computed.")
+
+    with faults.explain_disk_full(disk_full):
+        store = ShardedArrayStore.open_or_create(
+            path, fields=meta.fields(seq_len), num_rows=int(tokens_NT.shape[0]),
+            metadata=_metadata_to_write(path, meta), rows_per_shard=rows_per_shard)
+        _fill_missing_shards(store, (tokens_NT, *(layout or ())), teacher_fn, meta, batch_size, progress)
+    return TeacherCacheReader(path, meta)
+
+
+def _checked_layout(tokens_NT, meta: CacheMeta, layout):
+    """`layout` as a tuple (or None) after checking the tokens and the layout hash to what
+    `meta` says they are."""
     dataset_fingerprint = fingerprint_tokens(tokens_NT)  # checks tokens_NT is [N, T] integers
     num_rows, seq_len = (int(n) for n in tokens_NT.shape)
     if meta.dataset_fingerprint != dataset_fingerprint:
@@ -560,69 +241,67 @@ def write_teacher_cache(path: str | os.PathLike, tokens_NT, teacher_fn: TeacherF
     if meta.layout_fingerprint != layout_fp:
         raise MetadataMismatchError(
             f"meta.layout_fingerprint is {meta.layout_fingerprint!r} but the layout given hashes to {layout_fp!r}")
+    return layout
+
+
+def _metadata_to_write(path, meta: CacheMeta) -> dict:
+    """The store metadata of `meta`; a cache from before cache_kind is resumed as it was written."""
     metadata = meta.store_metadata()
-    if os.path.isfile(os.path.join(os.fspath(path), _STORE_FILE)):
-        found = _load_store_json(os.fspath(path))["metadata"]
+    if os.path.isfile(os.path.join(os.fspath(path), STORE_FILE)):
+        found = load_store_json(os.fspath(path))["metadata"]
         _check_format(os.fspath(path), found, meta)
-        if "cache_kind" not in found and _with_topk_defaults(found) == _json_normal(metadata):
-            metadata = {k: v for k, v in metadata.items() if k not in _TOPK_DEFAULTS}  # resumed as written
-    store = None
+        if "cache_kind" not in found and _with_topk_defaults(found) == json_normal(metadata):
+            metadata = {k: v for k, v in metadata.items() if k not in _TOPK_DEFAULTS}
+    return metadata
 
-    def disk_full() -> str:
-        kept = int(store.complete_S.sum()) if store is not None else 0
-        return (f"Out of disk space writing the teacher cache at {os.fspath(path)}. Free space on that disk (or give "
-                f"the cache a path on a larger one) and run the same command again: its {kept} complete shard(s) "
-                "are kept and only the missing ones are computed.")
 
-    with faults.explain_disk_full(disk_full):
-        store = ShardedArrayStore.open_or_create(
-            path, fields=meta.fields(seq_len), num_rows=num_rows,
-            metadata=metadata, rows_per_shard=rows_per_shard)
-        field_specs = meta.fields(seq_len)
-
-        rows_M = np.concatenate([np.arange(*store.shard_bounds(s))
-                                 for s in store.missing_shards] or [np.zeros((0,), np.int64)])
-        shape_TK = (seq_len, meta.top_k)
-        buffers: dict[int, dict[str, np.ndarray]] = {}  # shard -> field -> [rows, T, K]
-        filled: collections.Counter[int] = collections.Counter()
-        pending: collections.deque[_Pending] = collections.deque()
-        bar = tqdm_auto.tqdm(total=num_rows, initial=num_rows - len(rows_M), unit="seq",
-                             desc="teacher cache", disable=not progress)
-        with bar:
-            for begin in range(0, len(rows_M), batch_size):
-                rows_B = rows_M[begin:begin + batch_size]
-                padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
-                inputs = [np.asarray(x_NT[padded_B], dtype=np.int32)
-                          for x_NT in (tokens_NT, *(layout or ()))]
-                if meta.cache_kind == "sampled":  # each row's draws depend on its index alone
-                    inputs.append(padded_B)
-                outputs = dict(zip(field_specs, (np.asarray(x) for x in teacher_fn(*inputs))))
+def _fill_missing_shards(store: ShardedArrayStore, inputs_NT: tuple, teacher_fn: TeacherFn, meta: CacheMeta,
+                         batch_size: int, progress: bool) -> None:
+    """Runs the teacher over the rows of the store's missing shards (inputs_NT: the tokens and
+    the layout, if any) and writes each shard as soon as it is full."""
+    num_rows, seq_len = (int(n) for n in inputs_NT[0].shape)
+    field_specs = meta.fields(seq_len)
+    rows_M = np.concatenate([np.arange(*store.shard_bounds(s))
+                             for s in store.missing_shards] or [np.zeros((0,), np.int64)])
+    shape_TK = (seq_len, meta.top_k)
+    buffers: dict[int, dict[str, np.ndarray]] = {}  # shard -> field -> [rows, T, K]
+    filled: collections.Counter[int] = collections.Counter()
+    pending: collections.deque[Pending] = collections.deque()
+    bar = tqdm_auto.tqdm(total=num_rows, initial=num_rows - len(rows_M), unit="seq",
+                         desc="teacher cache", disable=not progress)
+    with bar:
+        for begin in range(0, len(rows_M), batch_size):
+            rows_B = rows_M[begin:begin + batch_size]
+            padded_B = np.concatenate([rows_B, np.full(batch_size - len(rows_B), rows_B[-1])])
+            inputs = [np.asarray(x_NT[padded_B], dtype=np.int32) for x_NT in inputs_NT]
+            if meta.cache_kind == "sampled":  # each row's draws depend on its index alone
+                inputs.append(padded_B)
+            outputs = dict(zip(field_specs, (np.asarray(x) for x in teacher_fn(*inputs))))
+            for name, x in outputs.items():
+                if x.shape != (batch_size, *shape_TK):
+                    raise ValueError(f"teacher_fn returned {name} of shape {x.shape}, expected "
+                                     f"{(batch_size, *shape_TK)} (batch_size, T, top_k)")
+            shard_B = rows_B // store.rows_per_shard
+            for shard in np.unique(shard_B):
+                start, stop = store.shard_bounds(shard)
+                if shard not in buffers:
+                    buffers[shard] = {name: np.empty((stop - start, *shape_TK), spec.np_dtype)
+                                      for name, spec in field_specs.items()}
+                in_shard_B = shard_B == shard
+                local = rows_B[in_shard_B] - start
                 for name, x in outputs.items():
-                    if x.shape != (batch_size, *shape_TK):
-                        raise ValueError(f"teacher_fn returned {name} of shape {x.shape}, expected "
-                                         f"{(batch_size, *shape_TK)} (batch_size, T, top_k)")
-                shard_B = rows_B // store.rows_per_shard
-                for shard in np.unique(shard_B):
-                    start, stop = store.shard_bounds(shard)
-                    if shard not in buffers:
-                        buffers[shard] = {name: np.empty((stop - start, *shape_TK), spec.np_dtype)
-                                          for name, spec in field_specs.items()}
-                    in_shard_B = shard_B == shard
-                    local = rows_B[in_shard_B] - start
-                    for name, x in outputs.items():
-                        buffers[shard][name][local] = x[:len(rows_B)][in_shard_B]
-                    filled[shard] += len(local)
-                    if filled[shard] == stop - start:
-                        # Writes run in tensorstore's threads while the teacher computes the next
-                        # batches; at most one shard is in flight, to bound host memory.
-                        pending.append(store.start_write_shard(shard, buffers.pop(shard)))
-                # Mark shards complete as soon as their data is on disk, so a kill loses little.
-                while pending and (len(pending) > 1 or pending[0].done()):
-                    pending.popleft().result()
-                bar.update(len(rows_B))
-            while pending:
+                    buffers[shard][name][local] = x[:len(rows_B)][in_shard_B]
+                filled[shard] += len(local)
+                if filled[shard] == stop - start:
+                    # Writes run in tensorstore's threads while the teacher computes the next
+                    # batches; at most one shard is in flight, to bound host memory.
+                    pending.append(store.start_write_shard(shard, buffers.pop(shard)))
+            # Mark shards complete as soon as their data is on disk, so a kill loses little.
+            while pending and (len(pending) > 1 or pending[0].done()):
                 pending.popleft().result()
-    return TeacherCacheReader(path, meta)
+            bar.update(len(rows_B))
+        while pending:
+            pending.popleft().result()
 
 
 class TeacherBatch(NamedTuple):
@@ -651,7 +330,7 @@ class TeacherCacheReader:
             raise NotAStoreError(f"{self.path} is a store of kind "
                                  f"{self._store.metadata.get('kind')!r}, not a teacher cache")
         _check_format(self.path, self._store.metadata, expected)
-        problems = _differences(_with_topk_defaults(self._store.metadata), _json_normal(expected.store_metadata()))
+        problems = differences(_with_topk_defaults(self._store.metadata), json_normal(expected.store_metadata()))
         if problems:
             raise MetadataMismatchError(
                 f"teacher cache at {self.path} does not match what is expected: "

@@ -49,11 +49,12 @@ hf/ (the final student with the teacher's tokenizer, Hugging Face format).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -253,39 +254,52 @@ class DistillTrainer:
         return self._step
 
     def eval_sums(self, params, batch) -> dict:
-        """Sums over the batch's target positions (its ids may hold more than top_k columns):
-        "loss" (training objective at top_k), "kl" (tail KL at all columns), "top1_agree"
-        (student argmax == teacher argmax), "teacher_tail_mass" (outside its top_k),
-        "token_accuracy" (student argmax == the data's next token), "count", and per bin of
-        the student's top-1 probability "ece_count", "ece_confidence", "ece_correct" [ECE_BINS]."""
+        """`eval_sums_of`, jitted with the trainer's shardings."""
         if self._eval is None:
-            def fn(params, batch):
-                h_ND, w_DV, ids_NK, logp_NK, mask_N = self._rows(params, batch)
-                kl = lambda ids, logp, tail: losses.linear_topk_kl(
-                    h_ND, w_DV, ids, logp, mask_N=mask_N, temperature=self.temperature, tail=tail,
-                    reduction="sum", impl=self.loss_impl)
-                k = self.top_k
-                # One eval batch of logits at a time: the argmax needs the whole row.
-                logits_NV = tfm.logits_from_hidden(params, self.model_config, h_ND).astype(jnp.float32)
-                argmax_N = jnp.argmax(logits_NV, axis=-1)
-                confidence_N = jnp.exp(jnp.max(logits_NV, -1) / self.temperature
-                                       - jax.nn.logsumexp(logits_NV / self.temperature, -1))
-                correct_N = (argmax_N == batch["tokens"][:, 1:].reshape(-1)) & mask_N
-                bin_N = jnp.minimum((confidence_N * ECE_BINS).astype(jnp.int32), ECE_BINS - 1)
-                per_bin = lambda x_N: jnp.zeros((ECE_BINS,), jnp.float32).at[bin_N].add(jnp.where(mask_N, x_N, 0.0))
-                logp_top = logp_NK[:, :k].astype(jnp.float32)
-                tail_mass_N = -jnp.expm1(jax.nn.logsumexp(logp_top, axis=-1))
-                return {"loss": kl(ids_NK[:, :k], logp_NK[:, :k], self.tail), "kl": kl(ids_NK, logp_NK, True),
-                        "top1_agree": jnp.sum((argmax_N == ids_NK[:, 0]) & mask_N),
-                        "teacher_tail_mass": jnp.sum(jnp.where(mask_N, tail_mass_N, 0.0)),
-                        "token_accuracy": jnp.sum(correct_N), "count": jnp.sum(mask_N),
-                        "ece_count": per_bin(jnp.ones_like(confidence_N)), "ece_confidence": per_bin(confidence_N),
-                        "ece_correct": per_bin(correct_N.astype(jnp.float32))}
-
-            self._eval = sharding.jit_sharded(fn, in_shardings=(self._param_shardings(params),
-                                                                self._batch_shardings(batch)),
+            self._eval = sharding.jit_sharded(self.eval_sums_of, in_shardings=(self._param_shardings(params),
+                                                                               self._batch_shardings(batch)),
                                               out_shardings=sharding.replicated(self.mesh))
         return self._eval(params, batch)
+
+    def eval_sums_of(self, params, batch) -> dict:
+        """Sums over the batch's target positions (its ids may hold more than top_k columns):
+        "loss" (training objective at top_k), "kl" (tail KL at all columns: the full-vocabulary
+        KL where the ids hold the whole vocabulary), "top1_agree" (student argmax == teacher
+        argmax), "teacher_tail_mass" (outside its top_k), "token_accuracy" (student argmax ==
+        the data's next token), "count", and per bin of the student's top-1 probability
+        "ece_count", "ece_confidence", "ece_correct" [ECE_BINS]. A pure function (`eval_metrics`
+        turns the sums into means)."""
+        h_ND, w_DV, ids_NK, logp_NK, mask_N = self._rows(params, batch)
+        kl = lambda ids, logp, tail: losses.linear_topk_kl(
+            h_ND, w_DV, ids, logp, mask_N=mask_N, temperature=self.temperature, tail=tail,
+            reduction="sum", impl=self.loss_impl)
+        k = self.top_k
+        # One eval batch of logits at a time: the argmax needs the whole row.
+        logits_NV = tfm.logits_from_hidden(params, self.model_config, h_ND).astype(jnp.float32)
+        argmax_N = jnp.argmax(logits_NV, axis=-1)
+        confidence_N = jnp.exp(jnp.max(logits_NV, -1) / self.temperature
+                               - jax.nn.logsumexp(logits_NV / self.temperature, -1))
+        correct_N = (argmax_N == batch["tokens"][:, 1:].reshape(-1)) & mask_N
+        bin_N = jnp.minimum((confidence_N * ECE_BINS).astype(jnp.int32), ECE_BINS - 1)
+        per_bin = lambda x_N: jnp.zeros((ECE_BINS,), jnp.float32).at[bin_N].add(jnp.where(mask_N, x_N, 0.0))
+        logp_top = logp_NK[:, :k].astype(jnp.float32)
+        tail_mass_N = -jnp.expm1(jax.nn.logsumexp(logp_top, axis=-1))
+        return {"loss": kl(ids_NK[:, :k], logp_NK[:, :k], self.tail), "kl": kl(ids_NK, logp_NK, True),
+                "top1_agree": jnp.sum((argmax_N == ids_NK[:, 0]) & mask_N),
+                "teacher_tail_mass": jnp.sum(jnp.where(mask_N, tail_mass_N, 0.0)),
+                "token_accuracy": jnp.sum(correct_N), "count": jnp.sum(mask_N),
+                "ece_count": per_bin(jnp.ones_like(confidence_N)), "ece_confidence": per_bin(confidence_N),
+                "ece_correct": per_bin(correct_N.astype(jnp.float32))}
+
+
+def eval_metrics(totals: dict) -> dict:
+    """`DistillTrainer.eval_sums_of` summed over the held-out batches -> the eval_* means
+    (per target position) and eval_ece."""
+    totals = dict(totals)
+    count = max(float(totals.pop("count")), 1.0)
+    bins = {name: np.asarray(totals.pop(name), np.float64) for name in ("ece_count", "ece_confidence", "ece_correct")}
+    ece = float(np.sum(np.abs(bins["ece_confidence"] - bins["ece_correct"]))) / count
+    return {"eval_ece": ece, **{f"eval_{k}": float(v) / count for k, v in totals.items()}}
 
 
 # ----------------------------------------------------------------------------- job
@@ -362,104 +376,135 @@ def _check_config(config, vocab_size: int) -> tuple[int, int]:
     return width, eval_top_k
 
 
-def train_distill(config, *, progress: bool = True) -> dict:
-    """Runs (or resumes) the distillation job of `configs/distill.py`; returns a summary:
-    the last step's metrics, the final evaluation, the cache's origin and timings."""
-    t_start = time.time()
-    check_paths(config)
-    run_dir = config.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    mesh = sharding.make_mesh(config.mesh)
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a distillation job reads before it trains: the teacher, its tokenizer, the data
+    packed into rows of both splits, and the cache widths (`_check_config`)."""
+    mesh: Any
+    teacher_cfg: ModelConfig
+    teacher_params: Any
+    tokenizer: Any
+    tokenizer_dir: str
+    problems: Any
+    rows: dict  # split -> `pack_examples` rows
+    end_ids: tuple
+    top_k: int  # width of the training targets
+    eval_top_k: int  # width of the held-out targets
 
+    @property
+    def vocab(self) -> int:
+        return self.teacher_cfg.vocab_size
+
+
+def prepare(config) -> Setup:
+    """Checks the config (`check_paths`), loads the teacher and its tokenizer and packs both splits."""
+    check_paths(config)
+    mesh = sharding.make_mesh(config.mesh)
     teacher_cfg, teacher_params = load_hf(config.teacher_dir)
     tokenizer_dir = config.tokenizer_dir or config.teacher_dir
     tokenizer = load_tokenizer(tokenizer_dir)
-    vocab = teacher_cfg.vocab_size
-    if len(tokenizer) > vocab:
-        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens, the teacher's vocabulary only {vocab}.")
-    top_k, eval_top_k = _check_config(config, vocab)
-
+    if len(tokenizer) > teacher_cfg.vocab_size:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens, the teacher's vocabulary only "
+                         f"{teacher_cfg.vocab_size}.")
+    top_k, eval_top_k = _check_config(config, teacher_cfg.vocab_size)
     problems = sources.problems_for(tokenizer_dir, config.data)
-    end_id = end_token_ids(tokenizer, teacher_cfg.end_token_ids)[0]
-    rows = {split: pack_examples(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_id)
+    end_ids = tuple(end_token_ids(tokenizer, teacher_cfg.end_token_ids))
+    rows = {split: pack_examples(tokenizer, examples, config.data.seq_len, problems.prompt_format, end_ids[0])
             for split, examples in (("train", problems.train), ("eval", problems.eval))}
-    split_k = {"train": top_k, "eval": eval_top_k}
-    teacher_fp = fingerprint.fingerprint_arrays(teacher_params)
+    return Setup(mesh, teacher_cfg, teacher_params, tokenizer, tokenizer_dir, problems, rows, end_ids, top_k,
+                 eval_top_k)
 
-    # Placed (once for both splits) and compiled only if it runs: not for a complete cache.
-    placed_teacher = functools.cache(lambda: tfm.shard_params(teacher_cfg, teacher_params, mesh))
 
-    # The held-out targets are a top-K cache of either kind of run: both are evaluated against the
-    # teacher itself (its whole vocabulary, at eval_top_k = 0).
+def init_student(config, setup: Setup, seed: int) -> tuple[ModelConfig, Any]:
+    """(config, params) of the student: `student_dir`'s, or `config.student` from random
+    weights of `seed` with the teacher's vocabulary and special ids."""
+    if config.get("student_dir"):
+        return load_hf(config.student_dir)
+    cfg = from_config_dict(config.student).replace(vocab_size=setup.vocab, bos_token_id=setup.teacher_cfg.bos_token_id,
+                                                   eos_token_id=setup.teacher_cfg.eos_token_id)
+    return cfg, tfm.init_params(cfg, jax.random.PRNGKey(seed))
+
+
+def _teacher_targets(config, setup: Setup, progress: bool):
+    """(targets(split, row indices) -> {"ids", "logp"}, rows the teacher ran on, seconds):
+    offline from the split's cache (built first where missing), online from the teacher. The
+    held-out targets are a top-K cache for either kind of run: both are evaluated against
+    the teacher itself (its whole vocabulary, at eval_top_k = 0)."""
+    t_cache, mesh, cfg = time.time(), setup.mesh, setup.teacher_cfg
+    split_k = {"train": setup.top_k, "eval": setup.eval_top_k}
     kind = {"train": config.get("cache_kind", "topk"), "eval": "topk"}
     sampled = dict(cache_kind="sampled", samples=config.get("cache_samples", 0), sample_seed=config.seed)
-    kind_meta = {split: sampled if kind[split] == "sampled" else {} for split in split_k}
+    # Placed (once for both splits) and compiled only if it runs: not for a complete cache.
+    placed_teacher = functools.cache(lambda: tfm.shard_params(cfg, setup.teacher_params, mesh))
 
     @functools.cache
     def teacher(split):
         if kind[split] == "sampled":
-            return make_teacher_samples(teacher_cfg, placed_teacher(), mesh, samples=config.cache_samples,
+            return make_teacher_samples(cfg, placed_teacher(), mesh, samples=config.cache_samples,
                                         width=split_k[split], temperature=config.temperature, seed=config.seed)
-        return make_teacher_topk(teacher_cfg, placed_teacher(), mesh, k=split_k[split],
-                                 temperature=config.temperature, logp_dtype=config.cache_dtype)
+        return make_teacher_topk(cfg, placed_teacher(), mesh, k=split_k[split], temperature=config.temperature,
+                                 logp_dtype=config.cache_dtype)
 
-    # Targets of rows `idx` of a split: the cache's, or the teacher's computed now.
-    cache_rows, t_cache = 0, time.time()
-    if config.mode == "offline":
-        cache_dir = config.cache_dir or os.path.join(run_dir, "teacher_cache")
-        tok_fp = tokenizer_fingerprint(tokenizer_dir)
-        readers = {}
-        for split, k in split_k.items():
-            meta = cache_meta(rows[split], teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp, top_k=k,
-                              temperature=config.temperature, logp_dtype=config.cache_dtype, **kind_meta[split])
-            readers[split], computed = open_or_build_cache(
-                os.path.join(cache_dir, split), rows[split],
-                lambda *inputs_BT, split=split: teacher(split)(*inputs_BT), meta,
-                batch_size=config.cache_batch_size, rows_per_shard=config.cache_rows_per_shard or None,
-                progress=progress)
-            cache_rows += computed
-        teacher.cache_clear()  # the teacher's device memory goes back before the student trains
-        placed_teacher.cache_clear()
-        logging.info("Teacher cache at %s: teacher ran on %d rows", cache_dir, cache_rows)
-
+    if config.mode == "online":
         def targets(split, idx):
-            ids, logp = readers[split].read(idx)
-            return {"ids": ids, "logp": logp}
-    else:
-        def targets(split, idx):
-            inputs = [rows[split][name][idx] for name in ("tokens", *LAYOUT)]
+            inputs = [setup.rows[split][name][idx] for name in ("tokens", *LAYOUT)]
             if kind[split] == "sampled":  # what a sampled cache's reader gives for these rows
                 ids, counts = teacher(split)(*inputs, idx)
                 return {"ids": ids, "logp": tc.empirical_logp(jax.device_get(counts), config.cache_samples)}
             ids, logp = teacher(split)(*inputs)
             return {"ids": ids, "logp": logp}
-    t_cache = time.time() - t_cache
+        return targets, 0, time.time() - t_cache
 
-    if config.get("student_dir"):
-        student_cfg, student_params = load_hf(config.student_dir)
-    else:
-        student_cfg = from_config_dict(config.student).replace(
-            vocab_size=vocab, bos_token_id=teacher_cfg.bos_token_id, eos_token_id=teacher_cfg.eos_token_id)
-        student_params = tfm.init_params(student_cfg, jax.random.PRNGKey(config.seed))
+    cache_dir = config.cache_dir or os.path.join(config.run_dir, "teacher_cache")
+    tok_fp = tokenizer_fingerprint(setup.tokenizer_dir)
+    teacher_fp = fingerprint.fingerprint_arrays(setup.teacher_params)
+    readers, cache_rows = {}, 0
+    for split, k in split_k.items():
+        meta = cache_meta(setup.rows[split], teacher_fingerprint=teacher_fp, tokenizer_fingerprint=tok_fp, top_k=k,
+                          temperature=config.temperature, logp_dtype=config.cache_dtype,
+                          **(sampled if kind[split] == "sampled" else {}))
+        readers[split], computed = open_or_build_cache(
+            os.path.join(cache_dir, split), setup.rows[split],
+            lambda *inputs_BT, split=split: teacher(split)(*inputs_BT), meta,
+            batch_size=config.cache_batch_size, rows_per_shard=config.cache_rows_per_shard or None, progress=progress)
+        cache_rows += computed
+    teacher.cache_clear()  # the teacher's device memory goes back before the student trains
+    placed_teacher.cache_clear()
+    logging.info("Teacher cache at %s: teacher ran on %d rows", cache_dir, cache_rows)
+
+    def targets(split, idx):
+        ids, logp = readers[split].read(idx)
+        return {"ids": ids, "logp": logp}
+    return targets, cache_rows, time.time() - t_cache
+
+
+def evaluate_student(trainer: DistillTrainer, params, rows: dict, targets, batch_size: int) -> dict:
+    """The eval_* metrics of `params` over every held-out row (`eval_metrics`)."""
+    totals = None
+    for idx, batch in padded_batches(rows, batch_size):
+        sums = jax.device_get(trainer.eval_sums(params, {**batch, **targets(idx)}))
+        totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+    return eval_metrics(totals)
+
+
+def train_distill(config, *, progress: bool = True) -> dict:
+    """Runs (or resumes) the distillation job of `configs/distill.py`; returns a summary:
+    the last step's metrics, the final evaluation, the cache's origin and timings."""
+    t_start = time.time()
+    setup = prepare(config)
+    run_dir, mesh, rows = config.run_dir, setup.mesh, setup.rows
+    os.makedirs(run_dir, exist_ok=True)
+    targets, cache_rows, t_cache = _teacher_targets(config, setup, progress)
+
+    student_cfg, student_params = init_student(config, setup, config.seed)
     trainer = DistillTrainer(student_cfg, OptimizerConfig(**config.optimizer), mesh, temperature=config.temperature,
-                             tail=config.tail, top_k=top_k, loss_impl=config.loss_impl, remat=config.remat)
+                             tail=config.tail, top_k=setup.top_k, loss_impl=config.loss_impl, remat=config.remat)
     state = trainer.init_state(student_params)
     del student_params  # the train state holds the student now
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=2)
     state, meta = ckpt.resume(state)
     start = meta["step"] if meta else 0
     writer = metrics.MetricsWriter(run_dir, resume_step=start)
-
-    def run_eval(state, step) -> dict:
-        totals = None
-        for idx, batch in padded_batches(rows["eval"], config.eval_batch_size):
-            sums = jax.device_get(trainer.eval_sums(state.params, {**batch, **targets("eval", idx)}))
-            totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
-        count = max(float(totals.pop("count")), 1.0)
-        bins = {name: np.asarray(totals.pop(name), np.float64) for name in ("ece_count", "ece_confidence",
-                                                                          "ece_correct")}
-        ece = float(np.sum(np.abs(bins["ece_confidence"] - bins["ece_correct"]))) / count
-        return {"eval_ece": ece, **{f"eval_{k}": float(v) / count for k, v in totals.items()}}
 
     n, b = len(rows["train"]["tokens"]), config.batch_size
     prefetched = (None, None)  # (step, its targets), read while the device ran the step before
@@ -473,39 +518,48 @@ def train_distill(config, *, progress: bool = True) -> dict:
             prefetched = (step + 1, targets("train", batch_indices(step + 1, b, n, config.seed)))
         return state, {k: float(v) for k, v in jax.device_get(out).items()}
 
+    run_eval = lambda state, step: evaluate_student(trainer, state.params, rows["eval"],
+                                                    functools.partial(targets, "eval"), config.eval_batch_size)
     bar = metrics.ProgressBar(config.steps, ["loss", "eval_kl", "eval_top1_agree"], initial=start, desc="distill",
                               disable=not progress)
     state, record, t_train = run_steps(state, start=start, steps=config.steps, step_fn=step_fn, eval_fn=run_eval,
                                        eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
                                        ckpt=ckpt, writer=writer, bar=bar)
-    save_hf(os.path.join(run_dir, "hf"), student_cfg, jax.device_get(state.params), tokenizer=tokenizer,
+    save_hf(os.path.join(run_dir, "hf"), student_cfg, jax.device_get(state.params), tokenizer=setup.tokenizer,
             overwrite=True)
     accuracy = {}
     if config.get("eval_accuracy"):
-        accuracy = _answer_accuracy(config, student_cfg, state.params, mesh, tokenizer, problems,
-                                    end_token_ids(tokenizer, teacher_cfg.end_token_ids))
+        accuracy = {"eval_accuracy": answer_accuracy(answer_engine(config, setup, student_cfg, state.params), config,
+                                                     setup)}
     records = metrics.read_metrics(os.path.join(run_dir, metrics.METRICS_FILENAME))
     metrics.plot_curves(records, ["loss", "grad_norm", "eval_kl", "eval_top1_agree"],
                         os.path.join(run_dir, "distill_curves.png"),
-                        title=f"distill {config.mode}, tail={config.tail}, K={top_k}")
-    return {**record, **accuracy, "mode": config.mode, "tail": bool(config.tail), "cache_kind": kind["train"],
-            "cache_samples": sampled["samples"] if kind["train"] == "sampled" else 0, "top_k": top_k,
-            "eval_top_k": eval_top_k,
-            "steps": config.steps, "resumed_from": start, "teacher_rows_cached": cache_rows,
-            "cache_seconds": t_cache, "train_seconds": t_train, "total_seconds": time.time() - t_start}
+                        title=f"distill {config.mode}, tail={config.tail}, K={setup.top_k}")
+    kind = config.get("cache_kind", "topk")
+    return {**record, **accuracy, "mode": config.mode, "tail": bool(config.tail), "cache_kind": kind,
+            "cache_samples": config.get("cache_samples", 0) if kind == "sampled" else 0, "top_k": setup.top_k,
+            "eval_top_k": setup.eval_top_k, "steps": config.steps, "resumed_from": start,
+            "teacher_rows_cached": cache_rows, "cache_seconds": t_cache, "train_seconds": t_train,
+            "total_seconds": time.time() - t_start}
 
 
-def _answer_accuracy(config, model_cfg: ModelConfig, params, mesh, tokenizer, problems, end_ids) -> dict:
-    """{"eval_accuracy": share of held-out prompts the student answers right}: greedy answers
-    from the rollout engine, scored by the source's verifier (as SFT's eval)."""
-    data = config.data
-    max_prompt = max(len(ids) for ids in evaluation.encode_prompts(tokenizer, problems.eval, problems.prompt_format))
-    engine = RolloutEngine(model_cfg, params, mesh, RolloutConfig(
-        num_slots=min(64, len(problems.eval)), max_prompt_length=max_prompt, max_length=data.seq_len,
-        steps_per_sync=16, eos_token_id=end_ids))
+def answer_engine(config, setup: Setup, model_cfg: ModelConfig, params) -> RolloutEngine:
+    """A rollout engine for `answer_accuracy` holding `params` (`update_params` swaps in
+    another student of the same shape without compiling again)."""
+    prompts = evaluation.encode_prompts(setup.tokenizer, setup.problems.eval, setup.problems.prompt_format)
+    return RolloutEngine(model_cfg, params, setup.mesh, RolloutConfig(
+        num_slots=min(64, len(setup.problems.eval)), max_prompt_length=max(len(ids) for ids in prompts),
+        max_length=config.data.seq_len, steps_per_sync=16, eos_token_id=setup.end_ids))
+
+
+def answer_accuracy(engine: RolloutEngine, config, setup: Setup) -> float:
+    """Share of held-out prompts the engine's model answers right: greedy answers scored by
+    the source's verifier (as SFT's eval)."""
+    data, problems = config.data, setup.problems
     reward = sources.correctness_reward(data, sources.default_reward(data))
-    result = evaluation.evaluate(engine, tokenizer, problems.eval,
-                                 sampling.SamplingParams(temperature=0.0, max_tokens=data.seq_len - max_prompt),
+    max_tokens = data.seq_len - engine.rollout_config.max_prompt_length
+    result = evaluation.evaluate(engine, setup.tokenizer, problems.eval,
+                                 sampling.SamplingParams(temperature=0.0, max_tokens=max_tokens),
                                  jax.random.PRNGKey(config.seed), reward=reward,
-                                 prompt_format=problems.prompt_format, end_token_ids=end_ids)
-    return {"eval_accuracy": result["accuracy"]}
+                                 prompt_format=problems.prompt_format, end_token_ids=setup.end_ids)
+    return result["accuracy"]
