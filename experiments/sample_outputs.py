@@ -28,12 +28,10 @@ from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "code", list(sft_configs.SEED_PRESETS), "The SFT preset whose data and "
                             "reward are used.")
-_MODEL_DIR = flags.DEFINE_string("model_dir", None, "A Hugging Face checkpoint with its tokenizer.", required=True)
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 4, "Samples per held-out prompt (n).")
-_K = flags.DEFINE_list("k", ["1", "4"], "The k of pass@k (each <= num_samples).")
 _OUTPUTS = flags.DEFINE_string("outputs", "", "Write one sample of each training prompt here (parquet).")
 _NUM_TRAIN = flags.DEFINE_integer("num_train", 1000, "Training prompts sampled for --outputs.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of sampling.")
+# --model_dir, --num_samples, --k and --seed are experiments/pass_at_k.py's flags, as there.
+FLAGS = flags.FLAGS
 
 
 def _engine(cfg, params, prompt_length: int, max_tokens: int, eos: int, slots: int) -> RolloutEngine:
@@ -54,16 +52,16 @@ def pass_at_k_by_prompt(samples: list[dict], k: int) -> float:
 def main(argv):
     del argv
     config = sft_configs.get_config(_PRESET.value)
-    cfg, params = load_hf(_MODEL_DIR.value)
-    tokenizer = load_tokenizer(_MODEL_DIR.value)
+    cfg, params = load_hf(FLAGS.model_dir)
+    tokenizer = load_tokenizer(FLAGS.model_dir)
     problems = sources.load_problems(config.data, tokenizer=tokenizer)
     reward = rewards.reward_from_config(config)
     max_tokens = config.data.seq_len - config.eval.max_prompt_length
     engine = _engine(cfg, params, config.eval.max_prompt_length, max_tokens, tokenizer.eos_token_id, 64)
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=max_tokens)
-    n, ks = _NUM_SAMPLES.value, [int(k) for k in _K.value]
+    n, ks = FLAGS.num_samples, [int(k) for k in FLAGS.k]
     examples = list(problems.eval)
-    _, samples = evaluation.evaluate_samples(engine, tokenizer, examples, sp, jax.random.PRNGKey(_SEED.value),
+    _, samples = evaluation.evaluate_samples(engine, tokenizer, examples, sp, jax.random.PRNGKey(FLAGS.seed),
                                              num_samples=n, reward=reward, prompt_format=problems.prompt_format)
     out = {f"pass@{k}": pass_at_k_by_prompt(samples, k) for k in ks}
     out["reward_mean"] = float(np.mean([s["reward"] for s in samples]))
@@ -71,7 +69,7 @@ def main(argv):
         import datasets
 
         train = list(problems.train)[:_NUM_TRAIN.value]
-        _, own = evaluation.evaluate_samples(engine, tokenizer, train, sp, jax.random.PRNGKey(_SEED.value + 1),
+        _, own = evaluation.evaluate_samples(engine, tokenizer, train, sp, jax.random.PRNGKey(FLAGS.seed + 1),
                                              num_samples=1, reward=reward, prompt_format=problems.prompt_format)
         rows = [{"prompt": e.prompt, "solution": s["completion"]} for e, s in zip(train, own)]
         datasets.Dataset.from_list(rows).to_parquet(_OUTPUTS.value)
