@@ -291,16 +291,17 @@ PRESETS = {
     # (configs/sft.py:plan, a Tower of Hanoi of 2-4 disks planned in one answer, scored 1 for a
     # plan that solves it). Each warm start was taught briefly, so RL has wrong answers left to
     # fix; its offline drafter learned its own answers (configs/drafter.py:code, :plan), which
-    # RL then moves away from. 4 prompts x 8 samples a step, evaluated every 10 steps on 32
-    # held-out prompts (greedy).
-    "cpu_code": dict(layers=16, steps=30, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=32,
+    # RL then moves away from. 4 prompts x 8 samples a step over 15 steps, evaluated every 5
+    # steps on 32 held-out prompts (greedy). On the shared EPYC a code step took 35-45 s (the
+    # sandboxes' 20 s, the learner's 15 s): 15 steps keep a mode's run near 10 minutes.
+    "cpu_code": dict(layers=16, steps=15, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=32,
                      num_slots=32, catch_up_steps=32, max_steps_per_rl_step=32, warm_start="code",
-                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=10,
+                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=5,
                      learner=dict(micro_batch_size=32, num_minibatches=1, optimizer=dict(learning_rate=1e-4)),
                      drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8, optimizer=dict(learning_rate=1e-3))),
-    "cpu_plan": dict(layers=16, steps=30, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=64,
+    "cpu_plan": dict(layers=16, steps=15, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=64,
                      num_slots=32, catch_up_steps=32, max_steps_per_rl_step=32, warm_start="plan",
-                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=10,
+                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=5,
                      learner=dict(micro_batch_size=32, num_minibatches=1, optimizer=dict(learning_rate=1e-4)),
                      drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8, optimizer=dict(learning_rate=1e-3))),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an

@@ -1,6 +1,10 @@
 """bench_tlt's code and planning presets: their runs read the shipped dataset and warm start
 and score by the task's reward; the planning reward plays a plan between any two pegs. In a
 child process: bench_tlt's absl flags share names with other launchers the tests import."""
+import json
+
+import pytest
+
 from experiments import make_plan_dataset
 from tests._child import printed_json
 
@@ -49,3 +53,21 @@ def test_the_plan_reward_plays_the_plan_between_the_rows_pegs():
     spare = make_plan_dataset.plan_of(3, "B", "C")
     assert make_plan_dataset.plan_reward([""] * 3, [short, "B->C B->C", spare], [3] * 3, ["B"] * 3,
                                          ["A"] * 3) == [0.0, 0.0, 0.0]
+
+
+def test_bars_from_merges_each_modes_first_run_and_refuses_another_seed(tmp_path):
+    from experiments import bars_from
+
+    def write(name, seed, mode, accept):
+        summary = dict(thirds=dict(acceptance_length=dict(first=3.0, last=accept)), eval_accuracy=[0.1, 0.2])
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(preset="cpu_code", seed=seed, runs=[dict(result=dict(modes={mode: summary}))])))
+        return str(path)
+
+    paths = [write("tlt.json", 0, "tlt", 3.0), write("frozen.json", 0, "frozen", 2.0),
+             write("frozen_again.json", 0, "frozen", 1.0)]
+    result = bars_from.merged(paths)
+    assert sorted(result["modes"]) == ["frozen", "tlt"] and result["seed"] == 0
+    assert "tlt over frozen, live acceptance over the last third: 1.500x" in bars_from.describe(result)
+    with pytest.raises(ValueError, match="seed 1"):
+        bars_from.merged([*paths, write("other.json", 1, "baseline", 0.0)])
