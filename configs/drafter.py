@@ -16,9 +16,13 @@ Presets:
   gpu    tiny's recipe for the 180M target of `configs/sft.py:gpu` (runs/sft_gpu/hf).
   long_tail, drift_shift, drift_learn   tiny's recipe for the target of the same name in
          `configs/sft.py`, on its tasks (bench_tlt's warm starts).
+  code, plan   for the warm starts of bench_tlt's cpu_code and cpu_plan (configs/sft.py:code,
+         :plan), on their own answers to the training prompts (experiments/sample_outputs.py
+         --outputs=runs/sft_<preset>/outputs.parquet).
 """
 import ml_collections
 
+from configs import sft as sft_configs
 from configs.common import (
     WARM_START_COUNTDOWN_WEIGHT,
     data_config,
@@ -34,9 +38,9 @@ RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-    if preset not in ("tiny", "fused", "gpu", "long_tail", "drift_shift", "drift_learn"):
+    if preset not in ("tiny", "fused", "gpu", "long_tail", "drift_shift", "drift_learn", "code", "plan"):
         raise ValueError(f"Unknown drafter preset {preset!r}; presets: tiny, fused, gpu, long_tail, drift_shift, "
-                         "drift_learn.")
+                         "drift_learn, code, plan.")
     c = ml_collections.ConfigDict()
     c.target_dir = "assets/sft_tiny"
     c.tokenizer_dir = ""  # "": the target's directory
@@ -108,6 +112,20 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
         c.data.update(tasks=tasks_drift_learn(trace_share=0.01), seq_len=80)
         c.acceptance.update(max_tokens=64, max_prompt_length=24)
         c.run_dir = "runs/drafter_drift_learn"
+    if preset in ("code", "plan"):
+        # The warm start's own answers, right or wrong, as a drafter trained before RL sees them:
+        # RL then moves the policy away from its wrong ones (on the reference solutions, the
+        # drafter would draft RL's destination from the start).
+        sft = sft_configs.get_config(preset)
+        c.target_dir = f"runs/sft_{preset}/hf"
+        c.data = data_config(source="files", train=f"runs/sft_{preset}/outputs.parquet", eval=sft.data.eval,
+                             answer_field="", response_field="solution", prompt_template=sft.data.prompt_template,
+                             num_train=0, num_eval=64, seq_len=sft.data.seq_len)
+        c.steps, c.eval_every, c.checkpoint_every = 300, 150, 300
+        c.optimizer.decay_steps = 300
+        c.acceptance.update(max_tokens=sft.data.seq_len - sft.eval.max_prompt_length,
+                            max_prompt_length=sft.eval.max_prompt_length)
+        c.run_dir = f"runs/drafter_{preset}"
     return c
 
 

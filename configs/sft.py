@@ -3,7 +3,9 @@
 Presets: tiny (0.8M parameters from random weights, the RL job's policy, minutes on a
 CPU), gpu (180M parameters, the speculative-decoding target of
 experiments/device_check.sh), long_tail (bench_tlt's warm start), drift_shift and
-drift_learn (the warm starts of bench_tlt's cpu_drift_shift and cpu_drift_learn), hf (your checkpoint,
+drift_learn (the warm starts of bench_tlt's cpu_drift_shift and cpu_drift_learn), code and plan
+(the warm starts of its cpu_code and cpu_plan: experiments/make_seed_model.py's model on the
+MBPP-style code set and on Tower of Hanoi plans), hf (your checkpoint,
 --config.model_dir, on your data in its chat template) and example (the README's CPU
 example: the small model of experiments.make_example_model on reasoning-gym tasks)."""
 import ml_collections
@@ -99,7 +101,31 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
             c.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=300)
             c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 300, 100, 100, 32
             c.run_dir = "runs/example/sft"
+    elif preset in SEED_PRESETS:
+        seed_preset(c, preset)
     elif preset != "tiny":
         raise ValueError(f"Unknown sft preset {preset!r}; presets: tiny, gpu, long_tail, drift_shift, drift_learn, hf, "
-                         "example.")
+                         "example, code, plan.")
     return c
+
+
+# bench_tlt's code and planning warm starts: (data directory of experiments/make_seed_model.py,
+# the eval's reward, the longest solution in tokens, SFT steps).
+SEED_PRESETS = {"code": ("assets/code_data", "code", 24, 120),
+                "plan": ("assets/plan_data", "experiments.make_plan_dataset:plan_reward", 48, 150)}
+
+
+def seed_preset(c: ml_collections.ConfigDict, preset: str) -> None:
+    """experiments/make_seed_model.py's random model taught a task (code or plan) from its
+    dataset's solutions. Briefly: RL's headroom is what SFT left untaught."""
+    data_dir, reward, solution_tokens, steps = SEED_PRESETS[preset]
+    c.model_dir = "runs/seeds/base"
+    c.data = data_config(source="files", train=f"{data_dir}/train.parquet", eval=f"{data_dir}/eval.parquet",
+                         answer_field="", response_field="solution", prompt_template="{prompt}\n", num_train=0,
+                         num_eval=64, seq_len=40 + solution_tokens)
+    c.reward = reward
+    c.code.timeout_s = 2.0
+    c.eval.update(num_slots=64, max_prompt_length=40)
+    c.optimizer.update(learning_rate=3e-3, warmup_steps=20, decay_steps=steps)
+    c.steps, c.eval_every, c.checkpoint_every, c.batch_size = steps, steps, steps, 32
+    c.run_dir = f"runs/sft_{preset}"

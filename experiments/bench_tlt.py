@@ -105,7 +105,8 @@ from tlt_jax.tokenizer import load_tokenizer
 
 _PRESET = flags.DEFINE_enum("preset", "cpu_long", ["cpu", "cpu_long", "cpu_tail", "cpu_wide", "cpu_wide_decode",
                                                    "cpu_wide_tail", "cpu_wide_pair", "cpu_wide_env",
-                                                   "cpu_drift_rl", "cpu_drift_shift", "cpu_drift_learn", "gpu",
+                                                   "cpu_drift_rl", "cpu_drift_shift", "cpu_drift_learn", "cpu_code",
+                                                   "cpu_plan", "gpu",
                                                    "gpu_env"],
                             "Run size (see PRESETS).")
 SEED = flags.DEFINE_integer("seed", 0, "Seed of the RL runs (data, sampling, drafter).")
@@ -283,6 +284,26 @@ PRESETS = {
                             scratch=dict(drafter=dict(_SCRATCH["drafter"], keep_steps=16,
                                                       optimizer=dict(learning_rate=3e-3)),
                                          spot=dict(catch_up_steps=32, catch_up_max_share=1.0))),
+    # The seeds' two kinds of work, cpu_drift_learn's harness (coupled, eagle-d6 pinned, thirds,
+    # its online drafter's recipe) on a Qwen2 with a byte-level BPE (experiments/make_seed_model.py)
+    # deepened to 16 layers: code (configs/sft.py:code, the MBPP-style set scored by the `code`
+    # reward in its sandbox, the share of a row's 3 asserts passed) and planning
+    # (configs/sft.py:plan, a Tower of Hanoi of 2-4 disks planned in one answer, scored 1 for a
+    # plan that solves it). Each warm start was taught briefly, so RL has wrong answers left to
+    # fix; its offline drafter learned its own answers (configs/drafter.py:code, :plan), which
+    # RL then moves away from. 4 prompts x 8 samples a step over 15 steps, evaluated every 5
+    # steps on 32 held-out prompts (greedy). On the shared EPYC a code step took 35-45 s (the
+    # sandboxes' 20 s, the learner's 15 s): 15 steps keep a mode's run near 10 minutes.
+    "cpu_code": dict(layers=16, steps=15, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=32,
+                     num_slots=32, catch_up_steps=32, max_steps_per_rl_step=32, warm_start="code",
+                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=5,
+                     learner=dict(micro_batch_size=32, num_minibatches=1, optimizer=dict(learning_rate=1e-4)),
+                     drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8, optimizer=dict(learning_rate=1e-3))),
+    "cpu_plan": dict(layers=16, steps=15, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=64,
+                     num_slots=32, catch_up_steps=32, max_steps_per_rl_step=32, warm_start="plan",
+                     max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=5,
+                     learner=dict(micro_batch_size=32, num_minibatches=1, optimizer=dict(learning_rate=1e-4)),
+                     drafter=dict(_DRIFT_DRAFTER, batch_size=16, keep_steps=8, optimizer=dict(learning_rate=1e-3))),
     # Multi-turn: cpu_wide_tail's regime and tasks, every sample two turns with an
     # environment step between them that sleeps a fixed time (`env`: latency_ms;
     # --env_latency_ms): the worked answer up to "answer:", the step, then the answer
@@ -402,8 +423,14 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     if preset.get("warm_start", "assets") != "assets":
         from configs import sft as sft_configs
 
-        c.data.tasks = preset["rl_tasks"]() if "rl_tasks" in preset else \
-            sft_configs.get_config(preset["warm_start"]).data.tasks
+        sft_config = sft_configs.get_config(preset["warm_start"])
+        if sft_config.data.source == "files":  # its dataset's prompts, scored by its reward
+            c.data = sft_config.data.copy_and_resolve_references()
+            c.data.update(response_field="", num_eval=preset["num_eval"], seed=1)
+            c.reward = sft_config.reward
+            c.code.update(sft_config.code)
+        else:
+            c.data.tasks = preset["rl_tasks"]() if "rl_tasks" in preset else sft_config.data.tasks
         c.rollout.max_prompt_length = preset["max_prompt_length"]
     c.balance_tasks = preset.get("balance_tasks", False)
     c.learner.update(preset.get("learner", {}))

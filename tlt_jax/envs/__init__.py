@@ -14,10 +14,10 @@ from tlt_jax.envs.episodes import (
                                    rollout_sampling_params,
                                    stop_sequences,
 )
-from tlt_jax.envs.hanoi import TowerOfHanoi, hanoi_solution, illegal_move, score_moves, solved
+from tlt_jax.envs.hanoi import MOVE, TowerOfHanoi, hanoi_solution, illegal_move, score_moves, solved
 from tlt_jax.envs.python_tool import PythonTool
 from tlt_jax.envs.registry import BUILT_IN, env_class
 
-__all__ = ["BUILT_IN", "MAX_STOP_TOKENIZATIONS", "Env", "EnvConfig", "Episodes", "PythonTool", "TowerOfHanoi",
+__all__ = ["BUILT_IN", "MAX_STOP_TOKENIZATIONS", "MOVE", "Env", "EnvConfig", "Episodes", "PythonTool", "TowerOfHanoi",
            "env_class", "example_dict", "hanoi_solution", "illegal_move", "no_reward", "rollout_sampling_params",
            "score_moves", "solved", "stop_sequences", "StepResult"]

@@ -6,6 +6,9 @@ from typing import Mapping, Sequence
 
 from tlt_jax.envs.base import StepResult
 
+# A move as the model writes it: "A->C" (spaces allowed around the arrow).
+MOVE = re.compile(r"\b([ABC])\s*->\s*([ABC])\b")
+
 
 class TowerOfHanoi:
     """A planning environment, one move a turn: move every disk from peg A to peg C,
@@ -15,7 +18,6 @@ class TowerOfHanoi:
     reward 0, the state unchanged."""
 
     stop_strings = ()
-    _MOVE = re.compile(r"\b([ABC])\s*->\s*([ABC])\b")
 
     def __init__(self, example: dict):
         self.num_disks = int(example.get("num_disks") or 3)
@@ -29,7 +31,7 @@ class TowerOfHanoi:
                 "one move a turn, written as A->C. Never put a larger disk on a smaller one.")
 
     def step(self, action: str) -> StepResult:
-        move = self._MOVE.findall(action)
+        move = MOVE.findall(action)
         if not move:
             return StepResult(f"No move read; write one as A->C. State: {self.describe()}")
         source, target = move[-1]

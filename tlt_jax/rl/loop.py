@@ -286,7 +286,7 @@ class RLLoop:
         examples on access); prompt_format: how a prompt becomes the engine's tokens;
         correctness_reward: the reward whose mean is `accuracy` and `eval_accuracy`;
         end_token_ids: the model's end tokens (default the tokenizer's eos); env: with a
-        name, multi-turn rollouts (`data.agents`): each sample's reward is its environment's
+        name, multi-turn rollouts (`envs`): each sample's reward is its environment's
         step rewards summed plus the step's reward on the whole transcript."""
         self.engine, self.learner, self.tokenizer = engine, learner, tokenizer
         self.tlt = tlt  # None: the baseline (plain rollouts, no drafter)

@@ -888,7 +888,7 @@ class _Group:
 
 class Episodes(Protocol):
     """The environments of a multi-turn `generate`, one episode per request
-    (`data.agents.Episodes` is one; sampling params then carry its stop sequences)."""
+    (`envs.Episodes` is one; sampling params then carry its stop sequences)."""
 
     # Whether environments step on worker threads while the other slots decode (True), or
     # on the group's host thread between device chunks, decoding stopped meanwhile (False:
