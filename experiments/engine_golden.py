@@ -38,9 +38,12 @@ TURN_SP = sampling.SamplingParams(temperature=1.0, max_tokens=40, stop_tokens=tu
 
 
 class _Episodes:
-    """Fixed observations per turn; the episode ends after its third turn."""
+    """Fixed observations per turn; the episode ends after its third turn. Steps run on the
+    group's own thread (overlap False): with worker threads, how many samples decode when a
+    chunk starts depends on when the threads answer, and with it whether the chunk
+    speculates, which (uncoupled) changes the samples."""
 
-    overlap = True
+    overlap = False
 
     def step(self, request, action, finish_reason):
         del action, finish_reason
