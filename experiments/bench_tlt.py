@@ -34,7 +34,8 @@ decode would, so the policy takes one trajectory whatever the drafter.
 
 Phase times are medians over the steps after `--warmup_steps`; the first steps' excess over
 the median is reported as compile time (both modes compile their decode chunks before the
-first step, TLT its strategies' too, `RolloutEngine.warm_up`; compiled programs persist in
+first step, `RolloutEngine.warm_up`; TLT's drafting strategies compile in the step where the
+tuner first picks each, a load from the cache once it holds them; compiled programs persist in
 `<cache_dir>/xla` across runs). The table gives the phase split of both modes, so a missed
 bar shows where the time went. A ratio counts only from a run that compiled nothing new
 (`new_compiled_programs` 0 in every mode): on a cold cache, learner and prefill shapes that

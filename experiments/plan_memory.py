@@ -22,7 +22,7 @@ breakdown. The steps, as the code runs them:
   old_logp       Learner.drafter_data_step: the old-policy pass with the drafter's data
                  (hidden states, top-K), micro_batch rows per call
   drafter        DrafterTrainer.step_fn: one drafter update on micro_batch buffer rows
-  decode         _Group.chunk_step: one plain decode chunk of a rollout group, micro_batch
+  decode         Group.chunk_step: one plain decode chunk of a rollout group, micro_batch
                  KV-cache slots of seq_len tokens each
   distill        DistillTrainer.step_fn: one update of the student from a top-100 teacher
                  cache, micro_batch rows, per-layer rematerialisation

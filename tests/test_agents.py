@@ -248,7 +248,7 @@ def test_a_malformed_step_or_a_close_that_raises_fails_its_sample_alone_and_each
 
 
 def test_a_step_past_its_deadline_ends_its_sample_and_its_late_answer_is_dropped(tmp_path):
-    """The rollout stops waiting (`step_timed_out`): the sample fails with the deadline
+    """The rollout stops waiting (`sample_failed`, then `close_episode`): the sample fails with the deadline
     named, its environment is closed, and what the step returns later changes nothing."""
     import concurrent.futures
     import threading
@@ -260,8 +260,9 @@ def test_a_step_past_its_deadline_ends_its_sample_and_its_late_answer_is_dropped
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         late = pool.submit(episodes.step, 0, action, "eos")
         time.sleep(0.2)
-        with pytest.warns(UserWarning, match="failed on a step"):
-            episodes.step_timed_out(0)
+        with pytest.warns(UserWarning, match="failed on a step"):  # as rollout.turns tells it
+            episodes.sample_failed(0, TimeoutError("step did not return within env.step_timeout_s=0.5 s"))
+            episodes.close_episode(0)
         assert episodes.step(1, action, "eos") != ""  # the other sample goes on
         for _ in range(100):
             if "wait" in _Lifecycle.closes:
@@ -283,3 +284,17 @@ def test_a_step_result_says_what_is_wrong_with_it():
                        ({"observation": "", "info": [1]}, "info is a list")):
         with pytest.raises(TypeError, match=words):
             envs.StepResult(**bad)
+
+
+def test_the_episodes_answer_the_rollouts_calls_by_the_names_it_makes():
+    """rollout.turns reaches the episodes through optional hooks found by name: a hook
+    shadowed by an attribute, or misnamed, would be skipped without a word."""
+    import inspect
+
+    from tlt_jax.rollout import turns
+
+    source = inspect.getsource(turns)
+    for hook in ("sample_failed", "close_episode", "step"):
+        assert f'"{hook}"' in source or f"episodes.{hook}" in source, hook
+        assert callable(getattr(envs.Episodes, hook)), hook
+    assert "step_timeout_s" in source and "overlap" in source

@@ -193,7 +193,7 @@ class _WithHistory(_Recording):
 
 
 def _chunk_compiles(engine):
-    return sum(f._cache_size() for k, f in engine.groups[0]._compiled.items() if k[0][0] == "chunk")
+    return engine.groups[0].chunk_programs()
 
 
 def test_engine_drafts_from_the_store_and_fills_it():
@@ -209,7 +209,7 @@ def test_engine_drafts_from_the_store_and_fills_it():
     store = HistoryStore(max_tokens=64, keep_steps=2)
     policy = _WithHistory(spec_lib.Strategy("history", depth=4, topk=2), history=store)
     engine = _engine(params)
-    engine.warm_up(sp, policy)
+    engine.warm_up(sp, policy, strategies=True)
     compiled = _chunk_compiles(engine)
     acceptance = []
     for _ in range(2):

@@ -122,12 +122,11 @@ def test_warm_up_runs_the_multi_turn_chunks_and_serial_environments_change_no_sa
     engine = _engine(params)
     engine.warm_up(SP, turns=True)
     group = engine.groups[0]
-    chunks = lambda: {k for k in group._compiled if isinstance(k[0], tuple) and k[0][0] == "chunk"}
-    warmed, has_run = chunks(), set(group._has_run)
-    assert warmed
+    warmed, has_run = group.chunk_programs(), set(group.warm_steps)
+    assert has_run
     overlapped, serial = Scripted(), Scripted(overlap=False)
     a = engine.generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=overlapped)
-    assert chunks() == warmed and group._has_run == has_run
+    assert group.chunk_programs() == warmed and group.warm_steps == has_run
     b = engine.generate(PROMPTS, 2, SP, jax.random.PRNGKey(3), episodes=serial)
     for x, y in zip(a.tokens, b.tokens):
         np.testing.assert_array_equal(x, y)

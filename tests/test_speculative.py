@@ -223,7 +223,7 @@ def test_greedy_speculation_equals_plain_greedy(params, plain_greedy, dcfg):
     # Once warmed up, the policy hears every chunk from the first: none compiles any more.
     speculation = _Recording(STRATEGIES[0])
     warm = _engine(params, dcfg, dparams, time_spec_phases=dcfg is FUSED)
-    warm.warm_up(sp, speculation)
+    warm.warm_up(sp, speculation, strategies=True)
     spec = warm.generate(PROMPTS, 2, sp, jax.random.PRNGKey(3), speculation=speculation)
     chunks = [c for c in spec.timeline.groups[0].chunks if isinstance(c, SpecChunk)]
     assert [tokens for _, tokens, _ in speculation.heard] == [sum(c.tokens_per_step) for c in chunks] != []

@@ -23,7 +23,7 @@ whole transcript, if one is set: the RL loop's part). It ends when `step` says d
 `env.max_total_tokens` ("max_tokens"). An environment that raises or answers in the
 wrong shape (not a StepResult), or whose close raises, ends its sample with reward 0,
 counted and shown once; so does a step past `env.step_timeout_s`, which the rollout
-stops waiting for (`Episodes.step_timed_out`).
+stops waiting for (`Episodes.sample_failed`).
 """
 from __future__ import annotations
 
@@ -167,9 +167,9 @@ class Episodes:
     `rewards()`, `failures` and `metrics()`.
 
     An environment is closed once its episode is over: at once when its `step` ends it,
-    or by `close`, which the rollout calls in `finally` for the rest. `step_timed_out`
-    ends a sample whose step passed env.step_timeout_s (`step_timeout_s`, read by the
-    rollout) without waiting for it."""
+    by `close_episode` when the rollout ends its episode, or by `close`, which evaluation
+    calls in `finally` for the rest. `sample_failed` ends a sample whose step passed
+    env.step_timeout_s (`step_timeout_s`, read by the rollout) without waiting for it."""
 
     def __init__(self, env_cls: type, examples: Sequence[tasks.Example], num_samples: int, tokenizer,
                  prompt_format: prompts_lib.PromptFormat, end_token_ids: Sequence[int], config: EnvConfig):
@@ -247,16 +247,23 @@ class Episodes:
             return "max_turns"
         return self.observation_ids(result.observation, ended_on_end_token=finish_reason == "eos")
 
-    def step_timed_out(self, request: int) -> None:
-        """The rollout stopped waiting for request's step (env.step_timeout_s passed): its
-        sample ends with that failure (counted in env_failures, shown once), what the step
-        returns later is dropped, and its environment is closed on a thread of its own (the
-        step may still hold it)."""
-        with self._lock:
-            self._abandoned.add(request)
-        self._fail(request, TimeoutError(f"step did not return within env.step_timeout_s={self.step_timeout_s:g} s"),
-                   self._acting.get(request, ""))
-        threading.Thread(target=self._close, args=(request,), name="env-close", daemon=True).start()
+    def sample_failed(self, request: int, error: Exception) -> None:
+        """rollout.turns' call when it ended request's sample for its environment: a step
+        past env.step_timeout_s (a TimeoutError: the step's thread is abandoned, and what
+        it returns later is dropped) or an answer it could not read. Counted in
+        env_failures, the first shown."""
+        if isinstance(error, TimeoutError):
+            with self._lock:
+                self._abandoned.add(request)
+        self._fail(request, error, self._acting.get(request, ""))
+
+    def close_episode(self, request: int) -> None:
+        """rollout.turns' call once request's episode is over: closes its environment, once;
+        on a thread of its own where the step was abandoned (the step may still hold it)."""
+        if request in self._abandoned:
+            threading.Thread(target=self._close, args=(request,), name="env-close", daemon=True).start()
+        else:
+            self._close(request)
 
     def close(self) -> None:
         """Closes every environment not closed yet (the rollout calls it in `finally`, however

@@ -1,6 +1,6 @@
 """Where a rollout's seconds go: the parts of a decode chunk, and the ideal speed-up.
 
-A chunk is one jitted device loop (`_Group.run_chunk`), so nothing inside it can be timed
+A chunk is one jitted device loop (`Group.run_chunk`), so nothing inside it can be timed
 from the host. Its parts are measured as marginal costs inside the same kind of loop:
 programs that run the chunk's first phases only, for the chunk's number of steps, each one
 phase longer than the last, the last being the engine's own chunk. A part is the time its
@@ -37,7 +37,8 @@ from jax import lax
 
 from tlt_jax import sampling, sharding
 from tlt_jax.rollout import speculative as spec_lib
-from tlt_jax.rollout.engine import attending
+from tlt_jax.rollout import steps
+from tlt_jax.rollout.slots import attending
 from tlt_jax.rollout.timeline import GroupTimeline, SpecChunk
 
 SPEC_PARTS = ("sync", "draft", "verify", "accept", "bookkeeping")
@@ -90,20 +91,20 @@ def _checksum(*arrays) -> jax.Array:
 def _phases(group, strategy: spec_lib.Strategy | None):
     """One step of each prefix program but the last (the engine's own step):
     [(name, step(params, drafter_params, state, key, sp) -> (state, checksum))]. Each restates
-    the start of the engine's step (`_decode_step`, `_draft` + `_verify`) up to its phase."""
+    the start of the engine's step (`steps.one_step`) up to its phase."""
 
     def forward(params, drafter_params, state, key, sp):
-        token, logp, h, cache, layers = group._plain_forward(params, state, key, sp)
+        token, logp, h, cache, layers = steps.plain_forward(group.spec_of(state), params, state, key, sp)
         state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
         return state, _checksum(token, logp, h, *layers)
 
     def draft(params, drafter_params, state, key, sp):
-        state, tree = group._draft(params, drafter_params, state, key, strategy, sp)
+        state, tree = steps.draft(group.spec_of(state), params, drafter_params, state, key, strategy, sp)
         return state, tree
 
     def verify(params, drafter_params, state, key, sp):
         state, tree = draft(params, drafter_params, state, key, sp)
-        logits, h, cache, *layers = group._tree_forward(params, state, tree)
+        logits, h, cache, *layers = steps.tree_forward(group.spec_of(state), params, state, tree)
         return state, tree, logits, h, cache, layers
 
     def verify_only(params, drafter_params, state, key, sp):
@@ -114,7 +115,7 @@ def _phases(group, strategy: spec_lib.Strategy | None):
     def accept(params, drafter_params, state, key, sp):
         state, tree, logits, h, cache, layers = verify(params, drafter_params, state, key, sp)
         start = state.cache.lengths
-        path, num_accepted, tokens, logp, nodes = group._accepted(state, tree, logits, key, sp)
+        path, num_accepted, tokens, logp, nodes = steps.accepted(group.spec_of(state), state, tree, logits, key, sp)
         keep = jnp.where(state.active, jnp.minimum(num_accepted, tokens.shape[1] - 1), 0)
         committed = spec_lib.commit_path(cache, start, path, keep)
         state = dataclasses.replace(state, cache=committed.with_lengths(start))
@@ -140,7 +141,7 @@ def _loop_program(group, step, speculative: bool, attended: int | None):
         return attending(state, None), acc
 
     rep = sharding.replicated(group.mesh)
-    shardings = group._shardings(speculative)
+    shardings = group.shardings(speculative)
     return sharding.jit_sharded(fn, in_shardings=(group.param_shardings, group.drafter_shardings, shardings, rep, rep),
                                 out_shardings=(shardings, rep), static_argnums=(5,), donate_argnums=(2,))
 
@@ -148,7 +149,7 @@ def _loop_program(group, step, speculative: bool, attended: int | None):
 def _sync_program(group, speculative: bool):
     """The chunk's call and wait with no step: the state in and out (donated), a scalar back."""
     rep = sharding.replicated(group.mesh)
-    shardings = group._shardings(speculative)
+    shardings = group.shardings(speculative)
     fn = lambda state, key, steps: (state, steps.astype(jnp.float32))
     return sharding.jit_sharded(fn, in_shardings=(shardings, rep, rep), out_shardings=(shardings, rep),
                                 donate_argnums=(0,))
