@@ -1,9 +1,9 @@
-"""experiments.bench_distill_caches: the arms it trains, the paired tie rule and the ranking
+"""experiments.cache_ranking (bench_distill_caches' arithmetic): the arms it trains, the paired tie rule and the ranking
 it reports (the training itself is the distillation trainer's, tested in test_distill.py)."""
 import numpy as np
 import pytest
 
-from experiments import bench_distill_caches as bench
+from experiments import cache_ranking as bench
 
 
 def test_arms_at_the_whole_vocabulary_are_the_exact_teacher():

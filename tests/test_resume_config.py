@@ -77,7 +77,7 @@ REFUSED = [
     (distill, "teacher_dir", "runs/other/hf"),
     (distill, "student.hidden_size", 32),
     (distill, "top_k", 4),
-    (distill, "tail", True),
+    (distill, "tail", False),  # the default is True
     (distill, "data.seq_len", 64),
     (drafter, "target_dir", "runs/other/hf"),
     (drafter, "drafter.num_layers", 2),
