@@ -161,18 +161,16 @@ PLOTTED_MODES = ("tlt", "frozen", "scratch", "ngram")
 _PARENT_FLAGS = ("repeats", "single_mode", "print_commands", "out", "modes", "flagfile")
 
 # The warm start's online recipe (the drift presets, with their catch_up_steps=8 and no cap on
-# their time, so that a run takes the same drafter steps whatever the machine's load), chosen
-# on coupled runs (docs/benchmarks.md, "A scored publish"): a drafter rate of 3e-4 and the
-# scored publish (tlt.drafter.publish_scored). Acceptance follows the drafter steps a run takes,
-# and without the scored publish the rate traded drift against no drift (2e-4: 1.32x frozen's
-# over the last third on cpu_drift_shift and 0.98-0.99x where nothing drifts). Scored, 3e-4
-# holds 1.36x there and 0.999-1.000x where nothing drifts.
+# their time, so that a run takes the same drafter steps whatever the machine's load): a
+# drafter rate of 3e-4 and the scored publish (tlt.drafter.publish_scored), which keeps a
+# faster rate from costing acceptance where nothing drifts (docs/benchmarks.md, "A scored
+# publish", has the runs that chose it).
 _DRIFT_DRAFTER = dict(batch_size=4, optimizer=dict(learning_rate=3e-4), publish_scored=True)
 # A drafter from nothing (mode scratch) learns at the online default's 1e-3, faster than a
 # warm start may, and takes 8 catch-up steps an RL step within a tenth of the run's time
-# whatever its preset gives the warm start: it has everything to learn (2 left it at 0.73x
-# the warm start's acceptance, 8 at 0.87-2.1x, docs/benchmarks.md). Every version it trains is
-# published: its starting drafter drafts nothing worth scoring against.
+# whatever its preset gives the warm start: it has everything to learn (docs/benchmarks.md
+# compares step counts). Every version it trains is published: its starting drafter drafts
+# nothing worth scoring against.
 _SCRATCH = dict(drafter=dict(optimizer=dict(learning_rate=1e-3), publish_scored=False),
                 spot=dict(catch_up_steps=8, catch_up_max_share=0.1))
 
@@ -263,18 +261,14 @@ PRESETS = {
     # (mostly right), nothing in the prompt choosing; correctness alone moves the policy to
     # the trace, so accuracy climbs while its responses double in length and change format,
     # away from the bare answers its offline drafter (configs/drafter.py:drift_learn) drafts.
-    # The policy learns at 3e-5 (docs/benchmarks.md, "cpu_drift_learn: the warm start"): eval
-    # accuracy 0.016 -> 0.96 over 60 steps (seed 0), the switch between steps 15 and 40, so the
-    # first third answers mostly bare and the last by the trace; at 2e-4 it climbed to 0.84
-    # by step 10 and fell back to 0.65 by step 20.
-    # The online drafter has a format to learn, not a drift to follow: the drift presets' recipe
-    # (8 steps of 4 rows an RL step, 2 steps of rows at 3e-4) held 1.09x frozen's live
-    # acceptance over the last third (seed 0); 32 steps of 16 rows an RL step over the last 8
-    # RL steps' rows at 1e-3 hold 1.44x (docs/benchmarks.md, "cpu_drift_learn: the drafter
-    # trained on the spot against the frozen one"). A drafter from nothing takes the same 32
-    # steps, uncapped, over the last 16 RL steps' rows at 3e-3: 0.86x, 0.82x, 0.88x the warm
-    # start's live acceptance over the last third (seeds 0-2); with the drift presets' 8 steps
-    # within a tenth of the run, 0.69x (seed 0); with 32 over 8 RL steps at 1e-3, 0.77-0.84x.
+    # The policy rate, 3e-5, puts the switch to the trace in the middle third, so that the
+    # first third answers mostly bare and the last by the trace (docs/benchmarks.md,
+    # "cpu_drift_learn: the warm start", has the rate sweep).
+    # The online drafter has a format to learn, not a drift to follow: it needs both many steps
+    # (32 of 16 rows an RL step, at 1e-3) and a wide window (the last 8 RL steps' rows); either
+    # alone memorises the few samples it sees. A drafter from nothing takes the same 32 steps,
+    # uncapped, over the last 16 RL steps' rows at 3e-3. docs/benchmarks.md ("cpu_drift_learn:
+    # the drafter trained on the spot against the frozen one") has the recipes compared.
     "cpu_drift_learn": dict(layers=16, decode_mlp_size="llc", steps=60, warmup_steps=3, prompts_per_step=2,
                             num_samples=8, max_tokens=96, num_slots=16, catch_up_steps=32, max_steps_per_rl_step=32,
                             warm_start="drift_learn", max_prompt_length=24, pin_arm="eagle-d6", thirds=True,
@@ -293,8 +287,8 @@ PRESETS = {
     # plan that solves it). Each warm start was taught briefly, so RL has wrong answers left to
     # fix; its offline drafter learned its own answers (configs/drafter.py:code, :plan), which
     # RL then moves away from. 4 prompts x 8 samples a step over 15 steps, evaluated every 5
-    # steps on 32 held-out prompts (greedy). On the shared EPYC a code step took 35-45 s (the
-    # sandboxes' 20 s, the learner's 15 s): 15 steps keep a mode's run near 10 minutes.
+    # steps on 32 held-out prompts (greedy); 15 steps, since a code step runs sandboxes for every
+    # sample (docs/benchmarks.md has the cost).
     "cpu_code": dict(layers=16, steps=15, warmup_steps=3, prompts_per_step=4, num_samples=8, max_tokens=32,
                      num_slots=32, catch_up_steps=32, max_steps_per_rl_step=32, warm_start="code",
                      max_prompt_length=40, num_eval=32, pin_arm="eagle-d6", thirds=True, coupled=True, eval_every=5,
