@@ -70,8 +70,8 @@ class ChunkBreakdown:
     # harvest) rather than itself: the fastest of such calls.
     after_another_s: float = 0.0
     # The median of the wall calls: a rollout's chunks are single calls, so on a shared
-    # machine they are to be set beside the typical call, not the fastest (on the 2-core
-    # test machine a 4-step EAGLE chunk at batch 1 took 1.4 ms at best, 2.0 ms typically).
+    # machine they are to be set beside the typical call, not the fastest (on a busy machine
+    # the two differ by tens of percent).
     wall_median_s: float = 0.0
 
     @property
