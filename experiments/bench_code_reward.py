@@ -1,5 +1,5 @@
 r"""What infinite loops cost the `code` reward: a batch with loops against its honest
-programs alone (issue 44's bar: 64 completions, 8 of them infinite loops, score within
+programs alone (the bar: 64 completions, 8 of them infinite loops, score within
 about twice the per-test timeout plus the honest programs' time, not 8 times it).
 
   python -m experiments.bench_code_reward --paths=per_sample --out=docs/results/bench_code_reward.json
@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 
 from absl import flags
@@ -81,18 +80,6 @@ def score(reward: rewards.CodeReward, path: str, prompts, completions, fields) -
     return time.perf_counter() - start, scores
 
 
-def _cpu() -> dict:
-    info = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "L3 cache"):
-                info[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return info
-
-
 def main(argv):
     del argv
     batches = {kind: make_batch(_COMPLETIONS.value, _LOOPS.value, _SEED.value, kind) for kind in _LOOP_KINDS.value}
@@ -100,7 +87,8 @@ def main(argv):
     honest = [i for i in range(len(completions)) if i not in looping]
     mode = sandbox.resolve_mode(_SANDBOX.value, sandbox.default_python())
     rows = []
-    result = dict(machine=_cpu(), python=platform.python_version(), sandbox=mode, completions=len(completions),
+    cpu = dict(machine.machine_record(), load_average=os.getloadavg())  # the machine may be shared
+    result = dict(machine=cpu, python=platform.python_version(), sandbox=mode, completions=len(completions),
                   loops=len(looping), repeats=_REPEATS.value, rows=rows)
     score(rewards.CodeReward(sandbox=_SANDBOX.value, timeout_s=1.0), "call", *_subset(
         prompts, completions, fields, honest[:4]))  # warm: the mode's trial run, the interpreter's files
@@ -133,7 +121,8 @@ def main(argv):
         machine.write_result(_OUT.value, result)
     record = result["machine"]
     print(f"\n{len(completions)} completions, {len(looping)} infinite loops, sandbox {mode}, "
-          f"{record.get('Model name', '?')} ({record['cpus']} CPUs, L3 {record.get('L3 cache', '?')}), "
+          f"{record['cpu']} ({record['cpus']} CPUs, last-level cache "
+          f"{(record['last_level_cache_bytes'] or 0) / 2**20:.0f} MiB), "
           f"median of {_REPEATS.value}")
     print(f"{'loop':>5} {'timeout s':>9} {'at once':>7} {'path':>10} {'honest s':>8} {'all s':>7} {'extra s':>7} "
           f"{'x timeout':>9} {'bar':>4} {'scores':>6}")

@@ -219,12 +219,12 @@ BARS = (
     Bar("spec acceptance length", "spec", "bench_spec.json", ">=", 4.0, _spec("acceptance_length"), S5),
     Bar("spec speed-up (tokens/s)", "spec", "bench_spec.json", ">=", 2.5, _spec("speedup"), S5),
     Bar("spec efficiency, batch 1-8", "spec", "bench_spec.json", ">=", 0.85, _spec_efficiency(1, 8),
-        S5 + ", issue 24: measured / ideal speed-up"),
+        S5 + ": measured / ideal speed-up"),
     Bar("spec efficiency, batch 32-64", "spec", "bench_spec.json", ">=", 0.75, _spec_efficiency(32, 64),
-        S5 + ", issue 24: measured / ideal speed-up"),
-    Bar("tlt step speed-up", "tlt", "bench_tlt.json", ">=", 2.5, _tlt_step, S5 + ", issues 24-25"),
+        S5 + ": measured / ideal speed-up"),
+    Bar("tlt step speed-up", "tlt", "bench_tlt.json", ">=", 2.5, _tlt_step, S5),
     Bar("tlt baseline rollout share", "tlt", "bench_tlt.json", ">=", 0.9, _tlt_rollout_share,
-        "issue 24: the preset of the 2.5x bar (FastGRPO's traces 91-98%)"),
+        "the preset of the 2.5x bar (FastGRPO's traces 91-98%)"),
     Bar("tlt acceptance length", "tlt", "bench_tlt.json", ">=", 4.0, _tlt_acceptance, S5),
     Bar("tlt eval accuracy gap", "tlt", "bench_tlt.json", "<=", 0.05, _tlt_accuracy,
         "seed noise: ~3x the std 0.018 of docs/results/tlt_seeds.json"),
@@ -239,7 +239,7 @@ BARS = (
     Bar("KL XLA temp, bf16 (GiB)", "losses", "bench_kl.json", "<=", 2.0, _kl_temp, S5),
     Bar("KL throughput vs dense", "losses", "bench_kl.json", ">=", 0.95, _kl_throughput, S5 + ": scalar loss"),
     Bar("distill 3.2B at 32k, peak (GB)", "distill32k", "plan_distill_32k.json", "<=", 141.0, _distill_peak,
-        "issue 59: one H200 (docs/results/plan_distill_llama3.2-3b_32k_h200.json)"),
+        "one H200 (docs/results/plan_distill_llama3.2-3b_32k_h200.json)"),
 )
 
 
