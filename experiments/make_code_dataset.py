@@ -53,8 +53,9 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_dataset(out_dir: str, num_train: int = 2000, num_eval: int = 64, seed: int = 0) -> dict[str, str]:
-    """train.parquet and eval.parquet under out_dir; their paths by split."""
+def write_splits(out_dir: str, rows_of, num_train: int, num_eval: int, seed: int) -> dict[str, str]:
+    """train.parquet and eval.parquet under out_dir, rows from rows_of(n, seed) (eval's seed is
+    seed + 1); their paths by split."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -62,8 +63,13 @@ def write_dataset(out_dir: str, num_train: int = 2000, num_eval: int = 64, seed:
     paths = {}
     for split, n, split_seed in (("train", num_train, seed), ("eval", num_eval, seed + 1)):
         paths[split] = os.path.join(out_dir, f"{split}.parquet")
-        datasets.Dataset.from_list(make_rows(n, split_seed)).to_parquet(paths[split])
+        datasets.Dataset.from_list(rows_of(n, split_seed)).to_parquet(paths[split])
     return paths
+
+
+def write_dataset(out_dir: str, num_train: int = 2000, num_eval: int = 64, seed: int = 0) -> dict[str, str]:
+    """The code tasks' train.parquet and eval.parquet under out_dir; their paths by split."""
+    return write_splits(out_dir, make_rows, num_train, num_eval, seed)
 
 
 def main(argv):

@@ -13,11 +13,11 @@ here the policy writes the plan ahead, which a small model learns from a few hun
 examples in minutes.
 """
 import itertools
-import os
 import random
 
 from absl import app, flags
 
+from experiments import make_code_dataset
 from tlt_jax import envs
 
 PEGS = "ABC"
@@ -63,16 +63,8 @@ def make_rows(n: int, seed: int) -> list[dict]:
 
 
 def write_dataset(out_dir: str, num_train: int = 2000, num_eval: int = 64, seed: int = 0) -> dict[str, str]:
-    """train.parquet and eval.parquet under out_dir; their paths by split."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for split, n, split_seed in (("train", num_train, seed), ("eval", num_eval, seed + 1)):
-        paths[split] = os.path.join(out_dir, f"{split}.parquet")
-        datasets.Dataset.from_list(make_rows(n, split_seed)).to_parquet(paths[split])
-    return paths
+    """The plans' train.parquet and eval.parquet under out_dir; their paths by split."""
+    return make_code_dataset.write_splits(out_dir, make_rows, num_train, num_eval, seed)
 
 
 def main(argv):

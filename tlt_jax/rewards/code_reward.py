@@ -14,6 +14,8 @@ from tlt_jax.rewards import code_tests
 from tlt_jax.rewards.verifiers import ExplainedScore
 
 logger = logging.getLogger(__name__)
+# A program's limits by default (the `sandbox` field below shadows the module in the class).
+_LIMITS = sandbox.Limits()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +41,12 @@ class CodeReward:
 
     partial_credit: bool = True
     sandbox: str = "auto"
-    timeout_s: float = 5.0
-    memory_mb: int = 1024
-    output_bytes: int = 1 << 20
-    file_bytes: int = 16 << 20
-    processes: int = 16
-    disk_mb: int = 64
+    timeout_s: float = _LIMITS.timeout_s
+    memory_mb: int = _LIMITS.memory_mb
+    output_bytes: int = _LIMITS.output_bytes
+    file_bytes: int = _LIMITS.file_bytes
+    processes: int = _LIMITS.processes
+    disk_mb: int = _LIMITS.disk_mb
     forgeable: str = "skip"
     max_parallel: int = 0
     python: str = ""
