@@ -9,29 +9,24 @@ machine's time), this reads each mode's first run among the results given, as
 live acceptance over the frozen one's over the last third and the speculative token share
 and drafter versions of each mode. Run nothing.
 """
-import json
 import sys
 
-from experiments.tlt_bars import print_verdicts, thirds
+from experiments.tlt_bars import first_runs, print_verdicts, read_results, thirds
 
 
 def merged(paths: list[str]) -> dict:
     """A bench_tlt result whose `modes` are each mode's first run among `paths` (the preset,
     seed and decode settings those of the first), refusing results of different presets or seeds."""
-    out, modes = {}, {}
-    for path in paths:
-        with open(path) as f:
-            result = json.load(f)
+    results = read_results(paths)
+    out = {}
+    for path, result in results:
         for key in ("preset", "seed"):
             if out.setdefault(key, result.get(key)) != result.get(key):
                 raise ValueError(f"{path}: {key} {result.get(key)!r}, not {out[key]!r} as the results before it: "
                                  "the bars compare the modes of one preset and seed.")
         for key in ("decode_mlp_size", "regime"):
             out.setdefault(key, result.get(key))
-        for run in result.get("runs") or [dict(result=result)]:
-            for mode, summary in (run.get("result") or {}).get("modes", {}).items():
-                modes.setdefault(mode, summary)
-    return dict(out, modes=modes)
+    return dict(out, modes=first_runs(results))
 
 
 def describe(result: dict) -> list[str]:

@@ -95,7 +95,7 @@ from absl import flags
 from configs import rl as rl_configs
 from configs.common import tasks_drift_shift
 from experiments import machine, scripted_env, slow_reward
-from experiments.tlt_bars import print_verdicts, thirds, verdicts
+from experiments.tlt_bars import first_runs, print_verdicts, read_results, thirds, verdicts
 from tlt_jax import fingerprint, launch, metrics
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.models import transformer as tfm
@@ -572,13 +572,7 @@ def plot_from(paths: list[str], out: str) -> str:
     from its first run among `paths`; returns the plot's path."""
     if not out:
         raise ValueError("--plot_from needs --out: the plot goes beside it (<out>_acceptance.png).")
-    modes = {}
-    for path in paths:
-        with open(path) as f:
-            result = json.load(f)
-        for run in result.get("runs") or [dict(result=result)]:
-            for mode, summary in run.get("result", {}).get("modes", {}).items():
-                modes.setdefault(mode, summary)
+    modes = first_runs(read_results(paths))
     if not any(m in modes for m in PLOTTED_MODES):
         raise ValueError(f"--plot_from: no drafter mode ({', '.join(PLOTTED_MODES)}) in {', '.join(paths)}.")
     plot = _acceptance_plot_path(out)

@@ -8,6 +8,7 @@ is padded into the weight-bound regime and its check passed, TLT's rollout again
 A bar whose modes did not run is reported as not measured, never as passed.
 """
 import dataclasses
+import json
 import statistics
 
 # The bars' thresholds (DESIGN.md section 5; the drift issue's items 1, 2 and 4).
@@ -38,6 +39,26 @@ def thirds(values: list) -> dict | None:
     mean = lambda xs: statistics.fmean(xs) if xs else None
     first, last = mean([v for v in values[:n] if v is not None]), mean([v for v in values[-n:] if v is not None])
     return dict(first=first, last=last, last_over_first=None if not first or last is None else last / first)
+
+
+def first_runs(results: list[tuple[str, dict]]) -> dict:
+    """{mode: its summary}: each mode's first run among (path, bench_tlt result) pairs, a
+    result of --repeats (its `runs`) or of one process (its `modes`) alike."""
+    modes = {}
+    for _, result in results:
+        for run in result.get("runs") or [dict(result=result)]:
+            for mode, summary in (run.get("result") or {}).get("modes", {}).items():
+                modes.setdefault(mode, summary)
+    return modes
+
+
+def read_results(paths: list[str]) -> list[tuple[str, dict]]:
+    """(path, its JSON) for each bench_tlt result in paths."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            out.append((path, json.load(f)))
+    return out
 
 
 def _third(mode: dict, key: str) -> dict:
