@@ -30,16 +30,25 @@ def corpus(tasks=TASKS, per_task: int = 400, seed: int = 0) -> list[str]:
     return texts
 
 
-def write_example_model(out_dir: str, *, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 4,
-                        seed: int = 0) -> str:
+def write_bpe_qwen2(out_dir: str, texts: list[str], *, vocab_size: int, hidden_size: int, num_layers: int,
+                    intermediate_size: int, max_position_embeddings: int, seed: int = 0) -> str:
+    """A random Qwen2 checkpoint (4 heads, 2 kv heads, tied embeddings) with a byte-level BPE
+    trained on `texts`, ChatML's two end tokens; returns out_dir."""
     from tlt_jax.tokenizer import build_bpe_tokenizer
 
-    tokenizer = build_bpe_tokenizer(out_dir, corpus(seed=seed), vocab_size=vocab_size)
+    tokenizer = build_bpe_tokenizer(out_dir, texts, vocab_size=vocab_size)
     ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     return write_random_checkpoint(out_dir, "qwen2", tokenizer=tokenizer, seed=seed, init_std=0.02,
                                    end_token_ids=ends, vocab_size=len(tokenizer), hidden_size=hidden_size,
-                                   intermediate_size=4 * hidden_size, num_layers=num_layers, num_heads=4,
-                                   num_kv_heads=2, tie_embeddings=True, max_position_embeddings=1024)
+                                   intermediate_size=intermediate_size, num_layers=num_layers, num_heads=4,
+                                   num_kv_heads=2, tie_embeddings=True, max_position_embeddings=max_position_embeddings)
+
+
+def write_example_model(out_dir: str, *, vocab_size: int = 1024, hidden_size: int = 64, num_layers: int = 4,
+                        seed: int = 0) -> str:
+    return write_bpe_qwen2(out_dir, corpus(seed=seed), vocab_size=vocab_size, hidden_size=hidden_size,
+                           num_layers=num_layers, intermediate_size=4 * hidden_size, max_position_embeddings=1024,
+                           seed=seed)
 
 
 def main(argv):

@@ -15,22 +15,16 @@ import json
 from absl import app, flags
 
 from experiments import make_code_dataset, make_plan_dataset
-from experiments.make_random_hf import write_random_checkpoint
+from experiments.make_example_model import write_bpe_qwen2
 
 CODE_DATA, PLAN_DATA = "assets/code_data", "assets/plan_data"
 
 
 def write_seed_model(out_dir: str, rows: list[dict], *, vocab_size: int = 512, hidden_size: int = 128,
                      num_layers: int = 4, seed: int = 0) -> str:
-    from tlt_jax.tokenizer import build_bpe_tokenizer
-
-    tokenizer = build_bpe_tokenizer(out_dir, [r[k] for r in rows for k in ("prompt", "solution")],
-                                    vocab_size=vocab_size)
-    ends = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    return write_random_checkpoint(out_dir, "qwen2", tokenizer=tokenizer, seed=seed, init_std=0.02,
-                                   end_token_ids=ends, vocab_size=len(tokenizer), hidden_size=hidden_size,
-                                   intermediate_size=3 * hidden_size, num_layers=num_layers, num_heads=4,
-                                   num_kv_heads=2, tie_embeddings=True, max_position_embeddings=512)
+    return write_bpe_qwen2(out_dir, [r[k] for r in rows for k in ("prompt", "solution")], vocab_size=vocab_size,
+                           hidden_size=hidden_size, num_layers=num_layers, intermediate_size=3 * hidden_size,
+                           max_position_embeddings=512, seed=seed)
 
 
 def main(argv):
