@@ -173,7 +173,7 @@ fi
 # request). On the H200 (2026-12-04) the preset's former 32 prompts x 8 samples gave a
 # baseline run of 82 s (32 s compiling) whose rollout was 37% of its step, and the TLT run
 # did not finish in 180 s: the preset is now 2 prompts x 8 samples, one update per step.
-# Bars (issue 24): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90% of its
+# Bars (DESIGN.md section 5): step_speedup >= 2.5 on a preset whose baseline rollout is >= 90% of its
 # step (FastGRPO's traces: 91-98%; TLT: 1.7-2.1x vs verl), acceptance >= 4 at temperature 1,
 # eval accuracy within seed noise.
 if want tlt; then
@@ -265,7 +265,7 @@ fi
 # bench_tlt --preset=gpu_env: the gpu preset's shape, 3 turns a sample, each turn ended by an
 # environment step that sleeps 20 ms (experiments/scripted_env.py), one pair of baseline and
 # TLT runs with the environments overlapped with decoding, then one with decoding stopped for
-# them (--noenv_overlap); 6 steps a run. Bars (issue 45): decode_speedup (the decode chunks
+# them (--noenv_overlap); 6 steps a run. Bars: decode_speedup (the decode chunks
 # alone: TLT cannot shorten an environment's latency) >= 1.5, step_of_allowed >= 0.95, eval
 # accuracy within seed noise. AGENTS_ARGS adds flags to both runs (e.g. --env_latency_ms=50).
 if want agents; then

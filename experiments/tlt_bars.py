@@ -11,7 +11,7 @@ import dataclasses
 import json
 import statistics
 
-# The bars' thresholds (DESIGN.md section 5; the drift issue's items 1, 2 and 4).
+# The bars' thresholds (DESIGN.md section 5, the adaptive drafter's bars).
 MIN_EVAL_GAIN = 0.15
 MIN_FROZEN_FALL = 0.20
 MIN_TLT_OVER_FROZEN = 1.3
