@@ -19,7 +19,7 @@ Arms, each at the bytes per position of a K-wide cache (ids and log-probs or cou
 
 The training targets come from the teacher functions the cache writer calls
 (`train.make_teacher_topk`, `train.make_teacher_samples`), held in memory: the online path,
-whose curves the offline cache reproduces bitwise (tests/test_distill.py). Evaluation is the
+whose curves the offline cache reproduces bitwise (tests/distill/test_train.py). Evaluation is the
 trainer's: held-out full-vocabulary KL against the exact teacher, top-1 agreement, and the
 greedy answers' accuracy (`--accuracy`). Pairs whose mean difference is within twice its
 standard error over the seeds are reported as ties.

@@ -27,7 +27,7 @@
 # and a few steps; all blocks unless BLOCKS says otherwise; OUT defaults to a new temporary
 # directory; each command gets DRY_TIMEOUT seconds, 300 unless set). Where a path exists only
 # on a GPU (nvidia-smi, Triton lowering of the Pallas kernels, cuDNN attention, device memory
-# stats) the log says "DRY: ..." and what runs in its place. tests/test_device_check.py runs it.
+# stats) the log says "DRY: ..." and what runs in its place. tests/experiments/test_device_check.py runs it.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python}  # the tests pass their own: a venv's need not be the one on PATH
@@ -303,7 +303,7 @@ if want rollout; then
   block_start rollout
   if dry; then
     note "rollout: the tiny model (bench_rollout --preset=cpu) at batch 1 only, the fused layout only (the" \
-      "summary reads the first; tests/test_rollout_engine.py decodes every layout alike); the CPU's HLO in" \
+      "summary reads the first; tests/rollout/test_engine.py decodes every layout alike); the CPU's HLO in" \
       "rollout_hlo.tgz, not the GPU's; transformers on the CPU in float32 (no CUDA)"
     ROLLOUT=(--preset=cpu --models=tiny --batches=1 --hf_batches=1 --layouts=fused)
   else

@@ -9,7 +9,7 @@ target, status, where it was measured) and writes the rows to <out_dir>/summary.
   n/a          the fields are there but hold nothing to compare here (no device peak on a
                CPU, no case at the bar's size);
   missing      the block did not run, or its JSON lacks a field this table reads (a broken
-               block: `tests/test_device_check.py` fails on it in the dry run).
+               block: `tests/experiments/test_device_check.py` fails on it in the dry run).
 Standard library only: it runs wherever the script does, even where jax cannot start.
 """
 from __future__ import annotations

@@ -15,10 +15,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests import _checkpoint_worker as worker
+from tests.support import REPO
+from tests.support import checkpoint_worker as worker
 from tlt_jax.checkpoint import MANIFEST_NAME, Checkpointer, CheckpointIntegrityError
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mesh(shape=(2, 4)):
@@ -229,8 +228,8 @@ def test_sigkill_mid_save_then_resume_matches_uninterrupted_run(tmp_path):
     directory = tmp_path / "checkpoints"
     log_path = tmp_path / "worker.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests._checkpoint_worker", str(directory)],
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.checkpoint_worker", str(directory)],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         # Kill while a step after kill_after_step is being written: `save` starts a step
         # only once the previous one is committed, so that one is restorable.
@@ -289,9 +288,9 @@ def test_a_shared_save_after_one_process_saved_alone_counts_saves_alike_on_every
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests._save_count_worker", str(tmp_path), f"localhost:{port}",
-                               str(i)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.support.save_count_worker", str(tmp_path),
+                               f"localhost:{port}", str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:

@@ -16,16 +16,17 @@ import jax
 import numpy as np
 import pytest
 
-from tests import _rewards as test_rewards
-from tests import _teacher_cache_writer as fake
-from tests.test_rl_train import OVERRIDES, _learning_records
-from tests.test_tlt import TLT
+from tests import support
+from tests.rl.test_tlt import TLT
+from tests.rl.test_train import OVERRIDES, _learning_records
+from tests.support import rewards as test_rewards
+from tests.support import teacher_cache_writer as fake
 from tlt_jax import checkpoint, faults, metrics, rewards
 from tlt_jax.distill import array_store
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models.hf_io import load_hf
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(support.REPO)
 # The shipped SFT checkpoint: its answers earn reward with spread within a group, so the
 # policy moves every step (a random one would not, and a resume that restored nothing would
 # look exact).
@@ -57,14 +58,14 @@ FAULTS = {
     "drafter_checkpoint_write": Fault("commit/drafter_checkpoints:2", tlt=True, torn="drafter_checkpoints"),
     "checkpoint_write": Fault("commit/checkpoints:2", tlt=False, torn="checkpoints"),
     "hf_export": Fault("hf_export", tlt=False),
-    # With speculation: the EAGLE and n-gram arms of tests/test_tlt.py.
+    # With speculation: the EAGLE and n-gram arms of tests/rl/test_tlt.py.
     "rollout": Fault("rollout:2", tlt=True, overrides=(("tlt.tuner.arms", TLT["tlt.tuner.arms"]),)),
 }
 # Run with -m slow, each covered elsewhere by a kill at another point of the same kind:
-# a kill in a rollout with TLT on, and in the spot trainer's step, by tests/test_tlt.py's
+# a kill in a rollout with TLT on, and in the spot trainer's step, by tests/rl/test_tlt.py's
 # SIGKILL test (it kills as the step-2 checkpoints appear, and checks drafter, tuner and
 # buffer restored); a kill in the reward or the learner, between two checkpoints, by
-# tests/test_rl_train.py's, which resumes bit for bit.
+# tests/rl/test_train.py's, which resumes bit for bit.
 _SLOW = {"rollout", "drafter_step", "reward", "learner"}
 
 
@@ -75,15 +76,15 @@ _RUN = """
 import json, pickle, sys
 from tlt_jax import launch
 launch.cache_programs_for_any_devices()  # a program of one rollout group serves the other (tests/conftest.py)
-from tests import _rewards
+from tests.support import rewards as own_rewards
 from tests.test_faults import _spy
-from tests.test_rl_train import _config
+from tests.rl.test_train import _config
 from tlt_jax import rewards
 from tlt_jax.rl.loop import RLLoop
 from tlt_jax.rl.train import train_rl
 run_dir, overrides, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 if overrides.pop("hang_on_batch", None):
-    rewards.REWARDS["task"] = _rewards.hang_on_second_batch
+    rewards.REWARDS["task"] = own_rewards.hang_on_second_batch
 seen = []
 RLLoop.step = _spy(RLLoop.step, seen)
 summary = train_rl(_config(sys.argv[4], run_dir, **overrides), progress=False)
@@ -281,7 +282,7 @@ def test_a_dead_reward_worker_scores_its_sample_zero_at_once_and_is_replaced(per
 
 
 def test_a_run_whose_reward_hangs_goes_on(run, reference, tmp_path):
-    """The second batch's reward never returns (tests/_rewards.py): it scores 0 by
+    """The second batch's reward never returns (tests/support/rewards.py): it scores 0 by
     reward_timeout_s and is counted, and the run trains on to its end."""
     run_dir = str(tmp_path / "run")
     # The reward counts its calls: scored as one batch per step (overlap would call it per sample).
@@ -308,10 +309,10 @@ def _unshare_works() -> bool:
 @pytest.mark.skipif(not _unshare_works(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
 def test_disk_full_on_a_small_filesystem(tmp_path):
     """A checkpoint and a teacher cache written to a 4 MiB tmpfs that fills up
-    (tests/_disk_full.py, in a private mount namespace)."""
+    (tests/support/disk_full.py, in a private mount namespace)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    script = 'mount -t tmpfs -o size=4m tmpfs "$1" || exit 77; exec "$2" -m tests._disk_full "$1"'
+    script = 'mount -t tmpfs -o size=4m tmpfs "$1" || exit 77; exec "$2" -m tests.support.disk_full "$1"'
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(mount), sys.executable], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode == 77:

@@ -10,7 +10,7 @@ import pytest
 from experiments import bench_kl
 from pallas_kernels import fused_linear_kl
 from pallas_kernels import spec_verify as sv
-from tests._child import printed_json
+from tests.support.child import printed_json
 from tlt_jax import impl_table, losses
 
 

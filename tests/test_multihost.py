@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from tests.test_rl_train import warm_start  # noqa: F401 (a fixture: a small random policy)
+from tests.rl.test_train import warm_start  # noqa: F401 (a fixture: a small random policy)
+from tests.support import REPO
 from tlt_jax import metrics
 from tlt_jax.rl.train import learning_metrics
 
-CONFIG = "--config=tests/_multihost_config.py:tlt"  # TLT on, every learning metric a function of the seed
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "--config=tests/support/multihost_config.py:tlt"  # TLT on, every learning metric a function of the seed
 
 
 def _free_port() -> int:
@@ -32,11 +32,11 @@ def _launch(processes: int, *args: str) -> list[subprocess.Popen]:
                XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
     common = [sys.executable, "-m", "experiments.train_rl", *args]
     if processes == 1:
-        return [subprocess.Popen(common, cwd=_REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        return [subprocess.Popen(common, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True)]
     port = _free_port()
     return [subprocess.Popen([*common, f"--coordinator_address=localhost:{port}", f"--num_processes={processes}",
-                              f"--process_id={i}"], cwd=_REPO, env=env, stdout=subprocess.PIPE,
+                              f"--process_id={i}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(processes)]
 
 
@@ -152,7 +152,7 @@ def test_bad_multihost_input_is_one_line_naming_the_flag(tmp_path):
     port = _free_port()
     out_of_range = subprocess.run(
         [sys.executable, "-m", "experiments.train_rl", CONFIG, run, f"--coordinator_address=localhost:{port}",
-         "--num_processes=2", "--process_id=2"], cwd=_REPO, capture_output=True, text=True, timeout=300)
+         "--num_processes=2", "--process_id=2"], cwd=REPO, capture_output=True, text=True, timeout=300)
     _one_line_error((out_of_range.returncode, out_of_range.stdout, out_of_range.stderr), "--process_id=2",
                     "--num_processes=2")
 
@@ -160,7 +160,7 @@ def test_bad_multihost_input_is_one_line_naming_the_flag(tmp_path):
     t0 = time.time()
     alone = subprocess.run(
         [sys.executable, "-m", "experiments.train_rl", CONFIG, run, f"--coordinator_address=localhost:{port}",
-         "--num_processes=2", "--process_id=1", "--coordinator_timeout=5"], cwd=_REPO, capture_output=True,
+         "--num_processes=2", "--process_id=1", "--coordinator_timeout=5"], cwd=REPO, capture_output=True,
         text=True, timeout=300)
     assert time.time() - t0 < 120
     _one_line_error((alone.returncode, alone.stdout, alone.stderr), "no coordinator answered",

@@ -7,7 +7,8 @@ import sys
 import nbformat
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support import REPO
+
 COLAB = os.path.join(REPO, "colab")
 NOTEBOOKS = sorted(f for f in os.listdir(COLAB) if f.endswith(".ipynb"))
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import rl, sft
-from tests._bpe_model import write_bpe_qwen2
+from tests.support.bpe_model import write_bpe_qwen2
 from tlt_jax import evaluation
 from tlt_jax.data import sources
 from tlt_jax.data.prompts import PromptFormat

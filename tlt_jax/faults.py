@@ -19,7 +19,7 @@ points, each in the code where the name says:
 
 RL steps count from 0 as `RLLoop.step` does (the metrics record of step n is n + 1; a
 checkpoint of step n holds the state after n steps). Without `:<n>` any n matches. The
-teacher-cache writer is killed from outside instead (tests/test_teacher_cache.py).
+teacher-cache writer is killed from outside instead (tests/distill/test_teacher_cache.py).
 
 Disk full. Writers that can run out of space (checkpoints, the teacher cache) wrap their
 writes in `explain_disk_full`, which turns the error the OS, orbax or tensorstore raised
