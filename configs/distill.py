@@ -11,6 +11,11 @@ synthetic tasks, files from disk, reasoning-gym), prompts in the teacher's forma
 and trains from the cache; `mode="online"` runs the teacher in the loop on the same
 batches (same curves, teacher compute every step).
 
+example: the tiny recipe with a 1,024-token vocabulary: the README's CPU example model,
+SFT-trained, as the teacher, on its reasoning-gym tasks. Written first by
+  python -m experiments.make_example_model --out=runs/example/base
+  python -m experiments.sft --config=configs/sft.py:example
+
 tiny: K = 8 of a 37-token vocabulary (K <= V is required; the paper's K = 100 assumes a
 real vocabulary); the held-out targets keep the whole vocabulary (`eval_top_k=0`), so
 `eval_kl` is the exact full-vocabulary KL. About 2 minutes on two CPU cores.
@@ -33,13 +38,14 @@ import ml_collections
 
 from configs import models
 from configs.common import data_config, grid, tasks_tiny
+from configs.sft import EXAMPLE_SOURCE
 
 # The fields a resumed run may change (`launch.prepare_run_dir`); a change to any other, a
 # new field included, is refused unless --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
-PRESETS = ("tiny", "llama3-8b-to-3b-32k")
+PRESETS = ("tiny", "example", "llama3-8b-to-3b-32k")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -95,7 +101,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.run_dir = "runs/distill_tiny"
     c.resume_changes = ""  # "field,field": changes of what is learned a resumed run accepts
-    if preset == "llama3-8b-to-3b-32k":
+    if preset == "example":
+        # The README's CPU example model as the teacher: a Qwen2 with a 1,024-token byte-level
+        # BPE (experiments.make_example_model), SFT-trained on reasoning-gym's tasks
+        # (`python -m experiments.sft --config=configs/sft.py:example`), in its chat template.
+        c.teacher_dir = "runs/example/sft/hf"
+        c.data = data_config(source=EXAMPLE_SOURCE, num_train=2000, num_eval=256, chat_template=True, seq_len=160)
+        c.run_dir = "runs/distill_example"
+    elif preset == "llama3-8b-to-3b-32k":
         c.teacher_dir = ""  # required: --config.teacher_dir=DIR, a Llama-3.1-8B(-Instruct) checkpoint
         c.student = models.model_config("llama3.2-3b")  # bf16 weights and compute
         c.data = data_config(source="files", num_train=0, num_eval=64, chat_template=True, seq_len=32768)
