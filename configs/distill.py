@@ -45,7 +45,7 @@ from configs.sft import EXAMPLE_SOURCE
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every")
 
 
-PRESETS = ("tiny", "example", "llama3-8b-to-3b-32k")
+PRESETS = ("tiny", "llama3-8b-to-3b-32k", "example")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

@@ -3,6 +3,13 @@ sampled, and the exact teacher, over paired seeds.
 
   python -m experiments.bench_distill_caches --config=configs/distill.py:tiny --seeds=8 \
       --ks=2,8,0 --out=docs/results/bench_distill_caches.json
+  python -m experiments.bench_distill_caches --config=configs/distill.py:example --ks=8,0 \
+      --sampled_at_v=False --noaccuracy --out=docs/results/bench_distill_caches_bpe1024.json
+
+The second ranks caches of a 1,024-token teacher (the README's example model, SFT-trained:
+configs/distill.py says how it is written). The teacher's targets are held at the target
+positions alone (`TargetPositions`): its whole-vocabulary targets at every position of the
+1,428 training rows would take 1.9 GB.
 
 Every arm trains the same students: seed s gives the student's initialisation, the batch order
 and (for a sampled cache) the teacher's draws, the same in every arm, so arms differ by their
