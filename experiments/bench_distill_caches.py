@@ -3,6 +3,13 @@ sampled, and the exact teacher, over paired seeds.
 
   python -m experiments.bench_distill_caches --config=configs/distill.py:tiny --seeds=8 \
       --ks=2,8,0 --out=docs/results/bench_distill_caches.json
+  python -m experiments.bench_distill_caches --config=configs/distill.py:example --ks=8,0 \
+      --sampled_at_v=False --noaccuracy --out=docs/results/bench_distill_caches_bpe1024.json
+
+The second ranks caches of a 1,024-token teacher (the README's example model, SFT-trained:
+configs/distill.py says how it is written). The teacher's targets are held at the target
+positions alone (`TargetPositions`): its whole-vocabulary targets at every position of the
+1,428 training rows would take 1.9 GB.
 
 Every arm trains the same students: seed s gives the student's initialisation, the batch order
 and (for a sampled cache) the teacher's draws, the same in every arm, so arms differ by their
@@ -36,7 +43,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from experiments import machine
-from experiments.cache_ranking import TIE_SE, arms_for, cache_bytes, plot, rank, table
+from experiments.cache_ranking import TIE_SE, TargetPositions, arms_for, cache_bytes, plot, rank, table
 from tlt_jax.data.packing import batch_indices, padded_batches
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.distill import train
@@ -55,11 +62,13 @@ _PLOT = flags.DEFINE_string("plot", "", "PNG path: eval KL against cache bytes p
 _FROM_JSON = flags.DEFINE_string("from_json", "", "Train nothing: print the table (and --plot) of this JSON.")
 
 class Targets:
-    """The teacher's training targets per (arm, K, seed), [rows, T, K] ids and log-probs,
-    computed once from the exact teacher (top-K columns of its sorted top-V) or its draws."""
+    """The teacher's training targets per (arm, K, seed), ids and log-probs at the target
+    positions of each split's rows (`TargetPositions`), computed once from the exact teacher
+    (top-K columns of its sorted top-V) or its draws; `batch` spreads them over [B, T, K]."""
 
     def __init__(self, setup: train.Setup, config):
         self.setup, self.config = setup, config
+        self.positions = {split: TargetPositions(setup.rows[split]["mask"]) for split in ("train", "eval")}
         self._exact = None
 
     def exact(self, split: str):
@@ -71,29 +80,34 @@ class Targets:
         s = self.setup
         teacher = train.make_teacher_topk(s.teacher_cfg, s.teacher_params, s.mesh, k=k,
                                           temperature=self.config.temperature, logp_dtype=self.config.cache_dtype)
-        return _over_rows(s.rows[split], self.config.cache_batch_size,
-                          lambda idx, inputs: teacher(*inputs))
+        return self._over_rows(split, lambda idx, inputs: teacher(*inputs))
 
     def train(self, arm: str, k: int, seed: int):
         if arm != "sampled":
             ids, logp = self.exact("train")
-            return ids[..., :k], logp[..., :k]
+            return ids[:, :k], logp[:, :k]
         s = self.setup
         teacher = train.make_teacher_samples(s.teacher_cfg, s.teacher_params, s.mesh, samples=k, width=k,
                                              temperature=self.config.temperature, seed=seed)
-        ids, counts = _over_rows(s.rows["train"], self.config.cache_batch_size,
-                                 lambda idx, inputs: teacher(*inputs, idx))
+        ids, counts = self._over_rows("train", lambda idx, inputs: teacher(*inputs, idx))
         return ids, tc.empirical_logp(counts, k)
 
+    def batch(self, split: str, idx, ids_PK, logp_PK) -> dict:
+        """{"ids", "logp"} [B, T, K] of rows idx; the positions without a target hold id -1 (out of
+        the vocabulary: absent to the loss) and log-prob 0."""
+        where = self.positions[split]
+        return {"ids": where.scatter(idx, ids_PK, -1), "logp": where.scatter(idx, logp_PK, 0)}
 
-def _over_rows(rows, batch_size, fn):
-    """fn(idx, (tokens, positions, segment_ids)) over every row in batches, concatenated on the host."""
-    outs = []
-    n = len(rows["tokens"])
-    for begin in range(0, n, batch_size):
-        idx = np.arange(begin, min(begin + batch_size, n))
-        outs.append(jax.device_get(fn(idx, [rows[name][idx] for name in ("tokens", *train.LAYOUT)])))
-    return tuple(np.concatenate(parts) for parts in zip(*outs))
+    def _over_rows(self, split, fn):
+        """fn(idx, (tokens, positions, segment_ids)) over every row in batches, each output kept
+        at the target positions and concatenated on the host."""
+        rows, where, outs = self.setup.rows[split], self.positions[split], []
+        n, batch_size = len(rows["tokens"]), self.config.cache_batch_size
+        for begin in range(0, n, batch_size):
+            idx = np.arange(begin, min(begin + batch_size, n))
+            out = jax.device_get(fn(idx, [rows[name][idx] for name in ("tokens", *train.LAYOUT)]))
+            outs.append([where.gather(idx, np.asarray(x)) for x in out])
+        return tuple(np.concatenate(parts) for parts in zip(*outs))
 
 
 def train_arm(config, setup: train.Setup, targets: Targets, arm: str, k: int, seeds: list[int]):
@@ -120,8 +134,8 @@ def train_arm(config, setup: train.Setup, targets: Targets, arm: str, k: int, se
     for t in range(config.steps):
         idx_S = [batch_indices(t, b, n, s) for s in seeds]
         batch = {name: np.stack([v[idx] for idx in idx_S]) for name, v in rows.items()}
-        batch["ids"] = np.stack([ids[idx] for (ids, _), idx in zip(per_seed, idx_S)])
-        batch["logp"] = np.stack([logp[idx] for (_, logp), idx in zip(per_seed, idx_S)])
+        seed_targets = [targets.batch("train", idx, ids, logp) for (ids, logp), idx in zip(per_seed, idx_S)]
+        batch.update({name: np.stack([t[name] for t in seed_targets]) for name in ("ids", "logp")})
         state, skip = vstep(state, batch)
         skipped += np.asarray(skip)
         if (t + 1) % 50 == 0:
@@ -135,7 +149,7 @@ def evaluate_arm(trainer, params_S, setup: train.Setup, targets: Targets, batch_
     ids, logp = targets.exact("eval")
     totals = None
     for idx, batch in padded_batches(setup.rows["eval"], batch_size):
-        sums = jax.device_get(vsums(params_S, {**batch, "ids": ids[idx], "logp": logp[idx]}))
+        sums = jax.device_get(vsums(params_S, {**batch, **targets.batch("eval", idx, ids, logp)}))
         totals = sums if totals is None else {key: totals[key] + sums[key] for key in totals}
     return [train.eval_metrics({key: v[i] for key, v in totals.items()}) for i in range(seeds)]
 

@@ -1,6 +1,6 @@
 """Teacher caches compared by their students (experiments/bench_distill_caches.py): the arms,
-their bytes, the paired tie rule and the ranking, table and plot it reports. No flags, so
-tests and notebooks import it freely."""
+their bytes, the teacher's targets held at the target positions only, the paired tie rule
+and the ranking, table and plot it reports. No flags, so tests and notebooks import it freely."""
 from __future__ import annotations
 
 import math
@@ -34,6 +34,47 @@ def arms_for(ks: list[int], vocab: int, arms: list[str], sampled_at_v: bool = Tr
 def cache_bytes(k: int, logp_dtype: str) -> int:
     """Bytes per position of a K-wide cache of either kind: int32 ids plus log-probs (or counts as wide)."""
     return k * (4 + np.dtype(tc.FieldSpec(logp_dtype, ()).np_dtype).itemsize)
+
+
+class TargetPositions:
+    """The target positions of packed rows (mask[r, t]: position t predicts a target token) and
+    the teacher's per-position values held there alone, [P, K] in row-major order. A
+    whole-vocabulary target is V values a position: held at every position of every row it
+    would be [rows, T, V] (1.3 GB at 1,000 rows of 160 tokens and V = 1,024), though the loss
+    reads the few target positions (the answers) and ignores the others."""
+
+    def __init__(self, mask_RT: np.ndarray):
+        mask_RT = np.asarray(mask_RT, bool)
+        self.mask_RT = mask_RT
+        self.seq_len = mask_RT.shape[1] + 1  # the mask has one column fewer than the rows
+        self.row_P, self.col_P = np.nonzero(mask_RT)
+        self.start_R = np.searchsorted(self.row_P, np.arange(len(mask_RT) + 1))
+
+    @property
+    def count(self) -> int:
+        return len(self.row_P)
+
+    def gather(self, idx: np.ndarray, values_BTK: np.ndarray) -> np.ndarray:
+        """The [P_idx, K] values at the target positions of rows idx (values_BTK their [B, T, K]);
+        concatenated over idx = 0 .. rows - 1 in order, the table `scatter` reads."""
+        idx = np.asarray(idx)
+        if values_BTK.shape[:2] != (len(idx), self.seq_len):
+            raise ValueError(f"values {values_BTK.shape} must be [{len(idx)}, {self.seq_len}, K]: rows idx by seq_len")
+        return values_BTK[:, :-1][self.mask_RT[idx]]
+
+    def scatter(self, idx: np.ndarray, values_PK: np.ndarray, fill) -> np.ndarray:
+        """[B, T, K] for rows idx (repeats allowed): values_PK (all P positions) at each row's
+        target positions, `fill` elsewhere. The loss and the eval mask the other positions out,
+        so what fills them never reaches a number."""
+        if len(values_PK) != self.count:
+            raise ValueError(f"values_PK has {len(values_PK)} positions; the rows have {self.count} target positions")
+        idx = np.asarray(idx)
+        begin, end = self.start_R[idx], self.start_R[idx + 1]
+        counts = end - begin
+        pos = np.concatenate([np.arange(b, e) for b, e in zip(begin, end)]) if len(idx) else np.zeros(0, int)
+        out = np.full((len(idx), self.seq_len, *values_PK.shape[1:]), fill, values_PK.dtype)
+        out[np.repeat(np.arange(len(idx)), counts), self.col_P[pos]] = values_PK[pos]
+        return out
 
 
 def paired(a: np.ndarray, b: np.ndarray) -> dict:

@@ -92,7 +92,8 @@ def test_speculate_always_has_no_plain_arm_and_no_threshold():
 def test_sweeps_are_the_documented_ones():
     assert rl.get_sweep() == [{"tlt.enabled": e, "seed": s} for e in (False, True) for s in (0, 1, 2)]
     assert rl.get_sweep("tiny-speculate-always") == [{"seed": s} for s in (0, 1, 2)]
-    assert distill.get_sweep() == [{"top_k": k, "tail": t} for k in (8, 2) for t in (False, True)]
+    assert distill.get_sweep() == [{"top_k": k, "tail": t, "cache_kind": "topk"} for k in (8, 2)
+                                   for t in (False, True)]
     assert generate.get_sweep() == [{"batch_size": b, "temperature": t} for b in (1, 8) for t in (0.0, 1.0)]
     # compare_runs globs the RL sweep's directories by these names (docs/tlt.md).
     assert [sweep.point_name(p) for p in rl.get_sweep()[:2]] == ["enabled=False,seed=0", "enabled=False,seed=1"]

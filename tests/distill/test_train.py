@@ -36,9 +36,10 @@ def _config(teacher_dir, run_dir, **overrides):
     c.data.update(num_train=48, num_eval=16, seq_len=64)
     # The cache writer batches rows differently from training (16 vs 8), as in real runs; the
     # bfloat16 cache checks that the online path rounds like the cache.
-    c.update(top_k=4, eval_top_k=8, cache_dtype="bfloat16", cache_batch_size=16, cache_rows_per_shard=4,
-             steps=STEPS, batch_size=8, eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS,
-             run_dir=str(run_dir))
+    # A top-K cache (the default is a sampled one): what these tests check of a cache is its top-K.
+    c.update(cache_kind="topk", top_k=4, eval_top_k=8, cache_dtype="bfloat16", cache_batch_size=16,
+             cache_rows_per_shard=4, steps=STEPS, batch_size=8, eval_every=STEPS, eval_batch_size=8,
+             checkpoint_every=STEPS, run_dir=str(run_dir))
     c.optimizer.update(warmup_steps=0, schedule="constant", learning_rate=1e-2)
     c.update(**overrides)
     return c

@@ -62,8 +62,8 @@ def _chat_rows(ext, paths):
 def _distill_config(paths, run_dir, **overrides):
     c = distill_config.get_config("tiny")
     c.update(teacher_dir=paths["teacher"], student_dir=paths["student"], data=_chat_rows("jsonl", paths),
-             top_k=4, eval_top_k=8, cache_batch_size=8, cache_rows_per_shard=2, steps=STEPS, batch_size=8,
-             eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS, run_dir=str(run_dir))
+             cache_kind="topk", top_k=4, eval_top_k=8, cache_batch_size=8, cache_rows_per_shard=2, steps=STEPS,
+             batch_size=8, eval_every=STEPS, eval_batch_size=8, checkpoint_every=STEPS, run_dir=str(run_dir))
     c.optimizer.update(warmup_steps=0, schedule="constant", learning_rate=1e-3)
     c.update(**overrides)
     return c

@@ -1,8 +1,8 @@
 """Distillation of a student from a teacher's top-K distribution: the job of `configs/distill.py`.
 
-Offline (the default): the teacher runs once over the token dataset and its top-K ids and
-log-probs go to a teacher cache on disk (`teacher_cache`, resumable, checked against what it
-was made from); the student then trains from the cache with the fused top-K KL
+Offline (the default): the teacher runs once over the token dataset and its draws (or its
+top-K ids and log-probs: `cache_kind` below) go to a teacher cache on disk (`teacher_cache`,
+resumable, checked against what it was made from); the student then trains from the cache with the fused top-K KL
 (`losses.linear_topk_kl`). Online: the same teacher function runs in the loop on each batch.
 Both modes feed the student the same rows in the same order with the same teacher values (the
 online path rounds log-probs to the cache's dtype), so with one seed their loss curves agree;
