@@ -26,3 +26,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 from tlt_jax import launch  # noqa: E402 (after the environment above, which jax reads)
 
 launch.cache_programs_for_any_devices()
+
+import pytest  # noqa: E402
+
+from tests.support import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_params():
+    """The parameters of `tiny.config()` (seed 0), which every module that runs that model
+    samples from: built once a process."""
+    return tiny.params(tiny.config())
+

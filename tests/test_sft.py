@@ -5,12 +5,12 @@ import pytest
 
 from configs import rl as rl_configs
 from configs import sft as sft_configs
+from tests.support import tiny
 from tlt_jax import metrics, sharding
 from tlt_jax import sft as sft_lib
 from tlt_jax.data import tasks
 from tlt_jax.data.packing import pack_examples
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import load_hf
 from tlt_jax.rl import train as rl_train
 from tlt_jax.sft import SFTTrainer
@@ -50,8 +50,7 @@ def test_trainer_fits_a_batch(tokenizer, dtype):
     device: on 2 x 4 CPU devices XLA's bfloat16 program sometimes deadlocks in its
     collectives (all-gather and all-reduce of different device groups: jax 0.10's
     rendezvous aborts after 40 s), as no float32 one here does."""
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16, dtype=dtype)
+    cfg = tiny.policy_config(vocab_size=len(tokenizer), dtype=dtype)
     mesh = (sharding.make_mesh({"data": 2, "fsdp": 4}) if dtype == "float32"
             else sharding.make_mesh({"data": 1, "fsdp": 1}, jax.devices()[:1]))
     trainer = SFTTrainer(cfg, OptimizerConfig(learning_rate=3e-3), mesh)

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax import checkpoint, sharding
 from tlt_jax.data import packing, tasks
 from tlt_jax.data.packing import pack_examples, pack_spans
@@ -12,11 +13,9 @@ from tlt_jax.drafter_training import trainer as dt
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.train_state import OptimizerConfig
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
-                  head_dim=8)
+CFG = tiny.config(vocab_size=40, num_layers=3)  # three layers: a fused drafter reads several
 FUSED = drafter_lib.DrafterConfig(num_layers=1, feature_layers=(0, 2))
 K = 4
 PAD = -7  # padding token of the fake learner batches: it must never reach a row

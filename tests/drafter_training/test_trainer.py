@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests.support import tiny
 from tlt_jax import sharding
 from tlt_jax.drafter_training import io
 from tlt_jax.drafter_training import trainer as dt
@@ -16,11 +17,9 @@ from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.drafter_training.publish import EveryVersion, StepEvaluation, evaluation_metrics
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.train_state import OptimizerConfig
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
-                  head_dim=8)
+CFG = tiny.config(vocab_size=40, num_layers=3)  # three layers: a fused drafter reads several
 PLAIN = drafter_lib.DrafterConfig(num_layers=1)
 FUSED = drafter_lib.DrafterConfig(num_layers=1, feature_layers=(0, 2))
 B, T, K = 8, 16, 4
@@ -314,8 +313,7 @@ def test_target_topk_never_forms_a_row_of_logits():
     batch's float32 logits are 128 MiB: the top-K comes from the blockwise projection, a
     token block's logits at a time."""
     b, t, v = 2, 1024, 16384
-    cfg = ModelConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=8)
+    cfg = tiny.config(vocab_size=v, num_layers=1)
     params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.PRNGKey(0)))
     rows = {name: jax.ShapeDtypeStruct((b, t), jnp.int32) for name in ("tokens", "positions", "segment_ids")}
     fn = jax.jit(lambda p, r: dt.target_outputs(p, cfg, PLAIN, r, top_k=K))

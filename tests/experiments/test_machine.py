@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 
 from experiments import machine
+from tests.support import tiny
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                  head_dim=16)
+CFG = tiny.policy_config(vocab_size=40)
 
 
 def _sysfs(root, entries):

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax import rewards
 from tlt_jax.data import tasks
 
@@ -112,16 +113,13 @@ def test_a_step_scores_each_sample_once_while_the_rest_decode_as_the_batch_would
 
     from tlt_jax import sampling, sharding
     from tlt_jax.models import transformer as tfm
-    from tlt_jax.models.config import ModelConfig
     from tlt_jax.rl import loop
     from tlt_jax.rl.learner import Learner, LearnerConfig
     from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
     from tlt_jax.train_state import OptimizerConfig
 
     tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tokenizer"))
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
+    cfg = tiny.policy_config(tokenizer)
     params = tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     sp = sampling.SamplingParams(temperature=1.0, max_tokens=12)

@@ -9,20 +9,19 @@ import optax
 import pytest
 
 from pallas_kernels import fused_linear_kl
+from tests.support import tiny
 from tlt_jax import sharding
 from tlt_jax.drafter_training.buffer import DrafterBuffer
 from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl import grpo, loop
 from tlt_jax.rl.learner import Learner, LearnerConfig, padded_rows
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 from tlt_jax.train_state import OptimizerConfig
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=8)
+CFG = tiny.config(vocab_size=40)
 T = 16  # the learner's seq_len: row width, and the width of a one-sample-per-row layout
 G = 4
 

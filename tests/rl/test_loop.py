@@ -5,6 +5,7 @@ import functools
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax import evaluation, rewards
 from tlt_jax.data import tasks
 from tlt_jax.data.packing import pack_spans
@@ -97,15 +98,12 @@ def test_rollout_logp_gap_of_a_step_is_the_top_p_kept_mass(tmp_path, top_p):
 
     from tlt_jax import sampling, sharding
     from tlt_jax.models import transformer as tfm
-    from tlt_jax.models.config import ModelConfig
     from tlt_jax.rl.learner import Learner, LearnerConfig
     from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
     from tlt_jax.train_state import OptimizerConfig
 
     tokenizer = tasks.build_task_tokenizer(str(tmp_path / "tokenizer"))
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
+    cfg = tiny.policy_config(tokenizer)
     params = tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)  # a spread-out next-token distribution
     ref_params = tfm.init_params(cfg, jax.random.PRNGKey(4), init_std=0.3)  # "the start": another policy
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])

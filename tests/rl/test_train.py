@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from configs import rl
+from tests.support import tiny
 from tlt_jax import checkpoint, metrics, rewards
 from tlt_jax.data import tasks
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import save_hf
 from tlt_jax.rl.loop import RLLoop, TooManyNonFiniteSteps
 from tlt_jax.rl.train import learning_metrics, train_rl
@@ -33,9 +33,7 @@ def warm_start(tmp_path_factory):
     """A random tiny policy with the task tokenizer, standing in for an SFT checkpoint."""
     out = tmp_path_factory.mktemp("sft") / "hf"
     tokenizer = tasks.build_task_tokenizer(str(out) + "_tokenizer")
-    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=16, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
+    cfg = tiny.policy_config(tokenizer)
     save_hf(str(out), cfg, jax.device_get(tfm.init_params(cfg, jax.random.PRNGKey(3), init_std=0.3)),
             tokenizer=tokenizer)
     return str(out)
@@ -74,7 +72,9 @@ def _length_reward(prompts, completions, **_):
 _KILLED_RUN = """
 from experiments import train_rl
 from tests.rl.test_train import _length_reward
+from tests.support import tiny
 from tlt_jax import launch
+from tests.support import tiny
 from tlt_jax import rewards
 rewards.REWARDS["length"] = _length_reward
 launch.run(train_rl.main)

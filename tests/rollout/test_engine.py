@@ -1,4 +1,5 @@
 """Rollout engine: reported log-probs, determinism, slot refill, groups, bad input."""
+import functools
 import threading
 
 import jax
@@ -7,28 +8,23 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax import metrics, sampling, sharding
+from tests.support import tiny
+from tlt_jax import metrics, sampling
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine, shape_bucket
+from tlt_jax.rollout.engine import RolloutConfig, shape_bucket
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
-CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny.config()
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
 SP = sampling.SamplingParams(temperature=1.0, top_k=20, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def params():
-    return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+def params(tiny_params):
+    return tiny_params
 
 
-def _engine(params, num_slots, data=1, steps=8, max_length=40, tensor=1, eos_token_id=0, **layout):
-    mesh = sharding.make_mesh({"data": data, "tensor": tensor}, jax.devices()[:data * tensor])
-    rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=steps,
-                       eos_token_id=eos_token_id, **layout)
-    return RolloutEngine(CFG, params, mesh, rc)
+_engine = functools.partial(tiny.engine, CFG, max_length=40)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +74,7 @@ def test_every_request_once_and_logprobs_match_forward(params, reference):
 
 def test_same_output_alone_with_few_or_many_slots_and_same_key(engine, reference):
     stacked = dict(per_layer_weights=False, fused_projections=False)
-    for e in (engine(1, steps=3), engine(8, steps=5, **stacked), engine(4)):
+    for e in (engine(1, steps_per_sync=3), engine(8, steps_per_sync=5, **stacked), engine(4)):
         other = e.generate(PROMPTS, 3, SP, jax.random.PRNGKey(7))
         for a, b, la, lb in zip(reference.tokens, other.tokens, reference.logprobs, other.logprobs):
             np.testing.assert_array_equal(a, b)
@@ -113,7 +109,7 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine):
         del group.insert  # the shared engine's own again
     # The first insert starts prompt 0's three samples and one of prompt 1's: two rows.
     assert prefilled[0] == 2 and sum(prefilled) < len(out)
-    alone = engine(1, steps=3).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
+    alone = engine(1, steps_per_sync=3).generate(PROMPTS[:2], 3, SP, jax.random.PRNGKey(7))
     for a, b, la, lb in zip(alone.tokens, out.tokens, alone.logprobs, out.logprobs):
         np.testing.assert_array_equal(a, b)
         # float32 log-probs of the same tokens at another batch shape: the matmuls sum in

@@ -11,19 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import REPO
+from tests.support import REPO, tiny
 from tlt_jax import sampling, sharding
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import profile
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 from tlt_jax.rollout.history import HistoryStore
 from tlt_jax.rollout.timeline import SpecChunk
 
-CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny.config(vocab_size=40, num_layers=3)  # three layers: a fused drafter reads several
 DCFG = drafter_lib.DrafterConfig(num_layers=1)
 FUSED = drafter_lib.DrafterConfig(num_layers=1, feature_layers=(0, 1, 2))
 PROMPTS = [[1, 2, 3, 1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
@@ -34,13 +32,9 @@ def params():
     return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
 
 
-def _engine(params, dcfg=None, dparams=None, num_slots=4, max_length=32, time_spec_phases=False, eos_token_id=0,
-            kv_bucket=64):
-    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=max_length, steps_per_sync=4,
-                       eos_token_id=eos_token_id, max_draft_depth=4, time_spec_phases=time_spec_phases,
-                       kv_bucket=kv_bucket)
-    return RolloutEngine(CFG, params, mesh, rc, dcfg, dparams)
+def _engine(params, dcfg=None, dparams=None, num_slots=4, **rollout):
+    rollout = {"max_length": 32, "steps_per_sync": 4, "max_draft_depth": 4, **rollout}
+    return tiny.engine(CFG, params, num_slots, drafter_config=dcfg, drafter_params=dparams, **rollout)
 
 
 def test_drafter_bookkeeping_matches_teacher_forced_forward(params):
@@ -294,8 +288,7 @@ class _Recording:
             self.heard.append((strategy, tokens, seconds))
 
 
-SMALL = ModelConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                    num_kv_heads=1, head_dim=8)
+SMALL = tiny.config(vocab_size=6, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1)
 
 
 # Eight prompts, greedy, whose stop tokens end the answers at staggered lengths.

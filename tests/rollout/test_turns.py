@@ -6,15 +6,14 @@ import jax
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax import sampling, sharding
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.rollout import speculative as spec_lib
-from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine, Rollouts
+from tlt_jax.rollout.engine import Rollouts
 
-CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny.config()
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 OBSERVATIONS = ([41, 42, 43], [44, 45, 46, 47, 48, 49, 41])  # after turns 1 and 2; the episode ends after turn 3
 # Turns end on a third of the vocabulary, so every sample takes its turns within the budget.
@@ -23,14 +22,13 @@ DCFG = drafter_lib.DrafterConfig(num_layers=1)
 
 
 @pytest.fixture(scope="module")
-def params():
-    return tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3)
+def params(tiny_params):
+    return tiny_params
 
 
 def _engine(params, num_slots=4, drafter_params=None):
-    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-    rc = RolloutConfig(num_slots=num_slots, max_prompt_length=6, max_length=48, steps_per_sync=8, eos_token_id=0)
-    return RolloutEngine(CFG, params, mesh, rc, DCFG if drafter_params is not None else None, drafter_params)
+    return tiny.engine(CFG, params, num_slots, max_length=48, drafter_params=drafter_params,
+                       drafter_config=DCFG if drafter_params is not None else None)
 
 
 @pytest.fixture(scope="module")

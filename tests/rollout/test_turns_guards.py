@@ -8,13 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from tests.rollout.test_turns import CFG, OBSERVATIONS, PROMPTS, SP, _engine
-from tlt_jax.models import transformer as tfm
+from tests.rollout.test_turns import OBSERVATIONS, PROMPTS, SP, _engine
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return _engine(tfm.init_params(CFG, jax.random.PRNGKey(0), init_std=0.3))
+def engine(tiny_params):
+    return _engine(tiny_params)
 
 
 class _Env:
