@@ -38,3 +38,10 @@ def tiny_params():
     samples from: built once a process."""
     return tiny.params(tiny.config())
 
+
+def pytest_collection_modifyitems(items):
+    """The tests marked `costly` run first, the rest after them, each in collection order.
+    xdist hands tests out in this order as workers free up, so a long test handed out last
+    would keep one worker busy while the other has nothing left to run; run first, the
+    short ones fill in around it (longest first)."""
+    items.sort(key=lambda item: item.get_closest_marker("costly") is None)

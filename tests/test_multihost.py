@@ -86,6 +86,7 @@ def _assert_same_learning(a: dict, b: dict, skip=()):
     assert a.get("drafter_version") == b.get("drafter_version")
 
 
+@pytest.mark.costly
 def test_two_processes_learn_as_one_and_checkpoints_cross_between_them(warm_start, tmp_path):  # noqa: F811
     """Steps 1-2 with two updates a step (an old-policy pass first), from the start; step 3
     resumed across the process count with one update (on-policy: no old-policy pass, the

@@ -21,6 +21,7 @@ def test_the_five_notebooks_exist():
     assert [n[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05"], NOTEBOOKS
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_and_draws(name, tmp_path, monkeypatch):
     from nbclient import NotebookClient

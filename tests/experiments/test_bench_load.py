@@ -8,7 +8,8 @@ import pytest
 from experiments import bench_load
 
 MiB = 1 << 20
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RSS from /proc"),
+              pytest.mark.costly]
 
 
 def test_engine_memory_is_flat_over_20k_requests_of_mixed_lengths():

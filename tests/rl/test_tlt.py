@@ -49,6 +49,7 @@ def _slow_reward(prompts, completions, **fields):
     return rewards.REWARDS["task"](prompts, completions, **fields)
 
 
+@pytest.mark.costly
 def test_tlt_run_speculates_trains_and_publishes_the_drafter(warm_start, tmp_path, monkeypatch):  # noqa: F811
     """With no catch-up steps, the drafter trains only in the idle gaps of the step."""
     run_dir = str(tmp_path / "tlt")
@@ -131,6 +132,7 @@ train_rl(_config(sys.argv[1], sys.argv[2], **{**TLT, "steps": 6}), progress=Fals
 """
 
 
+@pytest.mark.costly
 def test_tlt_resume_after_sigkill_restores_drafter_tuner_and_buffer(warm_start, tmp_path):  # noqa: F811
     run_dir = str(tmp_path / "resumed")
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, warm_start, run_dir],

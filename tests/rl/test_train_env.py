@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from tests.rl.test_tlt import TLT
 from tests.rl.test_train import _config, _length_reward, warm_start  # noqa: F401 (a fixture)
@@ -12,6 +13,7 @@ from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.rl.train import train_rl
 from tlt_jax.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.costly
 OBSERVATION = "\n42\n```\n"  # what the sandbox prints for the block below, closing the output block
 
 
