@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.support import tiny
 from tlt_jax import sharding
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, qkv_bias=True)
+CFG = tiny.config(vocab_size=64, qkv_bias=True)
 
 
 def test_eight_devices_present():

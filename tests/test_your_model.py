@@ -23,6 +23,7 @@ from tlt_jax.rollout.timeline import RolloutTimeline
 from tlt_jax.sft import train_sft
 from tlt_jax.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.costly  # an RL run and an SFT run on a model written by transformers
 ROWS = [{"data_source": "toy_math", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
          "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
         for i in range(40)]

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax.models import attention as attn
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig
 
 B, T, H, KV, DH = 2, 37, 6, 2, 8  # odd T, 3 query heads per kv head
 
@@ -145,8 +145,7 @@ def test_blockwise_keeps_scores_out_of_memory():
     assert blockwise < scores / 8
 
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, qkv_bias=True, rope_theta=500.0)
+CFG = tiny.config(vocab_size=61, intermediate_size=48, qkv_bias=True, rope_theta=500.0)
 
 
 def test_forward_and_prefill_blockwise_equal_dense():

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support import tiny
 from tlt_jax.models import transformer as tfm
-from tlt_jax.models.config import ModelConfig, RopeScaling
+from tlt_jax.models.config import RopeScaling
 
-CFG = ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, qkv_bias=True, rope_theta=500.0,
+CFG = tiny.config(vocab_size=61, intermediate_size=48, qkv_bias=True, rope_theta=500.0,
                   rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
 
 
