@@ -1,7 +1,7 @@
 """The tiny models the tests run, in one place: their configs (a test's own overrides on
 top), parameters, and a rollout engine over them. Tests that take the same shapes trace the
 same programs, which the persistent compilation cache then compiles once for all of them
-(tests/__init__.py), so a test takes these shapes unless it needs others.
+(tests/conftest.py), so a test takes these shapes unless it needs others.
 
 `config()`: the engine's and the learner's tests (4 query heads over 2 key-value heads of 8).
 `policy_config(tokenizer)`: the RL, SFT and scoring tests' policy over a task tokenizer, the
