@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from tlt_jax import background as background_lib
 from tlt_jax import checkpoint, faults, multihost
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.buffer import DrafterBuffer
@@ -306,9 +307,7 @@ class OnlineDrafter:
             group.drafter_params, self.train_batch_rows(self.config.batch_size),
             self.eval_batch_rows(max_rows_per_step) if self.config.eval_rows else 0)
         if background:
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter_warm_up")
-            self._warming = pool.submit(compile_run)
-            pool.shutdown(wait=False)  # its thread ends with the warm-up
+            self._warming = background_lib.start(compile_run, "drafter_warm_up")
         else:
             compile_run()
         return time.perf_counter() - t0
