@@ -256,14 +256,13 @@ def _add_three_rows(online: OnlineDrafter, rl_step: int) -> None:
 
 def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
     """With 3 rows held and batch_size 8, a drafter step trains on 4 rows (the 3, each
-    once, and 1 that trains nothing), compiled at warm-up with every other size it can
-    take: no step compiles inside an RL step."""
+    once, and 1 that trains nothing). Warm-up compiles the full batch alone (the shape of
+    every step once the buffer holds batch_size rows); 4 rows compile at their first step."""
     online = _tiny_online(OnlineDrafterConfig(batch_size=8, seq_len=12, top_k=4, eval_rows=0))
     assert [online.train_batch_rows(n) for n in (1, 2, 3, 5, 8, 40)] == [1, 2, 4, 8, 8, 8]
     online.warm_up(max_rows_per_step=3)
     trainer = online._trainer(online._home)
-    compiled = trainer.step_fn(None, None, None)._cache_size()
-    assert compiled == 4  # 1, 2, 4 and 8 rows
+    assert trainer.step_fn(None, None, None)._cache_size() == 1  # 8 rows
     _add_three_rows(online, 0)
     seen = []
     step = trainer.step
@@ -271,7 +270,7 @@ def test_a_drafter_step_takes_the_rows_held_not_a_batch_of_repeats():
     out = online.train_step(spot.ALL)
     assert [len(b["tokens"]) for b in seen] == [4] and seen[0]["mask"][:3].any(axis=1).all()
     assert not seen[0]["mask"][3].any() and out["count"] > 0
-    assert trainer.step_fn(None, None, None)._cache_size() == compiled
+    assert trainer.step_fn(None, None, None)._cache_size() == 2  # and 4 rows
 
 
 def test_the_served_drafter_is_scored_on_the_rows_its_step_holds():

@@ -28,7 +28,9 @@ trainer's (`trainer.DrafterTrainer`), so online and offline training are one rec
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Hashable
 
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from tlt_jax import background as background_lib
 from tlt_jax import checkpoint, faults, multihost
 from tlt_jax.drafter_training import spot
 from tlt_jax.drafter_training.buffer import DrafterBuffer
@@ -134,6 +137,7 @@ class OnlineDrafter:
         self.skipped = 0
         self.policy = publish_policy(config.publish_scored)
         self.evaluation: StepEvaluation | None = None  # the latest step's, made as its data arrived (`add`)
+        self._warming: concurrent.futures.Future | None = None  # `warm_up(background=True)` under way
 
     def _trainer(self, group: int) -> DrafterTrainer:
         if group not in self._trainers:
@@ -155,6 +159,7 @@ class OnlineDrafter:
         their own. observed_nT: bool [n, T], True at the environment's observation tokens
         (multi-turn): context, never targets (`DrafterBuffer.add`); None for single-turn
         samples."""
+        self._warmed_up()
         pad = lambda x: None if x is None else np.concatenate(
             [np.asarray(x), np.zeros_like(np.asarray(x[:, :1]))], axis=1)
         host = jax.device_get(data)
@@ -263,6 +268,7 @@ class OnlineDrafter:
     def train_step(self, placement: Hashable) -> dict:
         """One drafter optimizer step on the devices of rollout group `placement` (`spot.ALL`,
         a host phase: where the state already is), blocking until it is done."""
+        self._warmed_up()
         group = self._home if placement == spot.ALL else int(placement)
         trainer = self._trainer(group)
         if group != self._home:  # the state moves with the drafter to the idle group's devices
@@ -284,23 +290,43 @@ class OnlineDrafter:
         costs what 2 rows cost, not batch_size)."""
         return shape_bucket(held, self.config.batch_size, unit=self._fsdp)
 
-    def warm_up(self, max_rows_per_step: int) -> float:
-        """Compiles the drafter step on its home group at each batch it can take (a
-        throwaway copy of the state takes the steps) and the served drafter's evaluation at
-        each batch it can score for a step of at most `max_rows_per_step` rows (a sample
-        fills at most one), so that neither compiles inside an RL step; returns the seconds."""
+    def warm_up(self, max_rows_per_step: int, background: bool = False) -> float:
+        """Compiles and runs once, on the home group, the drafter step at a full batch (a
+        throwaway copy of the state takes it) and the served drafter's evaluation at the
+        most rows a step of at most `max_rows_per_step` rows scores (a sample fills at most
+        one row): the shapes every step takes once the buffer holds a full batch. A smaller
+        batch (a buffer of fewer rows) compiles its shape when a step first takes it.
+        background: on a thread of its own, while the caller goes on (plain decode's
+        compiles, the first rollouts: a compile releases the GIL); the next `add` or
+        `train_step` waits for it. Returns the seconds spent in the caller's thread."""
         t0 = time.perf_counter()
-        trainer = self._trainer(self._home)
-        copy = jax.tree.map(jnp.copy, self.state)
-        target = shared_target_params(self.engine.groups[self._home].params)
-        for rows in sorted({self.train_batch_rows(held) for held in range(1, self.config.batch_size + 1)}):
-            copy, _ = trainer.step(copy, target, self.buffer.empty_batch(rows), self._noise_key,
-                                   anchor=self.engine.groups[self._home].drafter_params)
-        jax.block_until_ready(copy)
-        if self.config.eval_rows:
-            for rows in sorted({self.eval_batch_rows(held) for held in range(1, max_rows_per_step + 1)}):
-                self._evaluate(self._home, self.buffer.empty_batch(rows))
+        group = self.engine.groups[self._home]
+        compile_run = functools.partial(
+            self._compile_run, self._trainer(self._home), jax.tree.map(jnp.copy, self.state),
+            shared_target_params(group.params),
+            group.drafter_params, self.train_batch_rows(self.config.batch_size),
+            self.eval_batch_rows(max_rows_per_step) if self.config.eval_rows else 0)
+        if background:
+            self._warming = background_lib.start(compile_run, "drafter_warm_up")
+        else:
+            compile_run()
         return time.perf_counter() - t0
+
+    def _compile_run(self, trainer: DrafterTrainer, state: TrainState, target, drafter_params, train_rows: int,
+                     eval_rows: int) -> None:
+        """One drafter step of `train_rows` empty rows on `state` (donated) and, with
+        eval_rows, one evaluation of `drafter_params` on that many: both compiled and run."""
+        state, _ = trainer.step(state, target, self.buffer.empty_batch(train_rows), self._noise_key,
+                                anchor=drafter_params)
+        jax.block_until_ready(state)
+        if eval_rows:
+            jax.block_until_ready(trainer.evaluate(drafter_params, target, self.buffer.empty_batch(eval_rows)))
+
+    def _warmed_up(self) -> None:
+        """Waits for a warm-up running in the background (its error raised here); the RL
+        thread and the spot trainer's may both wait."""
+        if self._warming is not None:
+            self._warming.result()
 
     def _state_shardings(self, trainer: DrafterTrainer) -> TrainState:
         return state_shardings(trainer.optimizer, self.state.params, trainer.drafter_shardings(self.state.params),

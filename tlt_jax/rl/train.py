@@ -15,15 +15,17 @@ there). The checkpoint directory must be one filesystem that every process sees.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from tlt_jax import checkpoint, envs, fingerprint, launch, metrics, multihost, rewards, sampling, sharding
+from tlt_jax import background, checkpoint, envs, fingerprint, launch, metrics, multihost, rewards, sampling, sharding
 from tlt_jax.data import reasoning_gym_problems, sources
 from tlt_jax.drafter_training import io as drafter_io
 from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
@@ -287,9 +289,9 @@ def train_rl(config, *, progress: bool = True, stop_after: int | None = None) ->
     return summary
 
 
-def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[RLLoop, TrainState]:
-    """The run's RLLoop (engine, learner, TLT when enabled, data) with every decode chunk
-    compiled, and the learner's initial train state."""
+def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[RLLoop, TrainState, Future]:
+    """The run's RLLoop (engine, learner, TLT when enabled, data), the learner's initial
+    train state, and the warm-up of plain decode's chunks under way (its result: seconds)."""
     r = config.rollout
     sp = _sampling_params(r)
     env = envs.EnvConfig.from_config(config)
@@ -313,15 +315,13 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
                                _online_drafter_config(config.tlt.drafter, r.max_prompt_length, r.max_tokens),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, _spot_config(config))
-        decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
-        # Where the drafter trains; its buffer holds one row at most per sample of a step.
-        drafter_s = online.warm_up(config.prompts_per_step * config.num_samples) if tlt.spot is not None else 0.0
-        metrics.report(f"Compiled plain decode in {decode_s:.1f} s (each of the {len(tuner.strategies)} drafting "
-                       f"strategies compiles when the tuner first picks it), the drafter step in {drafter_s:.1f} s")
-    else:
-        # The baseline compiles its decode chunks before the first step too, so that neither
-        # mode pays a kv bucket's first compile inside a timed rollout.
-        metrics.report(f"Compiled plain decode in {engine.warm_up(rollout_sp, turns=bool(env.name)):.1f} s")
+        if tlt.spot is not None:  # where the drafter trains; its buffer holds one row at most per sample of a step
+            online.warm_up(config.prompts_per_step * config.num_samples, background=True)
+    # Plain decode's chunks (the baseline's too: neither mode pays a kv bucket's first compile
+    # inside a timed rollout) compile and run on a thread of their own while the starting
+    # checkpoint is evaluated (greedy: other programs); `_Run` waits for them before a step.
+    decode = background.start(functools.partial(engine.warm_up, rollout_sp, tuner, turns=bool(env.name)),
+                              "decode_warm_up")
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=_step_config(config),
                   seq_len=r.max_prompt_length + r.max_tokens, seed=config.seed, ref_params=ref_params, tlt=tlt,
@@ -329,7 +329,7 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
                   correctness_reward=_step_reward(config) if env.name else
                   rewards.reward_from_config(config, sources.correctness_reward(config.data, config.reward)),
                   end_token_ids=end_ids, env=env)
-    return loop, state
+    return loop, state, decode
 
 
 class _Run:
@@ -346,7 +346,8 @@ class _Run:
             counts = ", ".join(f"{n} of {split}" for split, n in dropped.items())
             metrics.report(f"Dropped prompts longer than rollout.max_prompt_length="
                            f"{config.rollout.max_prompt_length}: {counts}")
-        self.loop, self.state = _build_loop(config, self.model_cfg, params, self.tokenizer, self.problems, self.mesh)
+        self.loop, self.state, decode = _build_loop(config, self.model_cfg, params, self.tokenizer, self.problems,
+                                                    self.mesh)
         self.tlt = self.loop.tlt
         self.ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), max_to_keep=3)
         # The drafter's own checkpoints (trainable weights, optimizer, buffer), async, on their
@@ -359,6 +360,14 @@ class _Run:
         self.writer = metrics.MetricsWriter(run_dir, resume_step=self.start, wandb=_wandb_config(config))
         if self.sft_eval is None:
             self._evaluate_start()
+        self._report_warm_up(decode.result())
+
+    def _report_warm_up(self, decode_s: float) -> None:
+        line = f"Compiled plain decode in {decode_s:.1f} s"
+        if self.tlt is not None:
+            line += (f" (each of the {len(self.tlt.tuner.strategies)} drafting strategies compiles when the tuner "
+                     "first picks it; the drafter step in the background)")
+        metrics.report(line)
 
     def _saved_tree(self) -> dict:
         # The key as one array of the mesh: each process holds its own copy of it.

@@ -11,6 +11,7 @@ without its devices (`launch.cache_programs_for_any_devices`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, Callable
 
 import jax
@@ -56,6 +57,7 @@ class Group:
         self._turn_shardings = TurnSlots(row, row)
         self.params = self.drafter_params = None
         self._programs: dict[steps.StepSpec, Programs] = {}
+        self._programs_lock = threading.Lock()
         # The steps whose first call, with its compile and XLA's first run, is past (see
         # `warm_step`): the speculation policy hears only the chunks after it.
         self.warm_steps: set = set()
@@ -80,10 +82,15 @@ class Group:
 
     def programs(self, spec: steps.StepSpec) -> Programs:
         """The device steps over states of spec's layout, jitted once with this group's
-        shardings; jit's cache then keys their programs by the static arguments."""
-        if spec not in self._programs:
-            self._programs[spec] = Programs.jitted(self, spec)
-        return self._programs[spec]
+        shardings; jit's cache then keys their programs by the static arguments. Made under
+        a lock (a warm-up on another thread may ask for the same layout), read without."""
+        programs = self._programs.get(spec)
+        if programs is None:
+            with self._programs_lock:
+                programs = self._programs.get(spec)
+                if programs is None:
+                    programs = self._programs[spec] = Programs.jitted(self, spec)
+        return programs
 
     def chunk_programs(self) -> int:
         """How many chunk programs this group has compiled (every layout, strategy, bucket)."""
