@@ -208,7 +208,8 @@ def test_unpacked_drafter_data_equals_the_pass_over_one_sample_per_row():
     for name, (toks, data) in {"packed": (tokens, got), "alone": (_one_per_row(*SAMPLES)["tokens"], want)}.items():
         drafter = types.SimpleNamespace(buffer=DrafterBuffer(T, CFG.hidden_size, 5, max_bytes=10 ** 7,
                                                              num_feature_layers=2, prompt_tail=100),
-                                        _score_step=lambda rl_step, rows_by_task: None)  # no drafter to score
+                                        _score_step=lambda rl_step, rows_by_task: None,  # no drafter to score
+                                        _warmed_up=lambda: None)  # nor a warm-up to wait for
         OnlineDrafter.add(drafter, 0, toks, prompt_lengths, SAMPLES[1].lengths, data)
         held[name] = drafter.buffer.state_dict()["rows"]
     seg = held["alone"]["segment_ids"]
