@@ -40,8 +40,8 @@ from configs.common import code_config, data_config, tasks_tiny
 # --config.resume_changes names it.
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "tlt.drafter.eval_rows",
                 "save_hf",
-                "reward_workers", "reward_overlap", "code.max_parallel", "tlt.enabled", "tlt.tuner", "sft.run_dir",
-                "wandb")
+                "reward_workers", "reward_overlap", "code.max_parallel", "tlt.enabled", "tlt.tuner",
+                "rollout.background_compiles", "sft.run_dir", "wandb")
 
 
 def tlt_config() -> ml_collections.ConfigDict:
@@ -91,9 +91,12 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # steps_per_sync / spec_steps_per_sync: plain / speculative decode steps per device loop.
     # spec_coupled: speculative steps emit exactly plain decode's samples for the same keys
     # (RolloutConfig.spec_coupled): runs that differ only in their drafter share one trajectory.
+    # background_compiles: a drafting strategy compiles on a thread when the tuner first picks
+    # it, plain decode running meanwhile (RolloutConfig.background_compiles).
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
-                                               top_p=1.0, kv_bucket=64, decode_mlp_size=0, spec_coupled=False))
+                                               top_p=1.0, kv_bucket=64, decode_mlp_size=0, spec_coupled=False,
+                                               background_compiles=True))
     c.num_samples = 8  # G
     c.prompts_per_step = 16
     c.balance_tasks = False  # True: every step's prompts take the data's tasks in turn (RLStepConfig)

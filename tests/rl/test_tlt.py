@@ -36,7 +36,10 @@ TLT = {**OVERRIDES, "tlt.enabled": True, "learner.num_minibatches": 1, "steps": 
        "tlt.spot.catch_up_steps": 2, "tlt.spot.max_steps_per_rl_step": 6,
        # every chunk picks among one EAGLE chain, one n-gram trie and plain decode
        "tlt.tuner.buckets": [1], "tlt.tuner.arms": [["eagle-d3", "ngram-d2-b1", "plain"]],
-       "tlt.tuner.max_active": 16}
+       "tlt.tuner.max_active": 16,
+       # every pick runs its strategy (compiled in turn), so the tuner hears the picks whose
+       # state the resume below checks
+       "rollout.background_compiles": False}
 
 
 def _records(run_dir):

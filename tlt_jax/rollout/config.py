@@ -36,6 +36,11 @@ class RolloutConfig:
     # One speculative step per host sync, its draft and verify phases timed apart;
     # otherwise up to steps_per_sync speculative steps run in one device loop.
     time_spec_phases: bool = False
+    # A drafting strategy's chunk compiles on a thread of its own when the policy first
+    # picks it, and plain decode runs in its place until the program is warm: the rollout
+    # goes on rather than waiting for the compile (each strategy's first pick otherwise
+    # stalls its group for a compile). The policy hears only chunks that ran its pick.
+    background_compiles: bool = False
     # Attention reads the cache in buckets of slots (`kv_buckets`): a chunk reads the
     # smallest of kv_bucket, 2 kv_bucket, 4 kv_bucket, ... and max_length that holds every
     # live sequence and what a step adds to it (`Group.kv_bucket_for`), since a decode

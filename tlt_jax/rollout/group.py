@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax import sampling, sharding
+from tlt_jax import background, sampling, sharding
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import transformer as tfm
 from tlt_jax.rollout import speculative as spec_lib
@@ -61,6 +61,7 @@ class Group:
         # The steps whose first call, with its compile and XLA's first run, is past (see
         # `warm_step`): the speculation policy hears only the chunks after it.
         self.warm_steps: set = set()
+        self._warming: dict = {}  # step -> the future of its warm-up on a thread (`warm_in_background`)
 
     def shardings(self, speculative: bool, history: bool = False, turns: bool = False) -> SlotState:
         """The slot state's shardings for that layout."""
@@ -175,16 +176,16 @@ class Group:
         return (time_spec_phases and strategy is not None, strategy, sp, attended) + (("turns",) if turns else ())
 
     def warm_up(self, sp: sampling.SamplingParams, strategies, speculative: bool, history_width: int,
-                turns: bool) -> None:
-        """Compiles and runs once, for every kv bucket, the chunk of each of `strategies`
-        (None: plain decode) on live slots of no request. A chunk's loop body must run, not
-        only compile: XLA:CPU finishes a program on its first run, which would otherwise
-        land in a rollout and in the tuner's rewards (docs/benchmarks.md, "Rollout engine:
-        figures behind its rules")."""
+                turns: bool, buckets: tuple[int, ...] | None = None) -> None:
+        """Compiles and runs once, for every kv bucket (or those of `buckets`), the chunk of
+        each of `strategies` (None: plain decode) on live slots of no request. A chunk's loop
+        body must run, not only compile: XLA:CPU finishes a program on its first run, which
+        would otherwise land in a rollout and in the tuner's rewards (docs/benchmarks.md,
+        "Rollout engine: figures behind its rules")."""
         rc = self.engine.rollout_config
         key = jax.random.PRNGKey(0)
         for strategy in strategies:
-            for attended in rc.kv_buckets:
+            for attended in buckets or rc.kv_buckets:
                 state = self.empty_state(sp, speculative, history_width, live=True, turns=turns)
                 if strategy is not None and rc.time_spec_phases:
                     state, tree = self.spec_draft(state, key, strategy, sp, attended)
@@ -193,6 +194,23 @@ class Group:
                     state = self.run_chunk(state, key, False, strategy, sp, 0, attended)[0]
                 jax.block_until_ready(state)  # one state at a time in memory
                 self.warm_steps.add(self.warm_step(strategy, sp, attended, rc.time_spec_phases, turns))
+
+    def warm_in_background(self, sp: sampling.SamplingParams, strategy: spec_lib.Strategy, attended: int,
+                           history_width: int, turns: bool) -> bool:
+        """Whether the chunk of `strategy` at kv bucket `attended` is warm. If not, its
+        warm-up (`warm_up`, on speculative slots) starts on a thread of its own, once, and
+        this says False until it has run; a warm-up that failed raises its error here."""
+        step = self.warm_step(strategy, sp, attended, self.engine.rollout_config.time_spec_phases, turns)
+        if step in self.warm_steps:
+            return True
+        with self._programs_lock:
+            if step not in self._warming:
+                self._warming[step] = background.start(
+                    lambda: self.warm_up(sp, [strategy], True, history_width, turns, (attended,)), "strategy_warm_up")
+        future = self._warming[step]
+        if future.done():
+            future.result()
+        return step in self.warm_steps
 
     def rows(self, arrays, slots):
         """Those slots' rows of each of `arrays` ([B, ...] device arrays), on the host."""

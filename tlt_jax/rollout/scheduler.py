@@ -124,8 +124,15 @@ class Scheduler:
         group, speculation, rc = self.group, self.speculation, self.group.engine.rollout_config
         strategy = speculation.strategy_for(self.num_active) if speculation is not None else None
         attended = group.kv_bucket_for(self.lengths, self.active, strategy, speculation is not None)
+        heard = True
+        if strategy is not None and rc.background_compiles and not group.warm_in_background(
+                self.sp, strategy, attended, self.history.max_tokens if self.history is not None else 0,
+                self.turns is not None):
+            # Plain decode while the pick compiles; the policy does not hear it as its pick.
+            strategy, heard = None, False
+            attended = group.kv_bucket_for(self.lengths, self.active, None, True)
         step = group.warm_step(strategy, self.sp, attended, rc.time_spec_phases, self.turns is not None)
-        steady = step in group.warm_steps
+        steady = heard and step in group.warm_steps
         group.warm_steps.add(step)
         t0 = time.perf_counter()
         if strategy is not None and rc.time_spec_phases:
