@@ -3,12 +3,20 @@ its own when the policy first picks it, and plain decode runs in its place meanw
 import jax
 import numpy as np
 
-from tests.rollout.test_speculative import CFG, PROMPTS, STRATEGIES, _engine, _mimic_drafter, _Recording, params  # noqa: F401 (a fixture)
+from tests.rollout.test_speculative import (  # noqa: F401 (params: a fixture)
+    CFG,
+    PROMPTS,
+    STRATEGIES,
+    _engine,
+    _mimic_drafter,
+    _Recording,
+    params,
+)
 from tlt_jax import sampling
 from tlt_jax.rollout.timeline import SpecChunk
 
 
-def test_a_pick_decodes_plain_until_its_program_is_warm_then_speculates(params):
+def test_a_pick_decodes_plain_until_its_program_is_warm_then_speculates(params):  # noqa: F811
     """With coupled verification the samples are plain decode's, token for token, whether a
     chunk ran the pick or plain decode in its place; the pick's first chunk runs plain (its
     program only starts compiling), the policy never hears a chunk that did not run its
