@@ -8,11 +8,11 @@ its own weights (prompt and tokens re-prefilled, `rollout.engine.PartialRequests
 
 - Groups are carried whole: a prompt's G samples are learned together, in the step where
   the last of them finishes, and each sample exactly once.
-- In flight, every step, are `prompts_per_step` groups: the carried ones, and as many fresh
-  prompts from the train stream as make up the rest. A step therefore takes as many new
-  prompts as groups completed the step before, so in steady state it learns
-  prompts_per_step x (the share of groups completing per step) groups, and the rollout
-  always has the same number of samples to run.
+- A step takes `prompts_per_step` fresh prompts from the train stream, as a synchronous step
+  does, and runs them beside the carried groups. What it learns varies from step to step
+  (the groups that completed), but every group started is learned within max_carry_steps,
+  so on average a step learns prompts_per_step groups: the learner's batch stays about the
+  synchronous one, and the slots the long tail would leave idle decode the next groups.
 - A sample's randomness follows the sample, not the step: its key is the run's partial
   stream folded with (its prompt's place in the train stream, its index, the token's
   position), so with the weights unchanged a carried sample draws exactly the tokens it
@@ -112,9 +112,9 @@ class Carry:
         self.in_flight: list[InFlight] = []
 
     def start(self, step: int, data_position: int) -> tuple[list[InFlight], int]:
-        """The step's groups (the carried ones first, then fresh prompts up to
-        prompts_per_step) and how many fresh prompts it took from the train stream."""
-        fresh = self.prompts_per_step - len(self.in_flight)
+        """The step's groups (the carried ones first, then prompts_per_step fresh prompts)
+        and how many fresh prompts it took from the train stream."""
+        fresh = self.prompts_per_step
         self.in_flight += [InFlight.fresh(data_position + i, step, self.num_samples) for i in range(fresh)]
         return list(self.in_flight), fresh
 
@@ -164,6 +164,7 @@ class Carry:
         ages = np.concatenate([step - d for group in learned for d in group.drawn_at] or [np.zeros((0,), np.int32)])
         return {"carried_samples": sum(not r for group in self.in_flight for r in group.finish_reason),
                 "carried_groups": len(self.in_flight), "learned_groups": len(learned),
+                "learned_samples": len(learned) * self.num_samples,
                 "token_age_mean": float(ages.mean()) if ages.size else 0.0,
                 "token_age_max": int(ages.max(initial=0)),
                 "stale_token_share": float((ages > 0).mean()) if ages.size else 0.0}

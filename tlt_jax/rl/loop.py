@@ -327,7 +327,8 @@ class RLLoop:
 
     def prompts_for(self, data_position: int) -> list[tasks.Example]:
         """The next prompts_per_step examples of the train stream (reshuffled each epoch)."""
-        return [self.example_at(pos) for pos in range(data_position, data_position + self.config.prompts_per_step)]
+        return [RLLoop.example_at(self, pos)
+                for pos in range(data_position, data_position + self.config.prompts_per_step)]
 
     def example_at(self, position: int) -> tasks.Example:
         """The train stream's example at `position` (counted over epochs)."""

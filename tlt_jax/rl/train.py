@@ -340,8 +340,11 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, _spot_config(config))
         decode_s = engine.warm_up(rollout_sp, tuner, turns=bool(env.name))
-        # Where the drafter trains; its buffer holds one row at most per sample of a step.
-        drafter_s = online.warm_up(config.prompts_per_step * config.num_samples) if tlt.spot is not None else 0.0
+        # Where the drafter trains; its buffer holds one row at most per sample of a step (with
+        # partial rollouts, a step may learn the groups of max_carry_steps earlier steps too).
+        partial = _partial_config(config)
+        most = config.prompts_per_step * config.num_samples * (1 + partial.max_carry_steps * partial.enabled)
+        drafter_s = online.warm_up(most) if tlt.spot is not None else 0.0
         metrics.report(f"Compiled plain decode in {decode_s:.1f} s (each of the {len(tuner.strategies)} drafting "
                        f"strategies compiles when the tuner first picks it), the drafter step in {drafter_s:.1f} s")
     else:
