@@ -65,6 +65,9 @@ def summarize(records: list[dict], warmup: int, samples_per_step: int) -> dict:
            "rollout_share": sum(r["time_rollout_s"] for r in steady) / step_s,
            "learner_response_tokens_per_s": response_tokens / sum(r["time_learner_s"] for r in steady),
            "learned_samples_per_s": sum(tail) / step_s,
+           # The same from the median step: what a steady step gives, without the steps that
+           # compiled a new shape (a resumed prefill's, a learner bucket's).
+           "learned_samples_per_median_s": float(np.mean(tail)) / float(np.median([r["time_step_s"] for r in steady])),
            "samples_learned": int(np.sum(learned)),
            "eval_accuracy": {str(s): a for s, a in sorted(evals.items())},
            "samples_learned_at_eval": {str(s): by_step.get(s, 0) for s in sorted(evals)},
@@ -93,7 +96,8 @@ def _run(mode: str, seed: int, index: int, warmup: int, samples_per_step: int) -
 
 def _ratios(runs: list[dict]) -> dict:
     """Partial over sync, per pair (runs 2k and 2k+1 of a seed), and their geometric means."""
-    keys = ("step_s_median", "rollout_s_median", "learner_response_tokens_per_s", "learned_samples_per_s")
+    keys = ("step_s_median", "rollout_s_median", "learner_response_tokens_per_s", "learned_samples_per_s",
+            "learned_samples_per_median_s")
     pairs = []
     for a, b in zip(runs[::2], runs[1::2]):
         sync, partial = (a, b) if a["mode"] == "sync" else (b, a)

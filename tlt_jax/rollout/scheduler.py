@@ -141,8 +141,8 @@ class Scheduler:
             sources[i] = distinct.setdefault(tuple(row), len(distinct))
             prompt_lengths[i], slots[i], ids[i] = len(row), free[i], seed_id
             self.slot_request[free[i]] = rid
-        longest = max(len(row) for row in distinct)
-        width = next(n for n in (rc.max_prompt_length, *rc.kv_buckets) if n >= longest)
+        # Resumed rows are prefilled at one width, the cache's: one program per row bucket.
+        width = rc.max_length if any(rid in self.resumed for rid, _, _ in take) else rc.max_prompt_length
         prompts = np.zeros((shape_bucket(len(distinct), r), width), np.int32)
         for prompt, row in distinct.items():
             prompts[row, :len(prompt)] = prompt
