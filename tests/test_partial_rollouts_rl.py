@@ -22,7 +22,7 @@ from tests.test_rl_train import (
     _learning_records,
     _length_reward,
 )
-from tlt_jax import checkpoint, evaluation, rewards, sampling
+from tlt_jax import checkpoint, evaluation, metrics, rewards, sampling
 from tlt_jax.models import transformer as tfm
 from tlt_jax.rl import carry, train
 
@@ -174,3 +174,18 @@ def test_a_run_killed_between_steps_resumes_mid_carry_exactly(tmp_path, monkeypa
     (want, want_meta), (got, got_meta) = _checkpoint(full, 4), _checkpoint(killed, 4)
     assert want_meta["carry"] == got_meta["carry"] and want_meta["data_position"] == got_meta["data_position"]
     _assert_trees_equal(want["train"], got["train"], "train")
+
+
+def test_partial_rollouts_with_tlt_speculate_and_train_the_drafter(tmp_path, monkeypatch):
+    """TLT on: carried samples resume in speculative slots (the drafter's state re-prefilled
+    with the prompt and their tokens), the tuner speculates, the drafter trains on the spot."""
+    from tests.test_tlt import TLT
+
+    monkeypatch.setitem(rewards.REWARDS, "length", _length_reward)
+    run_dir = str(tmp_path / "tlt")
+    config = _config(SFT_TINY, run_dir, **{**TLT, **PARTIAL, "steps": 4, "eval_every": 4})
+    summary = train.train_rl(config, progress=False)
+    records = [r for r in metrics.read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "time_step_s" in r]
+    assert max(r["carried_samples"] for r in records) > 0 and max(r["token_age_max"] for r in records) >= 1
+    assert sum(r["speculative_token_share"] for r in records) > 0
+    assert summary["tlt"]["drafter_version"] > 0 and sum(r["spot/steps"] for r in records) > 0
