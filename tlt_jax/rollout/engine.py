@@ -119,6 +119,20 @@ class PartialRequests:
             raise ValueError(f"partial.resumed names requests that do not run: {sorted(unknown)[:8]}.")
         return samples
 
+    def of_group(self, requests: list[int]) -> tuple[dict, Callable[[set], bool] | None]:
+        """What one rollout group's scheduler takes for its `requests`: those that resume
+        tokens (request -> (tokens, log-probs)), and the stop rule on its finished ones."""
+        resumed = {r: self.resumed[r] for r in requests if r in self.resumed and len(self.resumed[r][0])}
+        return resumed, (lambda finished: self.stop(finished, requests)) if self.stop is not None else None
+
+
+def _add_finished(history: HistoryStore, prompts, num_samples: int, results: dict) -> None:
+    """Each prompt's finished samples (not those a partial rollout stopped) to the history."""
+    for p, prompt in enumerate(prompts):
+        done = [results[i][0] for i in range(p * num_samples, (p + 1) * num_samples) if i in results and results[i][2]]
+        if done:
+            history.add(prompt, done)
+
 
 def _part_on(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """The part of `x` on `sharding`'s devices as an array laid out by `sharding`, sharing
@@ -317,11 +331,7 @@ class RolloutEngine:
         def run(group):
             share = set(shares[group.index].tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
-            resumed, stop = None, None
-            if partial is not None:
-                resumed = {rid: partial.resumed[rid] for rid, _, _ in mine if len(partial.resumed.get(rid, ((),))[0])}
-                stop = (lambda finished, ids=[rid for rid, _, _ in mine]: partial.stop(finished, ids)) \
-                    if partial.stop is not None else None
+            resumed, stop = partial.of_group([rid for rid, _, _ in mine]) if partial is not None else (None, None)
             Scheduler(group, mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy,
                       on_sample_done, episodes, resumed, stop).run()
             if on_group_done is not None:
@@ -338,11 +348,7 @@ class RolloutEngine:
                 self._exchange(results, timeline, policy)
             history = spec_lib.history_store(speculation)
             if history is not None:  # every process holds every result: the stores stay alike
-                for p, prompt in enumerate(prompts):
-                    done = [results[i][0] for i in range(p * num_samples, (p + 1) * num_samples)
-                            if i in results and results[i][2]]
-                    if done:
-                        history.add(prompt, done)
+                _add_finished(history, prompts, num_samples, results)
         ids = sorted(results)
         return Rollouts(
             prompt_index=np.asarray([i // num_samples for i in ids], np.int32),
