@@ -189,3 +189,16 @@ def test_partial_rollouts_with_tlt_speculate_and_train_the_drafter(tmp_path, mon
     assert max(r["carried_samples"] for r in records) > 0 and max(r["token_age_max"] for r in records) >= 1
     assert sum(r["speculative_token_share"] for r in records) > 0
     assert summary["tlt"]["drafter_version"] > 0 and sum(r["spot/steps"] for r in records) > 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout.partial_share": 1.5}, r"rollout.partial_share=1.5 must lie in \[0, 1\]"),
+    ({"rollout.max_carry_steps": 0}, "rollout.max_carry_steps=0 must be >= 1"),
+    ({"grpo.tis_cap": 0.0}, r"needs the per-token importance weight, grpo.tis_cap > 0"),
+    ({"learner.num_minibatches": 3, "num_samples": 4, "prompts_per_step": 3},
+     "learner.num_minibatches=3 must divide num_samples=4"),
+])
+def test_partial_rollout_settings_that_cannot_run_name_their_field(tmp_path, overrides, message):
+    config = _config(SFT_TINY, str(tmp_path / "run"), **{**PARTIAL, **overrides})
+    with pytest.raises(ValueError, match=message):
+        train.check_config(config)
