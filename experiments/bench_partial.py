@@ -30,6 +30,8 @@ from absl import app, flags
 from experiments import bench_tlt
 from tlt_jax import metrics
 
+_REFRESH = flags.DEFINE_string("refresh", "", "Summarize the result JSON at this path again from its runs' metrics "
+                                "(and plot it) in place of running.")
 # bench_tlt's own flags serve here too: --preset, --steps, --set, --run_dir, --cache_dir, --out.
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds; each gets --pairs pairs of runs.")
 _PAIRS = flags.DEFINE_integer("pairs", 1, "Pairs of runs per seed (sync and partial), in ABBA order.")
@@ -59,6 +61,7 @@ def summarize(records: list[dict], warmup: int, samples_per_step: int) -> dict:
     response_tokens = sum(n * r["response_length_mean"] for n, r in zip(tail, steady))
     evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
     by_step = {r["step"]: int(np.sum(learned[:i + 1])) for i, r in enumerate(steps)}
+    seconds = {r["step"]: float(sum(q["time_step_s"] for q in steps[:i + 1])) for i, r in enumerate(steps)}
     out = {"step_s_median": float(np.median([r["time_step_s"] for r in steady])),
            "rollout_s_median": float(np.median([r["time_rollout_s"] for r in steady])),
            "learner_s_median": float(np.median([r["time_learner_s"] for r in steady])),
@@ -71,6 +74,7 @@ def summarize(records: list[dict], warmup: int, samples_per_step: int) -> dict:
            "samples_learned": int(np.sum(learned)),
            "eval_accuracy": {str(s): a for s, a in sorted(evals.items())},
            "samples_learned_at_eval": {str(s): by_step.get(s, 0) for s in sorted(evals)},
+           "step_seconds_at_eval": {str(s): seconds.get(s, 0.0) for s in sorted(evals)},
            "wall_s": float(sum(r["time_step_s"] for r in steps))}
     if "carried_samples" in steps[-1]:
         for key in ("carried_samples", "token_age_mean", "stale_token_share", "learned_groups"):
@@ -106,8 +110,46 @@ def _ratios(runs: list[dict]) -> dict:
                                for k in keys}}
 
 
+def plot_learning(result: dict, path: str) -> None:
+    """Eval accuracy against the samples learned by then, one line per run (sync solid,
+    partial dashed, a colour per seed), and the same against the seconds of steps run."""
+    figure = metrics.new_figure(figsize=(10, 3.6), layout="constrained")
+    by_samples, by_time = figure.subplots(1, 2)
+    for run in result["runs"]:
+        steps = sorted(int(s) for s in run["eval_accuracy"])
+        accuracy = [run["eval_accuracy"][str(s)] for s in steps]
+        style = dict(linestyle="-" if run["mode"] == "sync" else "--", marker="o", color=f"C{run['seed']}",
+                     label=f"{run['mode']} seed {run['seed']}")
+        by_samples.plot([run["samples_learned_at_eval"][str(s)] for s in steps], accuracy, **style)
+        by_time.plot([run["step_seconds_at_eval"][str(s)] for s in steps], accuracy, **style)
+    by_samples.set(xlabel="samples learned", ylabel="eval accuracy (greedy)")
+    by_time.set(xlabel="seconds of RL steps (shared machine: see the load)", ylabel="eval accuracy (greedy)")
+    by_samples.legend(fontsize=7)
+    figure.suptitle(f"Partial rollouts (share {result['share']}) against synchronous steps, {result['preset']}")
+    figure.savefig(path, dpi=100)
+
+
+def refresh(path: str) -> dict:
+    """A result at `path` summarized again from its runs' metrics (their run directories
+    are in each run's command), rewritten with its plot."""
+    with open(path) as f:
+        result = json.load(f)
+    preset = bench_tlt.PRESETS[result["preset"]]
+    for run in result["runs"]:
+        run_dir = next(a.split("=", 1)[1] for a in run["command"].split() if a.startswith("--run_dir="))
+        records = metrics.read_metrics(os.path.join(run_dir, f"baseline_s{run['seed']}", metrics.METRICS_FILENAME))
+        run.update(summarize(records, preset["warmup_steps"], preset["prompts_per_step"] * preset["num_samples"]))
+    result.update(_ratios(result["runs"]))
+    metrics.write_json(path, result)
+    plot_learning(result, os.path.splitext(path)[0] + ".png")
+    return result
+
+
 def main(argv):
     del argv
+    if _REFRESH.value:
+        refresh(_REFRESH.value)
+        return
     preset = bench_tlt.PRESETS[_PRESET.value]
     warmup, samples_per_step = preset["warmup_steps"], preset["prompts_per_step"] * preset["num_samples"]
     order, runs = ["sync", "partial"], []
@@ -122,6 +164,7 @@ def main(argv):
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     if _OUT.value:
         metrics.write_json(_OUT.value, result)
+        plot_learning(result, os.path.splitext(_OUT.value)[0] + ".png")
 
 
 if __name__ == "__main__":
