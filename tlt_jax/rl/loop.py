@@ -327,6 +327,7 @@ class RLLoop:
 
     def prompts_for(self, data_position: int) -> list[tasks.Example]:
         """The next prompts_per_step examples of the train stream (reshuffled each epoch)."""
+        # RLLoop's own example_at: a stand-in that borrows this method need not define it.
         return [RLLoop.example_at(self, pos)
                 for pos in range(data_position, data_position + self.config.prompts_per_step)]
 
