@@ -2,9 +2,9 @@
 `data` in the model's prompt format, checkpoints, metrics, eval samples, plots.
 
 Resuming: the checkpoint holds the train state (policy and optimizer), the reference
-policy, the RNG key, the data position, the step and the config; a run killed at any
-point and started again with the same run_dir continues exactly where the last good
-checkpoint left it.
+policy, the RNG key, the data position, the step, the config and, with partial rollouts,
+the groups in flight (`carry.py`); a run killed at any point and started again with the
+same run_dir continues exactly where the last good checkpoint left it.
 
 Several processes (`jax.distributed`, the launchers' --coordinator_address, --num_processes
 and --process_id): every process runs this same function. Each rollout group lies on one
