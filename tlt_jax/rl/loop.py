@@ -37,6 +37,8 @@ from tlt_jax.data.packing import Packing, pack_spans
 from tlt_jax.data.prompts import PromptFormat
 from tlt_jax.drafter_training.online import DrafterData
 from tlt_jax.rl import grpo
+from tlt_jax.rl.carry import STREAM as _PARTIAL_STREAM
+from tlt_jax.rl.carry import Carry, PartialConfig
 from tlt_jax.rl.learner import Learner
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
@@ -68,6 +70,9 @@ class RLStepConfig:
     # step of k >= T prompts holds every one of the T tasks (a shorter task's examples
     # recur within the epoch); False: one shuffle of all examples.
     balance_tasks: bool = False
+    # Partial rollouts (`carry.py`): a step stops its rollout once partial.share of its samples
+    # finished and carries the rest over; share 0 (the default): every step waits for all.
+    partial: PartialConfig = PartialConfig()
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
@@ -184,6 +189,8 @@ class StepRollout:
     rollouts: Rollouts
     scoring: rewards.PendingBatch | None  # with reward_overlap: the samples scored as they finished
     completions: dict[int, str]  # the decoded completions of the samples handed to `scoring`, by index
+    fresh_prompts: int  # the prompts the step took from the train stream
+    carry_metrics: dict = dataclasses.field(default_factory=dict)  # partial rollouts: what was carried, token ages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +271,7 @@ def step_metrics(rollout: StepRollout, scores: StepScores, learned: StepLearning
         **{f"accept_depth_{d}": rate for d, rate in enumerate(rollouts.timeline.acceptance_by_depth(), 1)
            if rate is not None},
         **synced.tlt_metrics,
+        **rollout.carry_metrics,
     }
     if rollout.episodes is not None:  # environment time, failures, turns per sample; observations' share
         observed = sum(int(np.sum(m)) for m in rollouts.observation_mask)
@@ -303,6 +311,9 @@ class RLLoop:
         self.consecutive_skips = 0
         self.nonfinite_steps = 0
         self.reward_failures = 0
+        # The groups in flight across steps (partial rollouts), checkpointed with the run.
+        self.carry = Carry(step_config.partial, step_config.prompts_per_step, step_config.num_samples) \
+            if step_config.partial.enabled else None
         self._scorer = rewards.Scorer(step_config.reward, step_config.reward_workers, step_config.reward_timeout_s)
 
     def close(self):
@@ -316,12 +327,15 @@ class RLLoop:
 
     def prompts_for(self, data_position: int) -> list[tasks.Example]:
         """The next prompts_per_step examples of the train stream (reshuffled each epoch)."""
-        n, k = len(self.train_examples), self.config.prompts_per_step
-        out = []
-        for pos in range(data_position, data_position + k):
-            epoch, offset = divmod(pos, n)
-            out.append(self.train_examples[int(self._order(epoch, n)[offset])])
-        return out
+        # RLLoop's own example_at: a stand-in that borrows this method need not define it.
+        return [RLLoop.example_at(self, pos)
+                for pos in range(data_position, data_position + self.config.prompts_per_step)]
+
+    def example_at(self, position: int) -> tasks.Example:
+        """The train stream's example at `position` (counted over epochs)."""
+        n = len(self.train_examples)
+        epoch, offset = divmod(position, n)
+        return self.train_examples[int(self._order(epoch, n)[offset])]
 
     def _order(self, epoch: int, n: int) -> np.ndarray:
         """The train stream's order in `epoch`, drawn once per epoch."""
@@ -362,12 +376,14 @@ class RLLoop:
         self.nonfinite_steps += learned.skipped
         self.consecutive_skips = self.consecutive_skips + 1 if learned.skipped == len(learned.updates) else 0
         metrics = step_metrics(rollout, scores, learned, batch["loss_mask"], synced, spans)
-        return learned.state, metrics, data_position + self.config.prompts_per_step, rollout.rollouts
+        return learned.state, metrics, data_position + rollout.fresh_prompts, rollout.rollouts
 
     def _rollout(self, step: int, data_position: int, on_group_done: Callable[[int], None] | None) -> StepRollout:
         """The step's prompts decoded, G samples each; with reward_overlap each sample is
         handed to the scorer as it finishes, while the rest decode."""
         cfg, tlt = self.config, self.tlt
+        if self.carry is not None:
+            return self._partial_rollout(step, data_position, on_group_done)
         examples = self.prompts_for(data_position)
         episodes, sp = None, self.sampling_params
         if self.env is not None:
@@ -377,16 +393,7 @@ class RLLoop:
         else:
             prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
         key = jax.random.fold_in(self.key, step)
-        if tlt is not None:
-            tlt.begin(step, self.engine.num_groups)
-
-        def group_done(g):
-            faults.maybe_kill("rollout", step)
-            if tlt is not None:
-                tlt.on_group_done(g)
-            if on_group_done is not None:
-                on_group_done(g)
-
+        group_done = self._begin_rollout(step, on_group_done)
         scoring = self._scorer.begin() if cfg.reward_overlap else None
         example_fields = tasks.reward_fields(examples)  # per prompt; sample i is of prompt i // G
         completions: dict[int, str] = {}
@@ -403,7 +410,44 @@ class RLLoop:
                                         episodes=episodes)
         if tlt is not None:
             tlt.after_rollout()
-        return StepRollout(examples, prompt_ids, episodes, rollouts, scoring, completions)
+        return StepRollout(examples, prompt_ids, episodes, rollouts, scoring, completions, cfg.prompts_per_step)
+
+    def _begin_rollout(self, step: int, on_group_done: Callable[[int], None] | None) -> Callable[[int], None]:
+        """TLT's rollout start; returns what runs as each rollout group finishes."""
+        if self.tlt is not None:
+            self.tlt.begin(step, self.engine.num_groups)
+
+        def group_done(g):
+            faults.maybe_kill("rollout", step)
+            if self.tlt is not None:
+                self.tlt.on_group_done(g)
+            if on_group_done is not None:
+                on_group_done(g)
+
+        return group_done
+
+    def _partial_rollout(self, step: int, data_position: int,
+                         on_group_done: Callable[[int], None] | None) -> StepRollout:
+        """The groups in flight (carried, then fresh prompts) decoded until the step's stop
+        rule (`carry.py`); the groups that completed are the step's samples, scored after
+        the rollout."""
+        groups, fresh = self.carry.start(step, data_position)
+        examples = [self.example_at(group.data_position) for group in groups]
+        prompt_ids = evaluation.encode_prompts(self.tokenizer, examples, self.prompt_format)
+        # One key stream for the run, named by each prompt's place in the train stream: a
+        # sample's tokens do not depend on the step that draws them.
+        rollouts = self.engine.generate(prompt_ids, self.config.num_samples, self.sampling_params,
+                                        jax.random.fold_in(self.key, _PARTIAL_STREAM),
+                                        on_group_done=self._begin_rollout(step, on_group_done),
+                                        speculation=self.tlt.tuner if self.tlt is not None else None,
+                                        prompt_ids=[group.data_position for group in groups],
+                                        partial=self.carry.requests(step))
+        if self.tlt is not None:
+            self.tlt.after_rollout()
+        learned = self.carry.absorb(step, rollouts)
+        done = [groups.index(group) for group in learned.groups]
+        return StepRollout([examples[i] for i in done], [prompt_ids[i] for i in done], None, learned.rollouts,
+                           None, {}, fresh, learned.metrics)
 
     def _score(self, step: int, rollout: StepRollout, spans: Spans) -> StepScores:
         """Every sample's reward (process 0's on every process) and correctness. What the

@@ -2,9 +2,9 @@
 `data` in the model's prompt format, checkpoints, metrics, eval samples, plots.
 
 Resuming: the checkpoint holds the train state (policy and optimizer), the reference
-policy, the RNG key, the data position, the step and the config; a run killed at any
-point and started again with the same run_dir continues exactly where the last good
-checkpoint left it.
+policy, the RNG key, the data position, the step, the config and, with partial rollouts,
+the groups in flight (`carry.py`); a run killed at any point and started again with the
+same run_dir continues exactly where the last good checkpoint left it.
 
 Several processes (`jax.distributed`, the launchers' --coordinator_address, --num_processes
 and --process_id): every process runs this same function. Each rollout group lies on one
@@ -33,6 +33,7 @@ from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
 from tlt_jax.rl import grpo
+from tlt_jax.rl.carry import PartialConfig
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.rl.loop import RLLoop, RLStepConfig
 from tlt_jax.rl.tlt import TLT
@@ -139,18 +140,41 @@ def _prefixed(prefix: str, build):
 
 
 _SAMPLING_KEYS = ("temperature", "top_p", "max_tokens")  # the rollout section's keys of its sampling
+_PARTIAL_KEYS = ("partial_share", "max_carry_steps")  # the rollout section's keys of partial rollouts (the RL step's)
 
 
 def _rollout_config(r, **engine_fields) -> RolloutConfig:
     """The engine's RolloutConfig from the config's `rollout` section; `engine_fields` are
     what the run adds (the model's end tokens, the tuner's deepest strategy)."""
-    return launch.config_dataclass(RolloutConfig, r, "rollout", others=_SAMPLING_KEYS,
+    return launch.config_dataclass(RolloutConfig, r, "rollout", others=_SAMPLING_KEYS + _PARTIAL_KEYS,
                                    max_length=r.max_prompt_length + r.max_tokens, **engine_fields)
 
 
 def _sampling_params(r) -> sampling.SamplingParams:
     """The rollouts' sampling, from the config's `rollout` section."""
     return launch.config_dataclass(sampling.SamplingParams, r, "rollout", others=launch.ALL_OTHERS)
+
+
+def _partial_config(config) -> PartialConfig:
+    """Partial rollouts, from the rollout section's partial_share and max_carry_steps."""
+    r = config.rollout
+    return _prefixed("rollout.", lambda: PartialConfig(r.get("partial_share", 0.0), r.get("max_carry_steps", 2)))
+
+
+def _check_partial(config) -> None:
+    """What partial rollouts need of the rest of the config."""
+    if not _partial_config(config).enabled:
+        return
+    share = f"rollout.partial_share={config.rollout.partial_share}"
+    if config.grpo.tis_cap <= 0:
+        raise ValueError(f"{share} learns carried tokens drawn by older policies: it needs the per-token importance "
+                         "weight, grpo.tis_cap > 0 (e.g. 2.0).")
+    if envs.EnvConfig.from_config(config).name:
+        raise ValueError(f"{share} takes single-turn rollouts; set rollout.partial_share=0 with env.name.")
+    k = config.learner.num_minibatches
+    if config.num_samples % k:
+        raise ValueError(f"{share}: a step learns a varying number of whole groups, so learner.num_minibatches={k} "
+                         f"must divide num_samples={config.num_samples}.")
 
 
 def _learner_config(config) -> LearnerConfig:
@@ -162,7 +186,8 @@ def _learner_config(config) -> LearnerConfig:
 
 def _step_config(config) -> RLStepConfig:
     """The RL step's config from the config's top-level fields."""
-    return launch.config_dataclass(RLStepConfig, config, "", others=launch.ALL_OTHERS, reward=_step_reward(config))
+    return launch.config_dataclass(RLStepConfig, config, "", others=launch.ALL_OTHERS, reward=_step_reward(config),
+                                   partial=_partial_config(config))
 
 
 def _check_mesh(mesh_config) -> jax.sharding.Mesh:
@@ -207,6 +232,7 @@ def check_config(config) -> None:
     _prefixed("rollout.", lambda: _sampling_params(r))
     _prefixed("rollout.", lambda: _rollout_config(r))
     _learner_config(config)
+    _check_partial(config)
     samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
     if k < 1 or samples % k:
         raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
@@ -315,8 +341,12 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
                                _online_drafter_config(config.tlt.drafter, r.max_prompt_length, r.max_tokens),
                                temperature=r.temperature, seed=config.seed)
         tlt = TLT(tuner, online, _spot_config(config))
-        if tlt.spot is not None:  # where the drafter trains; its buffer holds one row at most per sample of a step
-            online.warm_up(config.prompts_per_step * config.num_samples, background=True)
+        # Where the drafter trains; its buffer holds one row at most per sample of a step (with
+        # partial rollouts, a step may learn the groups of max_carry_steps earlier steps too).
+        partial = _partial_config(config)
+        most = config.prompts_per_step * config.num_samples * (1 + partial.max_carry_steps * partial.enabled)
+        if tlt.spot is not None:
+            online.warm_up(most, background=True)
     # Plain decode's chunks (the baseline's too: neither mode pays a kv bucket's first compile
     # inside a timed rollout) compile and run on a thread of their own while the starting
     # checkpoint is evaluated (greedy: other programs); `_Run` waits for them before a step.
@@ -387,6 +417,8 @@ class _Run:
         loop.key = jnp.asarray(np.asarray(restored["key"]))
         self.start, self.data_position, self.sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
         loop.engine.update_params(self.state.params)
+        if loop.carry is not None:  # the samples in flight: a resume mid-carry goes on with them
+            loop.carry.load_state_dict(meta.get("carry"))
         if tlt is not None and meta.get("tlt") is None:
             logging.warning("Resuming a run saved with TLT off: the tuner and drafter start fresh.")
         elif tlt is not None:
@@ -409,7 +441,8 @@ class _Run:
             self.ckpt.save(step, self._saved_tree(),
                            {"step": step, "data_position": self.data_position, "sft_eval": self.sft_eval,
                             "config": json.loads(self.config.to_json_best_effort()),
-                            "tlt": self.tlt.state_dict() if self.tlt is not None else None})
+                            "tlt": self.tlt.state_dict() if self.tlt is not None else None,
+                            "carry": self.loop.carry.state_dict() if self.loop.carry is not None else None})
 
     def _save_drafter(self, step: int) -> None:
         tree, meta = self.tlt.drafter.checkpoint()  # before a gap lets it train

@@ -57,8 +57,8 @@ from tlt_jax.rollout.timeline import GroupTimeline, RolloutTimeline
 from tlt_jax.rollout.turns import Episodes
 
 # The engine's public names, wherever they live.
-__all__ = ["FINISH_REASONS", "Episodes", "RolloutConfig", "RolloutEngine", "Rollouts", "SlotState", "attending",
-           "shape_bucket"]
+__all__ = ["FINISH_REASONS", "Episodes", "PartialRequests", "RolloutConfig", "RolloutEngine", "Rollouts", "SlotState",
+           "attending", "shape_bucket"]
 
 
 @dataclasses.dataclass
@@ -91,6 +91,47 @@ class Rollouts:
         for i, (t, lp) in enumerate(zip(self.tokens, self.logprobs)):
             tokens[i, :len(t)], logp[i, :len(lp)] = t, lp
         return tokens, logp, np.arange(length)[None] < self.lengths[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialRequests:
+    """A generate that runs some samples, resumes what they drew before and may stop early.
+
+    samples: the request indices to run (prompt p's sample s is p * num_samples + s).
+    resumed: request index -> (tokens int32 [k], log-probs float32 [k]) it drew in an
+    earlier call, with the log-probs of the policy that drew each; it continues from there
+    (its prompt and those tokens re-prefilled) with the key of its next position.
+    stop(finished, requests): called on each rollout group as its samples finish, with the
+    request indices finished so far there and all that group runs; True ends that group's
+    rollout, its unfinished samples returned with finish reason "" and their tokens so far
+    (those never started: what they were resumed with)."""
+
+    samples: Sequence[int]
+    resumed: dict = dataclasses.field(default_factory=dict)
+    stop: Callable[[set, list], bool] | None = None
+
+    def checked(self, num_requests: int) -> list[int]:
+        samples = sorted(int(i) for i in self.samples)
+        if len(set(samples)) != len(samples) or (samples and not 0 <= samples[0] <= samples[-1] < num_requests):
+            raise ValueError(f"partial.samples must name distinct requests in [0, {num_requests}); got {samples[:8]}.")
+        unknown = set(self.resumed) - set(samples)
+        if unknown:
+            raise ValueError(f"partial.resumed names requests that do not run: {sorted(unknown)[:8]}.")
+        return samples
+
+    def of_group(self, requests: list[int]) -> tuple[dict, Callable[[set], bool] | None]:
+        """What one rollout group's scheduler takes for its `requests`: those that resume
+        tokens (request -> (tokens, log-probs)), and the stop rule on its finished ones."""
+        resumed = {r: self.resumed[r] for r in requests if r in self.resumed and len(self.resumed[r][0])}
+        return resumed, (lambda finished: self.stop(finished, requests)) if self.stop is not None else None
+
+
+def _add_finished(history: HistoryStore, prompts, num_samples: int, results: dict) -> None:
+    """Each prompt's finished samples (not those a partial rollout stopped) to the history."""
+    for p, prompt in enumerate(prompts):
+        done = [results[i][0] for i in range(p * num_samples, (p + 1) * num_samples) if i in results and results[i][2]]
+        if done:
+            history.add(prompt, done)
 
 
 def _part_on(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -240,7 +281,7 @@ class RolloutEngine:
                  speculation: spec_lib.Speculation | None = None,
                  prompt_ids: Sequence[int] | None = None,
                  on_sample_done: Callable[[int, np.ndarray], None] | None = None,
-                 episodes: Episodes | None = None) -> Rollouts:
+                 episodes: Episodes | None = None, partial: PartialRequests | None = None) -> Rollouts:
         """Samples `num_samples` answers for every prompt.
 
         Prompts are split among groups whole (the samples of one prompt stay together);
@@ -262,8 +303,13 @@ class RolloutEngine:
         observation, prefilled into the sample's own slot, until the episode ends.
         `sampling_params.max_tokens` bounds the whole transcript after the prompt; the
         returned Rollouts carry `observation_mask`.
+        `partial` (partial rollouts, single-turn): which samples run, what each drew
+        before, and the rule that stops a group early (`PartialRequests`); the returned
+        Rollouts then hold only the samples run, the unfinished ones with finish reason "".
         """
         self._check(prompts, num_samples)
+        if partial is not None and episodes is not None:
+            raise ValueError("Partial rollouts take single-turn requests; pass partial or episodes, not both.")
         if speculation is not None:
             self._check_speculation(speculation)
         if prompt_ids is None:
@@ -276,6 +322,8 @@ class RolloutEngine:
         timeline = RolloutTimeline([GroupTimeline(g.index, self.rollout_config.num_slots) for g in self.groups])
         requests = [(p * num_samples + s, list(prompt), prompt_ids[p] * num_samples + s)
                     for p, prompt in enumerate(prompts) for s in range(num_samples)]
+        if partial is not None:
+            requests = [requests[i] for i in partial.checked(len(requests))]
         shares = np.array_split(np.arange(len(prompts)), self.num_groups)
         results: dict = {}
         policy = _Recorded(speculation) if speculation is not None and multihost.is_multiprocess() else speculation
@@ -283,8 +331,9 @@ class RolloutEngine:
         def run(group):
             share = set(shares[group.index].tolist())
             mine = [req for req in requests if req[0] // num_samples in share]
+            resumed, stop = partial.of_group([rid for rid, _, _ in mine]) if partial is not None else (None, None)
             Scheduler(group, mine, key, sampling_params, timeline.groups[group.index], results, num_samples, policy,
-                      on_sample_done, episodes).run()
+                      on_sample_done, episodes, resumed, stop).run()
             if on_group_done is not None:
                 on_group_done(group.index)
 
@@ -299,8 +348,7 @@ class RolloutEngine:
                 self._exchange(results, timeline, policy)
             history = spec_lib.history_store(speculation)
             if history is not None:  # every process holds every result: the stores stay alike
-                for p, prompt in enumerate(prompts):
-                    history.add(prompt, [results[p * num_samples + s][0] for s in range(num_samples)])
+                _add_finished(history, prompts, num_samples, results)
         ids = sorted(results)
         return Rollouts(
             prompt_index=np.asarray([i // num_samples for i in ids], np.int32),

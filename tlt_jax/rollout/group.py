@@ -108,18 +108,19 @@ class Group:
                                          live=live)
 
     def insert(self, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None,
-               sources_R=None):
+               sources_R=None, resumed: steps.Resumed | None = None):
         """Prefills R requests into the given slots (slot index B: a padding row, dropped):
         request i samples prompt sources_R[i] of prompts_UP (default i: U = R). Each distinct
         prompt is prefilled once, however many of its samples it starts (G in GRPO).
-        history_RH: their history rows, when the state holds them."""
+        history_RH: their history rows, when the state holds them. resumed: requests that
+        continue tokens drawn before (`steps.insert`)."""
         spec = self.spec_of(state)
         if spec.history != (history_RH is not None):
             raise ValueError("insert takes history rows exactly when the state holds them.")
         if sources_R is None:
             sources_R = np.arange(len(lengths_R), dtype=np.int32)
         return self.programs(spec).insert(self.params, self.drafter_params, state, prompts_UP, lengths_R, slots_R,
-                                          requests_R, groups_R, key, history_RH, sources_R, spec, sp)
+                                          requests_R, groups_R, key, history_RH, sources_R, resumed, spec, sp)
 
     def observe(self, state, observations_RT, lengths_R, slots_R, key, sp):
         """Continues R waiting samples after their environments answered (`steps.observe`)."""
@@ -282,7 +283,7 @@ class Programs:
         return cls(
             empty=jax.jit(steps.empty, out_shardings=state,
                           static_argnames=("spec", "max_tokens", "history_width", "live")),
-            insert=jit(steps.insert, 8, state), observe=jit(steps.observe, 4, state),
+            insert=jit(steps.insert, 9, state), observe=jit(steps.observe, 4, state),
             chunk=jit(steps.chunk, 3, (state, rep, rep, rep), 4), draft=jit(steps.draft_phase, 1, (state, rep), 4),
             verify=jit(steps.verify_phase, 2, (state, rep), 3))
 

@@ -9,6 +9,10 @@ Before each chunk the speculation policy (if any) picks a strategy for the numbe
 active sequences, and hears the chunk's tokens and seconds afterwards; a chunk whose
 program runs for the first time (it compiles, or XLA finishes it) is not heard, so the
 policy hears steady-state timings only.
+
+Partial rollouts: a request may resume tokens it drew in an earlier call (re-prefilled
+after its prompt), and a stop rule may end the loop before every request finished; the
+unfinished ones are then recorded with finish reason "" and the tokens drawn so far.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import numpy as np
 from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.group import Group
 from tlt_jax.rollout.slots import shape_bucket
+from tlt_jax.rollout.steps import Resumed
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, SpecChunk
 from tlt_jax.rollout.turns import Episodes, Turns
 
@@ -31,8 +36,12 @@ class Scheduler:
 
     def __init__(self, group: Group, requests, key, sp, timeline: GroupTimeline, results: dict,
                  num_samples: int = 1, speculation=None,
-                 on_sample_done: Callable[[int, np.ndarray], None] | None = None, episodes: Episodes | None = None):
+                 on_sample_done: Callable[[int, np.ndarray], None] | None = None, episodes: Episodes | None = None,
+                 resumed: dict | None = None, stop: Callable[[set[int]], bool] | None = None):
+        """resumed: request id -> (tokens, log-probs) it drew before, which it continues.
+        stop(finished request ids): True ends the loop, the rest recorded unfinished."""
         self.group, self.key, self.sp, self.timeline, self.results = group, key, sp, timeline, results
+        self.resumed, self.stop, self.finished = resumed or {}, stop, set()
         self.num_samples, self.speculation, self.on_sample_done = num_samples, speculation, on_sample_done
         b = group.engine.rollout_config.num_slots
         self.history = spec_lib.history_store(speculation)
@@ -85,8 +94,31 @@ class Scheduler:
                 if turns is not None:
                     turns.turn_ended(self.state, done, self.slot_request, self.results, self.on_sample_done)
                 else:
+                    self.finished.update(self.slot_request[s] for s in done)
                     self.group.harvest(self.state, done, self.slot_request, self.results, self.on_sample_done)
                 self.timeline.harvest_s += time.perf_counter() - t_harvest
+                if self.stop is not None and self.stop(self.finished):
+                    self._record_unfinished()
+                    break
+
+    def _record_unfinished(self) -> None:
+        """Records every request not finished (in a slot, or never started) with finish
+        reason "" and what it drew so far, and frees the slots."""
+        live = [s for s, rid in enumerate(self.slot_request) if rid >= 0]
+        if live:
+            toks, logps, counts = self.group.rows((self.state.out_tokens, self.state.out_logp,
+                                                   self.state.num_generated), live)
+            for i, s in enumerate(live):
+                n = int(counts[i])
+                self.results[self.slot_request[s]] = (toks[i, :n].copy(), logps[i, :n].copy(), "", self.group.index,
+                                                      None)
+                self.slot_request[s] = -1
+        empty = (np.zeros((0,), np.int32), np.zeros((0,), np.float32))
+        while self.pending:
+            rid = self.pending.popleft()[0]
+            tokens, logp = self.resumed.get(rid, empty)
+            self.results[rid] = (np.asarray(tokens, np.int32), np.asarray(logp, np.float32), "", self.group.index,
+                                 None)
 
     def _sync(self) -> None:
         self.active, self.lengths = jax.device_get((self.state.active, self.state.cache.lengths))
@@ -94,7 +126,7 @@ class Scheduler:
 
     def _refill(self, free: list[int]) -> None:
         """Prefills pending requests into the free slots (some finish at their first token)."""
-        b, p = len(self.slot_request), self.group.engine.rollout_config.max_prompt_length
+        b, rc = len(self.slot_request), self.group.engine.rollout_config
         take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
         r = shape_bucket(len(take), b)
         distinct = {}  # prompt -> its row: the G samples of a prompt share one prefill
@@ -102,21 +134,38 @@ class Scheduler:
         prompt_lengths = np.ones((r,), np.int32)
         slots = np.full((r,), b, np.int32)
         ids = np.zeros((r,), np.int32)
-        for i, (rid, prompt, seed_id) in enumerate(take):
-            sources[i] = distinct.setdefault(tuple(prompt), len(distinct))
-            prompt_lengths[i], slots[i], ids[i] = len(prompt), free[i], seed_id
+        # A resumed request's row holds its prompt then the tokens it drew before.
+        rows_of = [list(prompt) + [int(t) for t in self.resumed[rid][0]] if rid in self.resumed else prompt
+                   for rid, prompt, _ in take]
+        for i, ((rid, _, seed_id), row) in enumerate(zip(take, rows_of)):
+            sources[i] = distinct.setdefault(tuple(row), len(distinct))
+            prompt_lengths[i], slots[i], ids[i] = len(row), free[i], seed_id
             self.slot_request[free[i]] = rid
-        prompts = np.zeros((shape_bucket(len(distinct), r), p), np.int32)
+        # Resumed rows are prefilled at one width, the cache's: one program per row bucket.
+        width = rc.max_length if any(rid in self.resumed for rid, _, _ in take) else rc.max_prompt_length
+        prompts = np.zeros((shape_bucket(len(distinct), r), width), np.int32)
         for prompt, row in distinct.items():
             prompts[row, :len(prompt)] = prompt
         rows = None
         if self.history is not None:
             rows = self.history.rows([prompt for _, prompt, _ in take] + [[]] * (r - len(take)))
+        resumed = self._resumed_rows(take, r) if any(rid in self.resumed for rid, _, _ in take) else None
         t_insert = time.perf_counter()
         self.state = self.group.insert(self.state, prompts, prompt_lengths, slots, ids, ids // self.num_samples,
-                                       self.key, self.sp, rows, sources)
+                                       self.key, self.sp, rows, sources, resumed)
         self._sync()
         self.timeline.prefill_s += time.perf_counter() - t_insert
+
+    def _resumed_rows(self, take, r: int) -> Resumed:
+        """The tokens and log-probs the requests in `take` drew before (none: a fresh one),
+        as `steps.Resumed` rows padded to r."""
+        m = self.sp.max_tokens
+        generated, tokens, logp = np.zeros((r,), np.int32), np.zeros((r, m), np.int32), np.zeros((r, m), np.float32)
+        for i, (rid, _, _) in enumerate(take):
+            if rid in self.resumed:
+                t, lp = self.resumed[rid]
+                generated[i], tokens[i, :len(t)], logp[i, :len(lp)] = len(t), t, lp
+        return Resumed(generated, tokens, logp)
 
     def _chunk(self) -> None:
         """One chunk of decode steps (as the policy picks them), timed and recorded; the

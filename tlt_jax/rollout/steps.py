@@ -100,12 +100,27 @@ def _prefill_spec(spec, drafter_params, params, slots, prompts_UP, lengths_R, sl
     return SpecSlots(context, put(slots.group, groups_R), drafter_state, history)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What R requests drew before (partial rollouts carry unfinished samples from one
+    call to the next): generated_R tokens each (0: a fresh request), right-padded to the
+    slots' M = max new tokens, with the log-probs of the policy that drew each."""
+
+    generated_R: jax.Array  # int32 [R]
+    tokens_RM: jax.Array  # int32 [R, M]
+    logp_RM: jax.Array  # float32 [R, M]
+
+
 def insert(params, drafter_params, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, history_RH,
-           sources_R, spec: StepSpec, sp):
+           sources_R, resumed: Resumed | None, spec: StepSpec, sp):
     """Prefills R requests into the given slots (slot index B: a padding row, dropped):
     request i samples prompt sources_R[i] of prompts_UP. Each distinct prompt is prefilled
     once, however many of its samples it starts. history_RH: their history rows, exactly
-    when the state holds them."""
+    when the state holds them. resumed: requests that continue what they drew before;
+    their rows of prompts_UP hold the prompt then those tokens (lengths_R counts both),
+    re-prefilled under the current weights, and their next token draws from key position
+    generated_R, the one it has in the request's key stream uninterrupted."""
     cfg, rc = spec.model, spec.rollout
     if rc.decode_mlp_size:
         # Prefill is bound by compute, not by reading weights: it skips the zero units.
@@ -115,9 +130,14 @@ def insert(params, drafter_params, state, prompts_UP, lengths_R, slots_R, reques
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
     h_UPD, small, *layers = tfm.decode(params, cfg, small, prompts_UP, positions, layer_ids=spec.layer_ids)
     logits_RV = tfm.logits_from_hidden(params, cfg, h_UPD[sources_R, lengths_R - 1])
-    token_R, logp_R = _sample(key, requests_R, jnp.zeros_like(requests_R), logits_RV, sp)
-    code_R = finish_code(token_R, jnp.ones_like(token_R), lengths_R, sp, rc.eos_token_id, rc.max_length,
-                         first_token_stops(sp, token_R))
+    generated_R = jnp.zeros_like(requests_R) if resumed is None else resumed.generated_R
+    token_R, logp_R = _sample(key, requests_R, generated_R, logits_RV, sp)
+    if resumed is None:
+        stop_hit_R = first_token_stops(sp, token_R)
+    else:  # a stop sequence may end across the carried tokens and the new one
+        stop_hit_R = _resumed_stop_hits(sp, resumed, token_R)
+    prompt_lengths_R = lengths_R - generated_R
+    code_R = finish_code(token_R, generated_R + 1, prompt_lengths_R, sp, rc.eos_token_id, rc.max_length, stop_hit_R)
     put = lambda a, v: a.at[slots_R].set(v, mode="drop")
     cache = state.cache.with_rows(slots_R, small, lengths_R, sources_R)
     slots = state.spec
@@ -126,11 +146,29 @@ def insert(params, drafter_params, state, prompts_UP, lengths_R, slots_R, reques
                               token_R, h_UPD, layers, sources_R, history_RH)
     turns = None if state.turns is None else TurnSlots(put(state.turns.num_observed, 0),
                                                        put(state.turns.turn_start, 0))
+    if resumed is None:
+        out_tokens = state.out_tokens.at[slots_R, 0].set(token_R, mode="drop")
+        out_logp = state.out_logp.at[slots_R, 0].set(logp_R, mode="drop")
+    else:
+        rows = jnp.arange(token_R.shape[0])
+        out_tokens = put(state.out_tokens, resumed.tokens_RM.at[rows, generated_R].set(token_R))
+        out_logp = put(state.out_logp, resumed.logp_RM.at[rows, generated_R].set(logp_R))
     return SlotState(
-        cache, put(state.last_token, token_R), put(state.request, requests_R), put(state.prompt_length, lengths_R),
-        put(state.num_generated, jnp.ones_like(token_R)), put(state.active, code_R == 0), put(state.finish, code_R),
-        state.out_tokens.at[slots_R, 0].set(token_R, mode="drop"),
-        state.out_logp.at[slots_R, 0].set(logp_R, mode="drop"), slots, turns)
+        cache, put(state.last_token, token_R), put(state.request, requests_R),
+        put(state.prompt_length, prompt_lengths_R), put(state.num_generated, generated_R + 1),
+        put(state.active, code_R == 0), put(state.finish, code_R),
+        out_tokens, out_logp, slots, turns)
+
+
+def _resumed_stop_hits(sp, resumed: Resumed, token_R):
+    """Whether each resumed request's new token ends a stop sequence, reading its carried
+    tokens before it (None without stop sequences)."""
+    if not sp.stop_sequences:
+        return None
+    w = max(len(s) for s in sp.stop_sequences) - 1
+    at = resumed.generated_R[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
+    earlier = jnp.take_along_axis(resumed.tokens_RM, jnp.maximum(at, 0), 1)
+    return stop_sequence_hits(sp, jnp.where(at >= 0, earlier, -1), token_R[:, None])[:, 0]
 
 
 def observe(params, drafter_params, state, observations_RT, lengths_R, slots_R, key, spec: StepSpec, sp):
