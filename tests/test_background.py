@@ -8,6 +8,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from tests.rl.test_train import _config, warm_start  # noqa: F401 (a fixture)
 from tests.rollout.test_engine import CFG, PROMPTS, SP, _engine
@@ -90,3 +91,17 @@ def test_the_first_rl_step_waits_for_plain_decode_s_warm_up(warm_start, tmp_path
     monkeypatch.setattr(RLLoop, "step", lambda self, *a, **kw: events.append("step") or step(self, *a, **kw))
     train_rl(_config(warm_start, str(tmp_path / "run"), steps=1, eval_every=1), progress=False)
     assert events == ["eval", "warmed up", "step", "eval"]
+
+
+def test_work_over_several_devices_runs_in_the_caller_s_thread():
+    """one_device=False: two threads' programs over shared devices could wait on each
+    other's collectives, so the work runs at once in the caller's thread; its error is
+    raised by result(), as a thread's would be."""
+    ran_on = []
+    done = background.start(lambda: ran_on.append(threading.current_thread()) or 7, "several", one_device=False)
+    assert ran_on == [threading.current_thread()] and done.done() and done.result() == 7
+    failed = background.start(lambda: 1 / 0, "several", one_device=False)
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+    elsewhere = background.start(lambda: threading.current_thread(), "one")
+    assert elsewhere.result() is not threading.current_thread()

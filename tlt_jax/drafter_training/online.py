@@ -307,7 +307,8 @@ class OnlineDrafter:
             group.drafter_params, self.train_batch_rows(self.config.batch_size),
             self.eval_batch_rows(max_rows_per_step) if self.config.eval_rows else 0)
         if background:
-            self._warming = background_lib.start(compile_run, "drafter_warm_up")
+            self._warming = background_lib.start(compile_run, "drafter_warm_up",
+                                                 one_device=group.mesh.devices.size == 1)
         else:
             compile_run()
         return time.perf_counter() - t0

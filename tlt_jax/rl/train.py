@@ -351,7 +351,7 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
     # inside a timed rollout) compile and run on a thread of their own while the starting
     # checkpoint is evaluated (greedy: other programs); `_Run` waits for them before a step.
     decode = background.start(functools.partial(engine.warm_up, rollout_sp, tuner, turns=bool(env.name)),
-                              "decode_warm_up")
+                              "decode_warm_up", one_device=all(g.mesh.devices.size == 1 for g in engine.local_groups))
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=_step_config(config),
                   seq_len=r.max_prompt_length + r.max_tokens, seed=config.seed, ref_params=ref_params, tlt=tlt,

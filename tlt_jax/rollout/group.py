@@ -207,7 +207,8 @@ class Group:
         with self._programs_lock:
             if step not in self._warming:
                 self._warming[step] = background.start(
-                    lambda: self.warm_up(sp, [strategy], True, history_width, turns, (attended,)), "strategy_warm_up")
+                    lambda: self.warm_up(sp, [strategy], True, history_width, turns, (attended,)), "strategy_warm_up",
+                    one_device=self.mesh.devices.size == 1)
         future = self._warming[step]
         if future.done():
             future.result()
