@@ -26,9 +26,7 @@ from tlt_jax.distill import array_store
 from tlt_jax.distill import teacher_cache as tc
 from tlt_jax.models.hf_io import load_hf
 
-# One worker runs the module (setup.cfg: --dist loadgroup): its tests share the reference run,
-# which a test on the other worker would sit waiting for (the file lock below); groups run first.
-pytestmark = pytest.mark.xdist_group("test_faults")
+pytestmark = pytest.mark.costly  # killed runs and their resumes, each a process of its own
 REPO = pathlib.Path(support.REPO)
 # The shipped SFT checkpoint: its answers earn reward with spread within a group, so the
 # policy moves every step (a random one would not, and a resume that restored nothing would
