@@ -395,8 +395,9 @@ class _Run:
     def _report_warm_up(self, decode_s: float) -> None:
         line = f"Compiled plain decode in {decode_s:.1f} s"
         if self.tlt is not None:
-            line += (f" (each of the {len(self.tlt.tuner.strategies)} drafting strategies compiles when the tuner "
-                     "first picks it; the drafter step in the background)")
+            where = "on a thread " if self.config.rollout.get("background_compiles", False) else ""
+            line += (f" (each of the {len(self.tlt.tuner.strategies)} drafting strategies compiles {where}when the "
+                     "tuner first picks it; the drafter step in the background)")
         metrics.report(line)
 
     def _saved_tree(self) -> dict:
