@@ -91,15 +91,17 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # steps_per_sync / spec_steps_per_sync: plain / speculative decode steps per device loop.
     # spec_coupled: speculative steps emit exactly plain decode's samples for the same keys
     # (RolloutConfig.spec_coupled): runs that differ only in their drafter share one trajectory.
-    # background_compiles: a drafting strategy compiles on a thread when the tuner first picks
-    # it, plain decode running meanwhile (RolloutConfig.background_compiles).
+    # background_compiles: warm-ups on threads of their own (plain decode's during the starting
+    # evaluation, the drafter's, a drafting strategy's at the tuner's first pick with plain decode
+    # meanwhile: RolloutConfig.background_compiles). Off: suites that ran them crashed in XLA's
+    # compile (docs/benchmarks.md), not yet understood.
     # partial_share: a step stops its rollout once this share of its samples has finished and
     # carries the rest, whole GRPO groups, to the next step (0: off; tlt_jax/rl/carry.py);
     # max_carry_steps: the most steps a carried token waits before it is learned.
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
                                                top_p=1.0, kv_bucket=64, decode_mlp_size=0, spec_coupled=False,
-                                               background_compiles=True, partial_share=0.0, max_carry_steps=2))
+                                               background_compiles=False, partial_share=0.0, max_carry_steps=2))
     c.num_samples = 8  # G
     c.prompts_per_step = 16
     c.balance_tasks = False  # True: every step's prompts take the data's tasks in turn (RLStepConfig)

@@ -346,12 +346,13 @@ def _build_loop(config, model_cfg, params, tokenizer, problems, mesh) -> tuple[R
         partial = _partial_config(config)
         most = config.prompts_per_step * config.num_samples * (1 + partial.max_carry_steps * partial.enabled)
         if tlt.spot is not None:
-            online.warm_up(most, background=True)
+            online.warm_up(most, background=bool(r.get("background_compiles", False)))
     # Plain decode's chunks (the baseline's too: neither mode pays a kv bucket's first compile
     # inside a timed rollout) compile and run on a thread of their own while the starting
     # checkpoint is evaluated (greedy: other programs); `_Run` waits for them before a step.
     decode = background.start(functools.partial(engine.warm_up, rollout_sp, tuner, turns=bool(env.name)),
-                              "decode_warm_up", one_device=all(g.mesh.devices.size == 1 for g in engine.local_groups))
+                              "decode_warm_up", one_device=bool(r.get("background_compiles", False))
+                              and all(g.mesh.devices.size == 1 for g in engine.local_groups))
     loop = RLLoop(engine=engine, learner=learner, tokenizer=tokenizer, train_examples=problems.train,
                   eval_examples=problems.eval, sampling_params=sp, step_config=_step_config(config),
                   seq_len=r.max_prompt_length + r.max_tokens, seed=config.seed, ref_params=ref_params, tlt=tlt,
