@@ -3,23 +3,19 @@ sample draws what it would have drawn uncarried; a carried token keeps the behav
 log-prob of the policy that drew it; every sample is learned once, none dropped; a run
 killed between steps resumes mid-carry exactly."""
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
 from tests.rl.test_train import (
-    _KILLED_RUN,
     OVERRIDES,
     _assert_trees_equal,
     _checkpoint,
     _config,
     _learning_records,
     _length_reward,
+    kill_at_step_2_checkpoint,
 )
 from tests.support import REPO
 from tlt_jax import checkpoint, evaluation, metrics, rewards, sampling
@@ -151,17 +147,7 @@ def test_a_run_killed_between_steps_resumes_mid_carry_exactly(tmp_path, monkeypa
     full = str(tmp_path / "full")
     train.train_rl(_config(SFT_TINY, full, **extra), progress=False)
     killed = str(tmp_path / "killed")
-    args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, "--config=configs/rl.py:tiny",
-                             f"--config.model_dir={SFT_TINY}", f"--config.run_dir={killed}", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = os.path.join(killed, "checkpoints", "2", checkpoint.MANIFEST_NAME)
-    deadline = time.time() + 300
-    while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_at_step_2_checkpoint(SFT_TINY, killed, {**OVERRIDES, **extra})
     with checkpoint.Checkpointer(os.path.join(killed, "checkpoints")) as ckpt:
         resumed_at = ckpt.latest_step()
         assert 2 <= resumed_at < 4, "the kill came too late to leave steps to resume"

@@ -51,6 +51,23 @@ def _config(model_dir, run_dir, **extra):
     return c
 
 
+def kill_at_step_2_checkpoint(model_dir, run_dir, settings: dict) -> None:
+    """Runs the tiny RL config with `settings` in a process of its own and SIGKILLs it as soon
+    as its step-2 checkpoint is written."""
+    args = [f"--config.{k}={v}" for k, v in settings.items()]
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, "--config=configs/rl.py:tiny",
+                             f"--config.model_dir={model_dir}", f"--config.run_dir={run_dir}", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = os.path.join(run_dir, "checkpoints", "2", checkpoint.MANIFEST_NAME)
+    deadline = time.time() + 300
+    while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert os.path.exists(marker), "the killed run never reached its step-2 checkpoint"
+
+
 def _launch_rl(warm_start, run_dir, **popen_kwargs):
     args = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     return subprocess.Popen([sys.executable, "-m", "experiments.train_rl", "--config=configs/rl.py:tiny",
@@ -114,18 +131,7 @@ def test_resume_after_sigkill_continues_exactly(warm_start, tmp_path, monkeypatc
         assert train_rl(_config(warm_start, full, reward="length"), progress=False) == summary
 
     killed = str(tmp_path / "killed")
-    args = [f"--config.{k}={v}" for k, v in {**OVERRIDES, "reward": "length"}.items()]
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, "--config=configs/rl.py:tiny",
-                             f"--config.model_dir={warm_start}", f"--config.run_dir={killed}", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = os.path.join(killed, "checkpoints", "2", checkpoint.MANIFEST_NAME)
-    deadline = time.time() + 300
-    while not os.path.exists(marker) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-    assert os.path.exists(marker), "the killed run never reached its step-2 checkpoint"
+    kill_at_step_2_checkpoint(warm_start, killed, {**OVERRIDES, "reward": "length"})
     with checkpoint.Checkpointer(os.path.join(killed, "checkpoints")) as ckpt:
         assert ckpt.latest_step() < 4, "the kill came too late to leave steps to resume"
 
