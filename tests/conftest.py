@@ -10,7 +10,11 @@ level 0, no expensive LLVM passes), and so does every process they start, which 
 the variable: compiles are most of the suite's time, and this halves them (the tiny model's
 train step: 2.8 s of CPU at the default level, 1.4 s here). No test checks numerics against
 a program compiled at the users' level: each compares runs compiled alike, or a reference
-within a tolerance."""
+within a tolerance.
+
+A worker releases jax's compiled programs once its process nears the kernel's limit on
+memory mappings (`_programs_within_the_map_limit`)."""
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -27,9 +31,41 @@ from tlt_jax import launch  # noqa: E402 (after the environment above, which jax
 
 launch.cache_programs_for_any_devices()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.support import tiny  # noqa: E402
+
+
+def _map_count() -> int:
+    with open("/proc/self/maps", "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+_MAP_BUDGET = _map_limit() // 2
+
+
+@pytest.fixture(autouse=True)
+def _programs_within_the_map_limit():
+    """XLA:CPU maps each compiled program's code in many small memory mappings (a few per
+    kernel), and jax's caches keep every program a process compiled: a worker that runs a
+    few hundred tests holds tens of thousands of mappings. At the kernel's vm.max_map_count
+    the next compile fails, and the unwinding of its error crashes the process in the C++
+    unwinder (a registered frame of code freed on the failed path). So after a test that
+    leaves the process above half the limit, jax's caches are dropped: the programs the
+    next tests need load from the persistent compilation cache."""
+    yield
+    if os.path.exists("/proc/self/maps") and _map_count() > _MAP_BUDGET:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
