@@ -147,3 +147,55 @@ def test_a_run_killed_between_steps_resumes_exactly(warm_start, tmp_path, monkey
 def test_off_policy_settings_that_cannot_run_name_their_field(warm_start, tmp_path, overrides, message):  # noqa: F811
     with pytest.raises(ValueError, match=message):
         train.check_config(_config(warm_start, str(tmp_path / "run"), **overrides))
+
+
+# Both realisations of one-step-off on one device (the overlap needs every program there), in
+# a process of its own with one CPU device: the runs' learning records and final policies.
+_ONE_DEVICE_RUNS = """
+import json, sys
+from tests.rl.test_train import _config, _length_reward
+from tlt_jax import fingerprint, rewards
+from tlt_jax.rl import off_policy, train
+from tlt_jax.rl.train import learning_metrics
+
+rewards.REWARDS["length"] = _length_reward
+taken, take = [], off_policy.OneStepOff.take
+off_policy.OneStepOff.take = lambda self, step: taken.append(take(self, step)) or taken[-1]
+out = {}
+for overlap in (True, False):
+    config = _config(sys.argv[1], sys.argv[2] + str(overlap), **json.loads(sys.argv[3]))
+    run = train._Run(config)
+    detected, run.loop.off_policy.overlap = run.loop.off_policy.overlap, overlap
+    taken.clear()
+    position, records = run.data_position, []
+    for step in range(config.steps):
+        run.state, record, position, _ = run.loop.step(run.state, step, position, last=step + 1 == config.steps)
+        records.append(learning_metrics(record))
+    run.close()
+    out[str(overlap)] = {"detected": detected, "records": records, "overlapped": sum(t is not None for t in taken),
+                         "params": fingerprint.fingerprint_arrays(run.state.params)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_overlap_on_one_device_learns_what_the_in_turn_run_does(warm_start, tmp_path):  # noqa: F811
+    """With every program on one device, the next step's rollout runs on a thread while the
+    learner trains: the samples, updates and final policy are bit for bit the in-turn run's."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    settings = {**OFF, **LEARNING, "mesh.data": 1, "mesh.fsdp": 1, "steps": STEPS}
+    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device
+    done = subprocess.run([sys.executable, "-c", _ONE_DEVICE_RUNS, warm_start, str(tmp_path / "run"),
+                           json.dumps(settings)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    overlapped, in_turn = result["True"], result["False"]
+    assert overlapped["detected"], "one device, TLT off: the overlap should be on"
+    assert overlapped["overlapped"] == STEPS - 1 and in_turn["overlapped"] == 0
+    assert [r["token_age_max"] for r in overlapped["records"]] == [0] + [1] * (STEPS - 1)
+    assert overlapped["records"] == in_turn["records"]
+    assert overlapped["params"] == in_turn["params"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -322,11 +323,15 @@ class RLLoop:
         # The groups in flight across steps (partial rollouts), checkpointed with the run.
         self.carry = Carry(step_config.partial, step_config.prompts_per_step, step_config.num_samples) \
             if step_config.partial.enabled else None
-        # One-step-off: the engine's weights, one update behind the learner's, checkpointed with the run.
-        self.off_policy = OneStepOff() if step_config.off_policy_steps else None
+        # One-step-off: the engine's weights, one update behind the learner's, checkpointed with
+        # the run; the next step's rollout overlaps the learner where that is safe (off_policy.py).
+        self.off_policy = OneStepOff(overlap=learner.mesh.devices.size == 1 and tlt is None and self.env is None) \
+            if step_config.off_policy_steps else None
         self._scorer = rewards.Scorer(step_config.reward, step_config.reward_workers, step_config.reward_timeout_s)
 
     def close(self):
+        if self.off_policy is not None:
+            self.off_policy.wait()
         self._scorer.close()
         if self.tlt is not None:
             self.tlt.close()
@@ -362,10 +367,12 @@ class RLLoop:
             self._epoch_order = (epoch, order)
         return self._epoch_order[1]
 
-    def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
+    def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None,
+             last: bool = False):
         """One RL step: rollout, score, advantages, batch, learn, drafter, sync, each a
         phase of its own, timed by `Spans`; the metrics from what the phases returned
-        (`step_metrics`). Returns (state, metrics, new data position, rollouts)."""
+        (`step_metrics`). last: no step follows (one-step-off starts no next rollout).
+        Returns (state, metrics, new data position, rollouts)."""
         spans = Spans()
         with spans("rollout"):
             rollout = self._rollout(step, data_position, on_group_done)
@@ -380,6 +387,9 @@ class RLLoop:
         if self.off_policy is not None:  # the engine's next weights, copied before the update donates them
             with spans("weight_sync"):
                 self.off_policy.hold(step, state.params)
+                if not last:  # with the overlap, the next step's rollout starts under them now
+                    self.off_policy.start_next(self.engine, step, functools.partial(
+                        self._rollout, step + 1, data_position + rollout.fresh_prompts, on_group_done))
         with spans("learner"):
             learned = self._learn(state, batch, spans)
             self._drafter(step, rollout, scores, batch, packing, learned.drafter_data)
@@ -395,6 +405,8 @@ class RLLoop:
         """The step's prompts decoded, G samples each; with reward_overlap each sample is
         handed to the scorer as it finishes, while the rest decode."""
         cfg, tlt = self.config, self.tlt
+        if self.off_policy is not None and (started := self.off_policy.take(step)) is not None:
+            return started  # drawn while the step before learned
         if self.carry is not None:
             return self._partial_rollout(step, data_position, on_group_done)
         examples = self.prompts_for(data_position)
@@ -561,6 +573,8 @@ class RLLoop:
         """Greedy eval metrics (`eval_accuracy`, ...) of the learner's policy `params` (the
         engine's weights when None or synchronous); the samples stay in `last_eval_samples`."""
         greedy = dataclasses.replace(self.sampling_params, temperature=0.0)
+        if self.off_policy is not None:
+            self.off_policy.wait()  # a rollout under way uses the engine
         # One-step-off: the engine holds the policy one update behind; it evaluates the learner's.
         holding = self.off_policy.engine_holding(self.engine, params) \
             if self.off_policy is not None and params is not None else contextlib.nullcontext()

@@ -5,11 +5,17 @@ Step t rolls out under the engine's weights, learns (theta_t -> theta_{t+1}) and
 the engine theta_t, the weights the step started from, not theta_{t+1}. Step 0 is on-policy;
 from step 1 on every token the learner reads was drawn by theta_{t-1}, one version old.
 
-This is the in-turn realisation on one device group: it yields exactly the data and the
-updates of the overlapped one, where step t+1's rollout runs under theta_t while the learner
-trains on step t. The overlap is what makes a step faster, and it needs the learner and the
-rollout on disjoint devices (two device groups); in turn, every phase waits for the one
-before it as in a synchronous step, and the step costs a copy of the weights more.
+In turn, every phase waits for the one before it as in a synchronous step (and the step
+costs a copy of the weights more): this yields exactly the data and the updates of the
+overlapped realisation, where step t+1's rollout runs under theta_t while the learner trains
+on step t. The overlap is what makes a step faster; its full gain needs the learner and the
+rollout on disjoint devices (two device groups). Where every program of the run lies on one
+device and nothing else shares the engine between phases (TLT off: its spot trainer and
+tuner run beside the rollout; single-turn), the step overlaps on that device (`overlap`):
+the engine takes theta_t before the learner runs and the next step's rollout starts on a
+thread, the samples and updates bit for bit those of the in-turn run. On several devices
+it stays in turn: two threads' programs over shared devices can deadlock on their
+collectives (`tlt_jax/background.py`).
 
 The importance weight: the engine records each token's log-prob under the weights that drew
 it (theta_{t-1}), the learner's old log-probs are theta_t's, and GRPO's truncated importance
@@ -24,12 +30,15 @@ checkpointed with it, so a run killed between steps resumes with the engine it h
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax import background
 from tlt_jax.rl import grpo
 from tlt_jax.rl.carry import token_age_metrics
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
@@ -65,10 +74,14 @@ def _copy(params):
 class OneStepOff:
     """The engine's weights one update behind the learner's, in the learner's layout."""
 
-    def __init__(self):
+    def __init__(self, overlap: bool = False):
+        """overlap: the next step's rollout runs on a thread while the learner trains (every
+        program of the run on one device; see the module docstring)."""
         self.params = None  # None: the engine holds the run's starting weights, the learner's own
         self.version = 0  # the step whose starting weights the engine holds
+        self.overlap = overlap
         self._started: tuple[int, object] | None = None
+        self._next: tuple[int, concurrent.futures.Future] | None = None  # (step, its rollout under way)
 
     def behaviour(self, learner_params):
         """The engine's weights (the learner's at the run's start)."""
@@ -79,9 +92,34 @@ class OneStepOff:
         self._started = (step, _copy(params))
 
     def sync(self, engine: RolloutEngine) -> None:
-        """After the update: the engine takes the weights the step started from."""
+        """After the update (or before it, with the overlap): the engine takes the weights the
+        step started from, once."""
+        if self._started is None:
+            return
         (self.version, self.params), self._started = self._started, None
         engine.update_params(self.params)
+
+    def start_next(self, engine: RolloutEngine, step: int, rollout: Callable[[], object]) -> None:
+        """With the overlap, before the learner's update of `step`: the engine takes the
+        weights the step started from and `rollout` (step + 1's) starts on a thread."""
+        if self.overlap:
+            self.sync(engine)
+            self._next = (step + 1, background.start(rollout, "next_rollout"))
+
+    def take(self, step: int):
+        """The rollout of `step` started by the step before (waited for), else None."""
+        if self._next is None or self._next[0] != step:
+            self.wait()
+            self._next = None
+            return None
+        (_, done), self._next = self._next, None
+        return done.result()
+
+    def wait(self) -> None:
+        """Until a rollout under way is done (before the engine serves anything else); its
+        result stays for `take`."""
+        if self._next is not None:
+            concurrent.futures.wait([self._next[1]])
 
     def restore(self, engine: RolloutEngine, params, state: dict) -> None:
         """A resumed run's behaviour weights (the checkpoint's) back in the engine."""

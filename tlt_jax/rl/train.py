@@ -465,7 +465,8 @@ class _Run:
         rollouts, last_eval = None, None
         try:
             for step in range(self.start, end):
-                self.state, record, self.data_position, rollouts = loop.step(self.state, step, self.data_position)
+                self.state, record, self.data_position, rollouts = loop.step(self.state, step, self.data_position,
+                                                                             last=step + 1 == end)
                 if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                     last_eval = loop.evaluate(step + 1, self.state.params)
                     record.update(last_eval)
