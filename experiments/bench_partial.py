@@ -17,7 +17,9 @@ its own time, the samples learned per second of step time (partial steps learn t
 that completed, synchronous and one-step-off ones all of theirs), the token ages (what was
 carried, how stale), and the eval accuracy by step beside the samples learned by then, for
 comparing learning at equal samples. Ratios are the other mode's over synchronous within a
-pair, with the load average the run saw (the machine may be shared). --out is written again
+pair, with the load average the run saw (the machine may be shared); where one-step-off
+overlaps a step's rollout with the learner before it (every program on one device), the
+rollout's time is the step's wait for it. --out is written again
 after every run, so that a benchmark cut short keeps the runs that finished."""
 from __future__ import annotations
 

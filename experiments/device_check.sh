@@ -299,8 +299,9 @@ fi
 # steps, then 2 timed), the eval on 32 prompts at the start and at step 5. bench_offpolicy.json:
 # per run the median step and rollout times, the rollout's share of the step, the learner's
 # response tokens/s, the eval accuracy; the pair's ratios (*_off_policy_over_sync). On one GPU
-# the two modes run in turn: the ratio is the in-turn mode's cost (a copy of the weights a
-# step), not the overlap's gain, which needs the learner and the rollout on two device groups.
+# every program lies on one device, so one-step-off overlaps the next step's rollout with the
+# learner there (docs/grpo.md): the ratio is that overlap's gain net of a copy of the weights
+# a step, not the gain of a learner and a rollout on two device groups.
 if want offpolicy; then
   block_start offpolicy
   OFFPOLICY=(--preset=gpu --against=off_policy --steps=5 --seeds=0 --pairs=1 --set=rollout.kv_bucket=0
