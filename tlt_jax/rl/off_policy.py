@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax import background
+from tlt_jax import background, checkpoint
 from tlt_jax.rl import grpo
 from tlt_jax.rl.carry import token_age_metrics
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
@@ -62,6 +62,19 @@ def check_config(config) -> None:
     if config.rollout.get("partial_share", 0.0) > 0:
         raise ValueError(f"off_policy_steps={steps} with rollout.partial_share={config.rollout.partial_share}: "
                          "choose one (set rollout.partial_share=0, or off_policy_steps=0).")
+
+
+def check_resume(ckpt: checkpoint.Checkpointer, off_policy_steps: int) -> None:
+    """A run resumes only the checkpoints of its own mode: one-step-off's hold the engine's
+    behaviour weights, synchronous ones none."""
+    step = checkpoint.resume_step(ckpt.directory)
+    if not step:
+        return
+    saved = 1 if ckpt.read_meta(step).get("off_policy") is not None else 0
+    if saved != off_policy_steps:
+        raise ValueError(f"off_policy_steps={off_policy_steps}: the checkpoint of step {step} in {ckpt.directory} was "
+                         f"saved with off_policy_steps={saved}, and the engine's weights do not carry across the "
+                         f"two; resume with --config.off_policy_steps={saved}, or start a new --config.run_dir.")
 
 
 def _copy(params):

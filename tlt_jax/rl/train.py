@@ -412,6 +412,7 @@ class _Run:
     def _resume(self) -> None:
         """The last good checkpoint's state, key, data position and starting eval, with the
         tuner's and drafter's, when run_dir holds one."""
+        off_policy.check_resume(self.ckpt, self.config.get("off_policy_steps", 0))
         restored, meta = self.ckpt.resume(self._saved_tree())
         if not meta:
             return
