@@ -102,6 +102,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
                                                steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
                                                top_p=1.0, kv_bucket=64, decode_mlp_size=0, spec_coupled=False,
                                                background_compiles=False, partial_share=0.0, max_carry_steps=2))
+    # 1: one-step-off, each step learns samples drawn by the policy one update older than the
+    # learner's (needs grpo.tis_cap > 0; not with partial_share; tlt_jax/rl/off_policy.py);
+    # 0: synchronous steps.
+    c.off_policy_steps = 0
     c.num_samples = 8  # G
     c.prompts_per_step = 16
     c.balance_tasks = False  # True: every step's prompts take the data's tasks in turn (RLStepConfig)

@@ -7,7 +7,7 @@
 # fit 8 minutes on the H200 by their own timeouts: spec 240 s + tlt 205 s + 35 s of setup
 # and summary = 480 s (`PLAN=1 bash experiments/device_check.sh` prints each command's
 # timeout and the sum, and runs nothing). The rest run by name: drift 300 s (after spec),
-# drift_learn 420 s, agents 400 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s,
+# drift_learn 420 s, agents 400 s (after spec), offpolicy 90 s (after spec), rollout 130 s, attention 115 s, verify 60 s, losses 185 s,
 # distill32k 180 s.
 #
 # Each command runs under its own `timeout` (SIGTERM: nothing here handles it, so a process
@@ -290,6 +290,38 @@ if want agents; then
   fi
   plan || rm -rf "$OUT/bench_tlt_agents_runs" "$OUT/bench_tlt_cache"
   block_end "$OUT/bench_tlt_env_overlap.json" "$OUT/bench_tlt_noenv_overlap.json"
+fi
+
+# ===== BEGIN offpolicy: one-step-off training against synchronous steps (bench_partial.py) =====
+# Budget: 90 s, by name after spec (its 180M target): BLOCKS="spec offpolicy" plans 240 + 90 s
+# and the setup. The gpu preset's RL run with TLT off, synchronous and one-step-off
+# (off_policy_steps=1), each in a fresh process, one pair, 5 steps each (the preset's 3 warm-up
+# steps, then 2 timed), the eval on 32 prompts at the start and at step 5. bench_offpolicy.json:
+# per run the median step and rollout times, the rollout's share of the step, the learner's
+# response tokens/s, the eval accuracy; the pair's ratios (*_off_policy_over_sync). On one GPU
+# every program lies on one device, so one-step-off overlaps the next step's rollout with the
+# learner there (docs/grpo.md): the ratio is that overlap's gain net of a copy of the weights
+# a step, not the gain of a learner and a rollout on two device groups.
+if want offpolicy; then
+  block_start offpolicy
+  OFFPOLICY=(--preset=gpu --against=off_policy --steps=5 --seeds=0 --pairs=1 --set=rollout.kv_bucket=0
+             --set=data.num_eval=32 --set=eval_every=5)
+  if dry; then
+    note "offpolicy: bench_partial --preset=gpu as on the GPU, 4 steps per run (1 timed), on the spec block's" \
+      "tiny target, 16 eval prompts"
+    OFFPOLICY=(--preset=gpu --against=off_policy --steps=4 --seeds=0 --pairs=1 --set=data.num_eval=16
+               --set=eval_every=4)
+  fi
+  if ! plan && [[ ! -d $OUT/sft_gpu/hf || ! -d $OUT/drafter_gpu/drafter ]]; then
+    BLOCK_FAIL="FAIL (no target in $OUT/sft_gpu/hf or drafter in $OUT/drafter_gpu/drafter: run the spec block first"
+  else
+    step bench_offpolicy 90 "$OUT/bench_offpolicy.log" "$PYTHON" -m experiments.bench_partial "${OFFPOLICY[@]}" \
+      --target="$OUT/sft_gpu/hf" --drafter="$OUT/drafter_gpu/drafter" --run_dir="$OUT/bench_offpolicy_runs" \
+      --cache_dir="$OUT/bench_tlt_cache" --out="$OUT/bench_offpolicy.json"
+    plan || tail -n 8 "$OUT/bench_offpolicy.log"
+  fi
+  plan || rm -rf "$OUT/bench_offpolicy_runs" "$OUT/bench_tlt_cache"
+  block_end "$OUT/bench_offpolicy.json"
 fi
 plan || rm -rf "$OUT/sft_gpu" "$OUT/drafter_gpu"
 # ===== END tlt ================================================================================

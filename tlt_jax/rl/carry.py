@@ -95,6 +95,14 @@ class InFlight:
                    arrays("logprobs", np.float32), arrays("drawn_at", np.int32), list(d["finish_reason"]))
 
 
+def token_age_metrics(ages: np.ndarray) -> dict:
+    """Of a step's learned tokens, given each one's age (the steps from the policy that drew
+    it to the one that learns from it; partial rollouts and one-step-off): token_age_mean,
+    token_age_max, and stale_token_share, the share an older policy drew."""
+    return {"token_age_mean": float(ages.mean()) if ages.size else 0.0, "token_age_max": int(ages.max(initial=0)),
+            "stale_token_share": float((ages > 0).mean()) if ages.size else 0.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Learned:
     """What a step's partial rollout hands the learner: the groups completed in it."""
@@ -164,10 +172,7 @@ class Carry:
         ages = np.concatenate([step - d for group in learned for d in group.drawn_at] or [np.zeros((0,), np.int32)])
         return {"carried_samples": sum(not r for group in self.in_flight for r in group.finish_reason),
                 "carried_groups": len(self.in_flight), "learned_groups": len(learned),
-                "learned_samples": len(learned) * self.num_samples,
-                "token_age_mean": float(ages.mean()) if ages.size else 0.0,
-                "token_age_max": int(ages.max(initial=0)),
-                "stale_token_share": float((ages > 0).mean()) if ages.size else 0.0}
+                "learned_samples": len(learned) * self.num_samples, **token_age_metrics(ages)}
 
     def state_dict(self) -> list[dict]:
         return [group.to_json() for group in self.in_flight]

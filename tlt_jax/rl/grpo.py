@@ -151,6 +151,14 @@ class GRPOConfig:
                                  "[1 - clip_eps, 1 + clip_eps_high]; e.g. 0.2 and 0.28).")
 
 
+def require_importance_weight(tis_cap: float, setting: str) -> None:
+    """Raises unless the per-token importance weight is on: `setting` (partial rollouts,
+    one-step-off) learns tokens drawn by older policies than the learner's."""
+    if tis_cap <= 0:
+        raise ValueError(f"{setting} learns tokens drawn by older policies: it needs the per-token importance "
+                         "weight, grpo.tis_cap > 0 (e.g. 2.0).")
+
+
 def k3_kl(logp_nT, ref_logp_nT):
     """Schulman's k3 estimator of KL(pi || pi_ref): unbiased, always >= 0."""
     d = ref_logp_nT - logp_nT

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -40,6 +41,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.carry import STREAM as _PARTIAL_STREAM
 from tlt_jax.rl.carry import Carry, PartialConfig
 from tlt_jax.rl.learner import Learner
+from tlt_jax.rl.off_policy import OneStepOff, check_steps
 from tlt_jax.rl.tlt import TLT
 from tlt_jax.rollout.engine import RolloutEngine, Rollouts
 from tlt_jax.rollout.timeline import ROLLOUT_PARTS
@@ -73,6 +75,12 @@ class RLStepConfig:
     # Partial rollouts (`carry.py`): a step stops its rollout once partial.share of its samples
     # finished and carries the rest over; share 0 (the default): every step waits for all.
     partial: PartialConfig = PartialConfig()
+    # One-step-off (`off_policy.py`): 1 learns each step's samples drawn by the policy one
+    # update older than the learner's; 0 (the default): synchronous steps.
+    off_policy_steps: int = 0
+
+    def __post_init__(self):
+        check_steps(self.off_policy_steps)
 
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], rollouts: Rollouts, advantages_n: np.ndarray, seq_len: int,
@@ -190,7 +198,8 @@ class StepRollout:
     scoring: rewards.PendingBatch | None  # with reward_overlap: the samples scored as they finished
     completions: dict[int, str]  # the decoded completions of the samples handed to `scoring`, by index
     fresh_prompts: int  # the prompts the step took from the train stream
-    carry_metrics: dict = dataclasses.field(default_factory=dict)  # partial rollouts: what was carried, token ages
+    # Partial rollouts and one-step-off: what was carried, the learned tokens' ages.
+    carry_metrics: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,9 +323,15 @@ class RLLoop:
         # The groups in flight across steps (partial rollouts), checkpointed with the run.
         self.carry = Carry(step_config.partial, step_config.prompts_per_step, step_config.num_samples) \
             if step_config.partial.enabled else None
+        # One-step-off: the engine's weights, one update behind the learner's, checkpointed with
+        # the run; the next step's rollout overlaps the learner where that is safe (off_policy.py).
+        self.off_policy = OneStepOff(overlap=learner.mesh.devices.size == 1 and tlt is None and self.env is None) \
+            if step_config.off_policy_steps else None
         self._scorer = rewards.Scorer(step_config.reward, step_config.reward_workers, step_config.reward_timeout_s)
 
     def close(self):
+        if self.off_policy is not None:
+            self.off_policy.wait()
         self._scorer.close()
         if self.tlt is not None:
             self.tlt.close()
@@ -352,10 +367,12 @@ class RLLoop:
             self._epoch_order = (epoch, order)
         return self._epoch_order[1]
 
-    def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None):
+    def step(self, state, step: int, data_position: int, on_group_done: Callable[[int], None] | None = None,
+             last: bool = False):
         """One RL step: rollout, score, advantages, batch, learn, drafter, sync, each a
         phase of its own, timed by `Spans`; the metrics from what the phases returned
-        (`step_metrics`). Returns (state, metrics, new data position, rollouts)."""
+        (`step_metrics`). last: no step follows (one-step-off starts no next rollout).
+        Returns (state, metrics, new data position, rollouts)."""
         spans = Spans()
         with spans("rollout"):
             rollout = self._rollout(step, data_position, on_group_done)
@@ -367,6 +384,12 @@ class RLLoop:
                                          self.tokenizer.pad_token_id,
                                          num_minibatches=self.learner.config.num_minibatches,
                                          minibatch_rows=self.learner.minibatch_rows)
+        if self.off_policy is not None:  # the engine's next weights, copied before the update donates them
+            with spans("weight_sync"):
+                self.off_policy.hold(step, state.params)
+                if not last:  # with the overlap, the next step's rollout starts under them now
+                    self.off_policy.start_next(self.engine, step, functools.partial(
+                        self._rollout, step + 1, data_position + rollout.fresh_prompts, on_group_done))
         with spans("learner"):
             learned = self._learn(state, batch, spans)
             self._drafter(step, rollout, scores, batch, packing, learned.drafter_data)
@@ -382,6 +405,8 @@ class RLLoop:
         """The step's prompts decoded, G samples each; with reward_overlap each sample is
         handed to the scorer as it finishes, while the rest decode."""
         cfg, tlt = self.config, self.tlt
+        if self.off_policy is not None and (started := self.off_policy.take(step)) is not None:
+            return started  # drawn while the step before learned
         if self.carry is not None:
             return self._partial_rollout(step, data_position, on_group_done)
         examples = self.prompts_for(data_position)
@@ -410,7 +435,8 @@ class RLLoop:
                                         episodes=episodes)
         if tlt is not None:
             tlt.after_rollout()
-        return StepRollout(examples, prompt_ids, episodes, rollouts, scoring, completions, cfg.prompts_per_step)
+        return StepRollout(examples, prompt_ids, episodes, rollouts, scoring, completions, cfg.prompts_per_step,
+                           self.off_policy.metrics(step, rollouts) if self.off_policy is not None else {})
 
     def _begin_rollout(self, step: int, on_group_done: Callable[[int], None] | None) -> Callable[[int], None]:
         """TLT's rollout start; returns what runs as each rollout group finishes."""
@@ -526,10 +552,13 @@ class RLLoop:
                      observed_nT=observed_tokens(rollouts, prompt_lengths, self.seq_len))
 
     def _sync(self, state, spans: Spans) -> StepSync:
-        """The new policy to the rollout engine; TLT's step end (catch-up drafter steps, the
-        drafter's publish) and its metrics."""
+        """The new policy to the rollout engine (one-step-off: the one the step started from);
+        TLT's step end (catch-up drafter steps, the drafter's publish) and its metrics."""
         with spans("weight_sync"):
-            self.engine.update_params(state.params)
+            if self.off_policy is not None:
+                self.off_policy.sync(self.engine)
+            else:
+                self.engine.update_params(state.params)
         with spans("tlt_end"):
             return StepSync(self.tlt.end() if self.tlt is not None else {})
 
@@ -540,11 +569,19 @@ class RLLoop:
                 f"{self.consecutive_skips} RL steps in a row had a non-finite loss or gradient (last: step {step}); "
                 "stopping with the last good checkpoint intact. Lower the learning rate or check the rewards.")
 
-    def evaluate(self, step: int) -> dict:
-        """Greedy eval metrics (`eval_accuracy`, ...); the samples stay in `last_eval_samples`."""
+    def evaluate(self, step: int, params=None) -> dict:
+        """Greedy eval metrics (`eval_accuracy`, ...) of the learner's policy `params` (the
+        engine's weights when None or synchronous); the samples stay in `last_eval_samples`."""
         greedy = dataclasses.replace(self.sampling_params, temperature=0.0)
-        result, self.last_eval_samples = evaluation.evaluate_samples(
-            self.engine, self.tokenizer, self.eval_examples, greedy,
-            jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step), reward=self.correctness_reward,
-            prompt_format=self.prompt_format, end_token_ids=self.end_token_ids, env=self.env)
+        if self.off_policy is not None:
+            self.off_policy.wait()  # a rollout under way uses the engine
+        # One-step-off: the engine holds the policy one update behind; it evaluates the learner's.
+        holding = self.off_policy.engine_holding(self.engine, params) \
+            if self.off_policy is not None and params is not None else contextlib.nullcontext()
+        with holding:
+            result, self.last_eval_samples = evaluation.evaluate_samples(
+                self.engine, self.tokenizer, self.eval_examples, greedy,
+                jax.random.fold_in(jax.random.fold_in(self.key, _EVAL_STREAM), step),
+                reward=self.correctness_reward, prompt_format=self.prompt_format,
+                end_token_ids=self.end_token_ids, env=self.env)
         return {f"eval_{k}": v for k, v in result.items()}

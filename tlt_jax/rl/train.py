@@ -32,7 +32,7 @@ from tlt_jax.drafter_training.online import OnlineDrafter, OnlineDrafterConfig
 from tlt_jax.drafter_training.spot import SpotConfig
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models.hf_io import load_hf, load_hf_config, save_hf
-from tlt_jax.rl import grpo
+from tlt_jax.rl import grpo, off_policy
 from tlt_jax.rl.carry import PartialConfig
 from tlt_jax.rl.learner import Learner, LearnerConfig
 from tlt_jax.rl.loop import RLLoop, RLStepConfig
@@ -166,9 +166,7 @@ def _check_partial(config) -> None:
     if not _partial_config(config).enabled:
         return
     share = f"rollout.partial_share={config.rollout.partial_share}"
-    if config.grpo.tis_cap <= 0:
-        raise ValueError(f"{share} learns carried tokens drawn by older policies: it needs the per-token importance "
-                         "weight, grpo.tis_cap > 0 (e.g. 2.0).")
+    grpo.require_importance_weight(config.grpo.tis_cap, share)
     if envs.EnvConfig.from_config(config).name:
         raise ValueError(f"{share} takes single-turn rollouts; set rollout.partial_share=0 with env.name.")
     k = config.learner.num_minibatches
@@ -233,6 +231,7 @@ def check_config(config) -> None:
     _prefixed("rollout.", lambda: _rollout_config(r))
     _learner_config(config)
     _check_partial(config)
+    off_policy.check_config(config)
     samples, k = config.prompts_per_step * config.num_samples, config.learner.num_minibatches
     if k < 1 or samples % k:
         raise ValueError(f"learner.num_minibatches={k} must divide the step's prompts_per_step x num_samples = "
@@ -406,11 +405,14 @@ class _Run:
         tree = {"train": self.state, "key": jax.device_put(np.asarray(self.loop.key), sharding.replicated(self.mesh))}
         if self.loop.ref_params is not None:
             tree["ref"] = self.loop.ref_params
+        if self.loop.off_policy is not None:  # the engine's weights, one update behind the learner's
+            tree["behaviour"] = self.loop.off_policy.behaviour(self.state.params)
         return tree
 
     def _resume(self) -> None:
         """The last good checkpoint's state, key, data position and starting eval, with the
         tuner's and drafter's, when run_dir holds one."""
+        off_policy.check_resume(self.ckpt, self.config.get("off_policy_steps", 0))
         restored, meta = self.ckpt.resume(self._saved_tree())
         if not meta:
             return
@@ -418,7 +420,10 @@ class _Run:
         self.state, loop.ref_params = restored["train"], restored.get("ref")
         loop.key = jnp.asarray(np.asarray(restored["key"]))
         self.start, self.data_position, self.sft_eval = meta["step"], meta["data_position"], meta["sft_eval"]
-        loop.engine.update_params(self.state.params)
+        if loop.off_policy is not None:
+            loop.off_policy.restore(loop.engine, restored["behaviour"], meta["off_policy"])
+        else:
+            loop.engine.update_params(self.state.params)
         if loop.carry is not None:  # the samples in flight: a resume mid-carry goes on with them
             loop.carry.load_state_dict(meta.get("carry"))
         if tlt is not None and meta.get("tlt") is None:
@@ -444,7 +449,8 @@ class _Run:
                            {"step": step, "data_position": self.data_position, "sft_eval": self.sft_eval,
                             "config": json.loads(self.config.to_json_best_effort()),
                             "tlt": self.tlt.state_dict() if self.tlt is not None else None,
-                            "carry": self.loop.carry.state_dict() if self.loop.carry is not None else None})
+                            "carry": self.loop.carry.state_dict() if self.loop.carry is not None else None,
+                            "off_policy": None if self.loop.off_policy is None else self.loop.off_policy.state_dict()})
 
     def _save_drafter(self, step: int) -> None:
         tree, meta = self.tlt.drafter.checkpoint()  # before a gap lets it train
@@ -460,9 +466,10 @@ class _Run:
         rollouts, last_eval = None, None
         try:
             for step in range(self.start, end):
-                self.state, record, self.data_position, rollouts = loop.step(self.state, step, self.data_position)
+                self.state, record, self.data_position, rollouts = loop.step(self.state, step, self.data_position,
+                                                                             last=step + 1 == end)
                 if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                    last_eval = loop.evaluate(step + 1)
+                    last_eval = loop.evaluate(step + 1, self.state.params)
                     record.update(last_eval)
                     self.writer.write_samples(step + 1, loop.last_eval_samples)
                 self.writer.write(step + 1, record)
