@@ -50,7 +50,9 @@ def _map_limit() -> int:
         return 65530  # Linux's default
 
 
-_MAP_BUDGET = _map_limit() // 2
+# A test adds at most a few thousand mappings (test_speculative's largest: 6,755), so a budget of
+# 70% leaves room for several; each drop costs the next tests their programs' reload.
+_MAP_BUDGET = _map_limit() * 7 // 10
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +62,7 @@ def _programs_within_the_map_limit():
     few hundred tests holds tens of thousands of mappings. At the kernel's vm.max_map_count
     the next compile fails, and the unwinding of its error crashes the process in the C++
     unwinder (a registered frame of code freed on the failed path). So after a test that
-    leaves the process above half the limit, jax's caches are dropped: the programs the
+    leaves the process above `_MAP_BUDGET`, jax's caches are dropped: the programs the
     next tests need load from the persistent compilation cache."""
     yield
     if os.path.exists("/proc/self/maps") and _map_count() > _MAP_BUDGET:
