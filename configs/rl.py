@@ -93,8 +93,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # (RolloutConfig.spec_coupled): runs that differ only in their drafter share one trajectory.
     # background_compiles: warm-ups on threads of their own (plain decode's during the starting
     # evaluation, the drafter's, a drafting strategy's at the tuner's first pick with plain decode
-    # meanwhile: RolloutConfig.background_compiles). Off: suites that ran them crashed in XLA's
-    # compile (docs/benchmarks.md), not yet understood.
+    # meanwhile: RolloutConfig.background_compiles). Off: on 2 CPU cores the threads' compiles
+    # contend with the run's own work (docs/benchmarks.md, the main job from an empty cache).
     # partial_share: a step stops its rollout once this share of its samples has finished and
     # carries the rest, whole GRPO groups, to the next step (0: off; tlt_jax/rl/carry.py);
     # max_carry_steps: the most steps a carried token waits before it is learned.

@@ -66,7 +66,7 @@ def test_a_layout_s_programs_are_made_once_when_two_threads_ask_at_once(monkeypa
     assert len(got) == 2 and got[0] is got[1] is group.programs(spec)
 
 
-@pytest.mark.slow  # threads beside the run: suites that ran them crashed in XLA's compile (configs/rl.py)
+@pytest.mark.slow  # an RL run with background_compiles on (off by default); the engine-level waits are covered above
 def test_the_first_rl_step_waits_for_plain_decode_s_warm_up(warm_start, tmp_path, monkeypatch):  # noqa: F811
     """The run evaluates its starting checkpoint while plain decode warms up; no step starts
     before the warm-up has compiled and run every chunk (a rollout would compile them), even
