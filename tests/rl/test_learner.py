@@ -16,7 +16,7 @@ from tlt_jax.drafter_training.online import OnlineDrafter
 from tlt_jax.logprobs import token_logprobs
 from tlt_jax.models import transformer as tfm
 from tlt_jax.rl import grpo, loop
-from tlt_jax.rl.learner import Learner, LearnerConfig, padded_rows
+from tlt_jax.rl.learner import Learner, LearnerConfig, padded_rows, small_micro_rows
 from tlt_jax.rollout.engine import Rollouts
 from tlt_jax.rollout.timeline import RolloutTimeline
 from tlt_jax.train_state import OptimizerConfig
@@ -389,26 +389,25 @@ def test_padding_rows_add_exactly_zero():
 
 
 def test_padded_rows_buckets():
-    # Below a micro-batch: at least micro / 8 rows, then a multiple of lcm(granule, a quarter
-    # of rows' power of two); from there on of lcm(micro, granule).
-    cases = {(24, 64, 1): 24, (25, 64, 1): 28, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
-             (5, 2, 4): 8, (9, 64, 1): 10, (17, 64, 1): 20, (33, 64, 1): 40, (9, 48, 1): 10, (45, 48, 1): 48,
-             (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 12}
+    # Below a micro-batch: a multiple of small_micro_rows = lcm(granule, ceil(micro / 16));
+    # from there on of lcm(micro, granule).
+    cases = {(24, 64, 1): 24, (25, 64, 1): 28, (57, 64, 1): 60, (61, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 4,
+             (3, 8, 8): 8, (5, 2, 4): 8, (9, 64, 1): 12, (17, 64, 1): 20, (33, 64, 1): 36, (9, 48, 1): 9,
+             (46, 48, 1): 48, (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 12}
     assert {k: padded_rows(*k) for k in cases} == cases
-    for granule in (1, 2, 4):
-        padded = [padded_rows(rows, 64, granule) for rows in range(8, 64)]
-        assert all(p % granule == 0 and rows <= p < rows + max(rows / 4, granule)
-                   for rows, p in zip(range(8, 64), padded))
-        assert len(set(padded)) <= 13  # four shapes per doubling from 8 rows on, and 64
-        # The compiled shapes: a micro-batch that divides each bucket, on the granule, one
-        # per power of two under 64 and 64 itself, whatever the batch.
+    for granule in (1, 2, 4, 8):
+        small = small_micro_rows(64, granule)
+        padded = [padded_rows(rows, 64, granule) for rows in range(1, 64)]
+        assert all(p % granule == 0 and rows <= p < rows + small for rows, p in zip(range(1, 64), padded))
+        # The compiled shapes: two whatever the batch, small_micro_rows and 64, each on the granule.
         learner = Learner(CFG, LearnerConfig(micro_batch_size=64), _mesh((granule, 1, 1)))
         micro = {rows: learner.micro_rows(learner.minibatch_rows(rows)) for rows in range(1, 300)}
         assert all(learner.minibatch_rows(rows) % m == 0 and m % granule == 0 for rows, m in micro.items())
-        assert set(micro.values()) <= {max(1 << k, granule) for k in range(7)}
-        assert (micro[9], micro[20], micro[24], micro[100]) == (max(2, granule), max(4, granule), 8, 64)
+        assert set(micro.values()) == {small, max(64, granule)}
     learner = Learner(CFG, LearnerConfig(micro_batch_size=8), _mesh((2, 2, 2)))
     assert learner.minibatch_rows(3) == 4 and learner.minibatch_rows(9) == 16
+    # Rows padded otherwise (a caller's own minibatch_rows) split into micro-batches that divide them.
+    assert learner.micro_rows(6) == 2 and learner.micro_rows(4) == 4
 
 
 def test_update_raises_advantaged_logprobs_and_is_shard_invariant():

@@ -7,9 +7,10 @@ forward gives the old log-probs (the ratio is exactly 1, as TRL's GRPOTrainer ta
 one iteration), the entropy and the drafter's data, and no separate old-policy pass runs
 (`Learner.update_on_policy`). The micro-batches run one by one from
 the host through one compiled program per micro-batch shape, as do the chunks of the
-log-prob passes, and those shapes are few (one per power of two under `micro_batch_size`,
-and that size), so a batch of a new size soon compiles nothing large: each model program
-of a new shape costs seconds to compile here, minutes for a large model on a GPU. Every jitted
+log-prob passes, and those shapes are two (`micro_batch_size`, and `small_micro_rows`
+for minibatches smaller than that), so a batch of a new size compiles nothing: each model
+program of a new shape costs seconds to compile here, minutes for a large model on a GPU.
+Every jitted
 function takes explicit shardings on the mesh: parameters by the logical axis rules,
 rows over (data, fsdp). Rows come from the host, the same on every process, and are
 placed on the mesh first, each process its shards.
@@ -102,19 +103,23 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
     return logp.reshape(n, t), entropy.reshape(n, t), data
 
 
+def small_micro_rows(micro_batch_size: int, granule: int) -> int:
+    """The rows of every micro-batch of a minibatch smaller than one micro-batch:
+    lcm(granule, ceil(micro_batch_size / 16)). One size whatever the batch, so a run
+    compiles its update and log-prob passes at two shapes at most (this and
+    micro_batch_size), each costing seconds to compile here and minutes for a large model
+    on a GPU, while padding stays under this many rows."""
+    return math.lcm(granule, -(-micro_batch_size // 16))
+
+
 def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
-    """The rows a minibatch of `rows` packed rows is padded to (its compiled shape). Below
-    one micro-batch: at least ceil(micro_batch_size / 8) rows (the few rows of a small RL
-    step share one shape), rounded up to a multiple of lcm(granule, 2^(floor(log2 rows) - 2)):
-    padding under a quarter of the rows, at most four shapes per doubling. From one
-    micro-batch on, a multiple of lcm(micro_batch_size, granule). granule is the
-    data-parallel size, so rows shard evenly."""
-    if rows < micro_batch_size:
-        rows = max(rows, -(-micro_batch_size // 8))
-        step = math.lcm(granule, 1 << max(0, rows.bit_length() - 3))
-        small = -(-rows // step) * step
-        if small < micro_batch_size:
-            return small
+    """The rows a minibatch of `rows` packed rows is padded to (its compiled shape is its
+    micro-batch's, `Learner.micro_rows`). Below one micro-batch: a multiple of
+    `small_micro_rows`; from one micro-batch on, a multiple of lcm(micro_batch_size,
+    granule). granule is the data-parallel size, so rows shard evenly."""
+    small = small_micro_rows(micro_batch_size, granule)
+    if rows < micro_batch_size and -(-rows // small) * small < micro_batch_size:
+        return -(-rows // small) * small
     unit = math.lcm(micro_batch_size, granule)
     return -(-rows // unit) * unit
 
@@ -156,15 +161,13 @@ class Learner:
     def micro_rows(self, rows: int) -> int:
         """Rows of one micro-batch of a minibatch of `rows` rows (`minibatch_rows`): the
         compiled shape of the update and of the log-prob passes' chunks. From one
-        micro-batch on, `micro_batch_size` on the data-parallel granule; below it, the
-        largest lcm(granule, 2^k) that divides rows (padding bucket sizes are multiples of
-        one): at most one shape per power of two under micro_batch_size in any run."""
+        micro-batch on, `micro_batch_size` on the data-parallel granule; below it,
+        `small_micro_rows` (a divisor of rows where rows were padded otherwise)."""
         cfg, granule = self.config, self._granule()
         unit = math.lcm(cfg.micro_batch_size, granule)
         if rows >= cfg.micro_batch_size:
             return unit if rows % unit == 0 else rows
-        sizes = [math.lcm(granule, 1 << k) for k in range(rows.bit_length())]
-        return max([m for m in sizes if rows % m == 0], default=rows)
+        return math.gcd(rows, small_micro_rows(cfg.micro_batch_size, granule))
 
     @property
     def on_policy(self) -> bool:
