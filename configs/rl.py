@@ -44,14 +44,21 @@ RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoi
                 "rollout.background_compiles", "sft.run_dir", "wandb")
 
 
-def tlt_config() -> ml_collections.ConfigDict:
-    """TLT's knobs; the arms and buckets follow the reference (DESIGN.md section 7), with
-    plain decode and an n-gram drafter as arms of every bucket."""
-    from tlt_jax.rollout import tuner
+# The tiny job's arms: TLT's buckets with three strategies where the reference has eight.
+# Each strategy compiles at the tuner's first pick (untried arms are pulled first), seconds
+# apiece on 2 CPU cores, for a run that drafts ~2% of its tokens (docs/benchmarks.md, the
+# main job from an empty cache); the GPU presets and the benchmarks keep the reference's.
+TINY_ARMS = [["eagle-d6", "ngram-d4-b2", "plain"], ["eagle-d6", "ngram-d4-b2", "plain"],
+             ["eagle-d4", "plain"], ["eagle-d4", "plain"]]
 
+
+def tlt_config() -> ml_collections.ConfigDict:
+    """TLT's knobs; the buckets follow the reference (DESIGN.md section 7), with plain
+    decode an arm of every bucket; the arms are the tiny job's (`reference_tuner` gives
+    the reference's)."""
     return ml_collections.ConfigDict(dict(
         enabled=True,
-        tuner=tuner.default_arms_config(),
+        tuner=dict(reference_tuner(), arms=TINY_ARMS),
         # Catch-up steps keep the drafter training when every gap is shorter than a step
         # (one device: the host phases of the tiny job are milliseconds); their time is
         # reported, and catch_up_max_share < 1 caps it as a share of the run's wall time.
@@ -77,6 +84,14 @@ def tlt_config() -> ml_collections.ConfigDict:
     ))
 
 
+def reference_tuner() -> dict:
+    """The tuner at the reference's arms (`tuner.default_arms_config`: eight strategies,
+    an n-gram drafter and plain decode among them)."""
+    from tlt_jax.rollout import tuner
+
+    return tuner.default_arms_config()
+
+
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.sft = sft.get_config("tiny")  # the warm start trained first when model_dir is ""
@@ -85,7 +100,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # seed 0, and a memorised problem gives no learning signal.
     c.data = data_config(tasks=tasks_tiny(), num_train=20000, num_eval=256, seed=1)
     # kv_bucket: attention reads the cache in buckets of kv_bucket, twice that, ... slots
-    # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket.
+    # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket. 0 here:
+    # at 120 slots of 128 wide the reads are a small share of a decode step, and buckets
+    # would double the programs compiled (the GPU presets bucket).
     # decode_mlp_size: decode with every MLP padded by zero units to this width, the same
     # tokens from weights that outgrow the CPU's caches (RolloutConfig.decode_mlp_size; 0: off).
     # steps_per_sync / spec_steps_per_sync: plain / speculative decode steps per device loop.
@@ -100,7 +117,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # max_carry_steps: the most steps a carried token waits before it is learned.
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
-                                               top_p=1.0, kv_bucket=64, decode_mlp_size=0, spec_coupled=False,
+                                               top_p=1.0, kv_bucket=0, decode_mlp_size=0, spec_coupled=False,
                                                background_compiles=False, partial_share=0.0, max_carry_steps=2))
     # 1: one-step-off, each step learns samples drawn by the policy one update older than the
     # learner's (needs grpo.tis_cap > 0; not with partial_share; tlt_jax/rl/off_policy.py);
@@ -184,7 +201,8 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
     c.model_dir = ""  # required: --config.model_dir=DIR
     c.data = data_config(source="files", num_train=0, num_eval=256, seed=0, chat_template=True)
     c.reward = "math"
-    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512)
+    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512, kv_bucket=64)
+    c.tlt.tuner = reference_tuner()
     c.prompts_per_step, c.num_samples = 8, 8
     c.learner.update(micro_batch_size=8, num_minibatches=1, remat=True)
     c.learner.optimizer.update(learning_rate=1e-6, warmup_steps=0, weight_decay=0.0)

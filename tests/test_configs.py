@@ -70,6 +70,11 @@ def test_tlt_defaults_are_the_documented_ones():
     assert (c.tuner.buckets, c.tuner.max_active, c.tuner.epsilon, c.tuner.window, c.tuner.seed) == (
         [1, 2, 5, 21], 32, 0.1, 300, 0)
     assert all(tuner_lib.PLAIN in arms for arms in c.tuner.arms)
+    # The tiny job drafts with three strategies over one kv bucket (its cold start compiles
+    # each once); the GPU presets keep the reference's eight, over buckets.
+    assert len(tuner_lib.from_config(c.tuner).strategies) == 3 and rl.get_config("tiny").rollout.kv_bucket == 0
+    hf = rl.get_config("hf")
+    assert hf.tlt.tuner.to_dict() == tuner_lib.default_arms_config() and hf.rollout.kv_bucket == 64
     assert (c.spot.max_steps_per_rl_step, c.spot.catch_up_steps, c.spot.skip_short_gaps) == (50, 2, True)
     d = c.drafter
     assert (d.init, d.top_k, d.kl_weight, d.feature_weight, d.batch_size, d.seq_len, d.keep_steps,
