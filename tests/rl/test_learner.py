@@ -389,11 +389,11 @@ def test_padding_rows_add_exactly_zero():
 
 
 def test_padded_rows_buckets():
-    # Below a micro-batch: a multiple of small_micro_rows = lcm(granule, ceil(micro / 16));
+    # Below a micro-batch: a multiple of small_micro_rows = lcm(granule, ceil(micro / 8));
     # from there on of lcm(micro, granule).
-    cases = {(24, 64, 1): 24, (25, 64, 1): 28, (57, 64, 1): 60, (61, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 4,
-             (3, 8, 8): 8, (5, 2, 4): 8, (9, 64, 1): 12, (17, 64, 1): 20, (33, 64, 1): 36, (9, 48, 1): 9,
-             (46, 48, 1): 48, (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 12}
+    cases = {(24, 64, 1): 24, (25, 64, 1): 32, (57, 64, 1): 64, (65, 64, 1): 128, (1, 64, 2): 8, (3, 8, 8): 8,
+             (5, 2, 4): 8, (9, 64, 1): 16, (17, 64, 1): 24, (33, 64, 1): 40, (9, 48, 1): 12, (46, 48, 1): 48,
+             (49, 48, 1): 96, (7, 8, 1): 7, (5, 16, 4): 8, (9, 64, 4): 16}
     assert {k: padded_rows(*k) for k in cases} == cases
     for granule in (1, 2, 4, 8):
         small = small_micro_rows(64, granule)

@@ -105,11 +105,11 @@ def policy_outputs(params, model_config: ModelConfig, tokens_nT, positions_nT, s
 
 def small_micro_rows(micro_batch_size: int, granule: int) -> int:
     """The rows of every micro-batch of a minibatch smaller than one micro-batch:
-    lcm(granule, ceil(micro_batch_size / 16)). One size whatever the batch, so a run
+    lcm(granule, ceil(micro_batch_size / 8)). One size whatever the batch, so a run
     compiles its update and log-prob passes at two shapes at most (this and
     micro_batch_size), each costing seconds to compile here and minutes for a large model
     on a GPU, while padding stays under this many rows."""
-    return math.lcm(granule, -(-micro_batch_size // 16))
+    return math.lcm(granule, -(-micro_batch_size // 8))
 
 
 def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
