@@ -41,7 +41,7 @@ from configs.common import code_config, data_config, tasks_tiny
 RESUME_INERT = ("steps", "eval_every", "checkpoint_every", "tlt.drafter.checkpoint_every", "tlt.drafter.eval_rows",
                 "save_hf",
                 "reward_workers", "reward_overlap", "code.max_parallel", "tlt.enabled", "tlt.tuner",
-                "rollout.background_compiles", "sft.run_dir", "wandb")
+                "rollout.background_compiles", "rollout.min_refill_rows", "sft.run_dir", "wandb")
 
 
 # The tiny job's arms: TLT's buckets with three strategies where the reference has eight.
@@ -102,7 +102,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # kv_bucket: attention reads the cache in buckets of kv_bucket, twice that, ... slots
     # (RolloutConfig.kv_bucket; 0: always every slot): one compiled chunk per bucket. 0 here:
     # at 120 slots of 128 wide the reads are a small share of a decode step, and buckets
-    # would double the programs compiled (the GPU presets bucket).
+    # would double the programs compiled (the GPU presets bucket). min_refill_rows: a refill
+    # prefills at least that many slot rows (RolloutConfig.min_refill_rows): the evaluation's
+    # refills compile at 8, 16, 32 rows rather than at 1, 2, 4, 8, ... (the GPU presets: 1).
     # decode_mlp_size: decode with every MLP padded by zero units to this width, the same
     # tokens from weights that outgrow the CPU's caches (RolloutConfig.decode_mlp_size; 0: off).
     # steps_per_sync / spec_steps_per_sync: plain / speculative decode steps per device loop.
@@ -117,7 +119,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     # max_carry_steps: the most steps a carried token waits before it is learned.
     c.rollout = ml_collections.ConfigDict(dict(num_slots=128, max_prompt_length=24, max_tokens=96,
                                                steps_per_sync=16, spec_steps_per_sync=4, temperature=1.0,
-                                               top_p=1.0, kv_bucket=0, decode_mlp_size=0, spec_coupled=False,
+                                               top_p=1.0, kv_bucket=0, min_refill_rows=8, decode_mlp_size=0,
+                                               spec_coupled=False,
                                                background_compiles=False, partial_share=0.0, max_carry_steps=2))
     # 1: one-step-off, each step learns samples drawn by the policy one update older than the
     # learner's (needs grpo.tis_cap > 0; not with partial_share; tlt_jax/rl/off_policy.py);
@@ -201,7 +204,7 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
     c.model_dir = ""  # required: --config.model_dir=DIR
     c.data = data_config(source="files", num_train=0, num_eval=256, seed=0, chat_template=True)
     c.reward = "math"
-    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512, kv_bucket=64)
+    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512, kv_bucket=64, min_refill_rows=1)
     c.tlt.tuner = reference_tuner()
     c.prompts_per_step, c.num_samples = 8, 8
     c.learner.update(micro_batch_size=8, num_minibatches=1, remat=True)

@@ -117,6 +117,33 @@ def test_the_samples_of_a_prompt_share_one_prefill(engine):
         np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5)
 
 
+def _prefill_rows(engine, *args):
+    """engine.generate(*args) and the (slot rows, prompt rows) of each of its prefills."""
+    group = engine.groups[0]
+    shapes, insert = [], group.insert
+    group.insert = lambda state, prompts_UP, lengths_R, *a, **k: shapes.append((len(lengths_R), len(prompts_UP))) or \
+        insert(state, prompts_UP, lengths_R, *a, **k)
+    try:
+        return engine.generate(*args), shapes
+    finally:
+        del group.insert  # the engine's own again
+
+
+def test_min_refill_rows_pads_every_prefill_and_keeps_the_samples(engine, reference):
+    """min_refill_rows: no prefill runs fewer slot or prompt rows (fewer prefill programs),
+    and the samples are the ones drawn without it."""
+    _, shapes = _prefill_rows(engine(4, steps_per_sync=2), PROMPTS, 1, SP, jax.random.PRNGKey(7))
+    assert min(min(s) for s in shapes) < 4  # refills of one or two freed slots
+    padded, shapes = _prefill_rows(engine(4, steps_per_sync=2, min_refill_rows=4), PROMPTS, 3, SP,
+                                   jax.random.PRNGKey(7))
+    assert len(shapes) > 1 and min(min(s) for s in shapes) == 4
+    for a, b, la, lb in zip(reference.tokens, padded.tokens, reference.logprobs, padded.logprobs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(la, lb, rtol=2e-5, atol=1e-5)  # prefill rows summed at another shape
+    with pytest.raises(ValueError, match="min_refill_rows must be positive"):
+        RolloutConfig(min_refill_rows=0)
+
+
 def test_decode_with_padded_mlps_gives_the_same_samples(params, reference):
     """decode_mlp_size: the rollout's weights are wider (zero units) and its samples the model's."""
     engine = _engine(params, 4, decode_mlp_size=160)

@@ -47,6 +47,10 @@ class RolloutConfig:
     # step's cost grows with the slots it reads (docs/benchmarks.md, "Rollout engine:
     # figures behind its rules"). One compiled chunk per bucket; 0: always max_length.
     kv_bucket: int = 64
+    # A refill prefills at least this many slot rows (padding rows write nothing): prefill
+    # programs compile at min_refill_rows, twice that, ... rather than at 1, 2, 4, ..., for
+    # a few padded prompts' prefill. The samples are the same whatever it is.
+    min_refill_rows: int = 1
     # A stand-in for a bigger target in rollout alone: decode runs every MLP padded to
     # this many units whose weights are zero (transformer.pad_mlp), so the tokens are the
     # model's while each step reads weights several times the CPU's caches, as a GPU's
@@ -65,8 +69,10 @@ class RolloutConfig:
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be below "
                              f"max_length={self.max_length} (the KV cache holds prompt and answer).")
-        if min(self.num_slots, self.steps_per_sync, self.spec_steps_per_sync, self.max_prompt_length) < 1:
-            raise ValueError("num_slots, steps_per_sync, spec_steps_per_sync and max_prompt_length must be positive.")
+        if min(self.num_slots, self.steps_per_sync, self.spec_steps_per_sync, self.max_prompt_length,
+               self.min_refill_rows) < 1:
+            raise ValueError("num_slots, steps_per_sync, spec_steps_per_sync, max_prompt_length and min_refill_rows "
+                             "must be positive.")
         if self.kv_bucket < 0:
             raise ValueError(f"kv_bucket={self.kv_bucket} must be >= 0 (0: attention reads all max_length slots).")
         if self.decode_mlp_size < 0:

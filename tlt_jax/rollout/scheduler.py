@@ -128,7 +128,7 @@ class Scheduler:
         """Prefills pending requests into the free slots (some finish at their first token)."""
         b, rc = len(self.slot_request), self.group.engine.rollout_config
         take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
-        r = shape_bucket(len(take), b)
+        r = shape_bucket(max(len(take), rc.min_refill_rows), b)
         distinct = {}  # prompt -> its row: the G samples of a prompt share one prefill
         sources = np.zeros((r,), np.int32)
         prompt_lengths = np.ones((r,), np.int32)
@@ -143,7 +143,7 @@ class Scheduler:
             self.slot_request[free[i]] = rid
         # Resumed rows are prefilled at one width, the cache's: one program per row bucket.
         width = rc.max_length if any(rid in self.resumed for rid, _, _ in take) else rc.max_prompt_length
-        prompts = np.zeros((shape_bucket(len(distinct), r), width), np.int32)
+        prompts = np.zeros((shape_bucket(max(len(distinct), rc.min_refill_rows), r), width), np.int32)
         for prompt, row in distinct.items():
             prompts[row, :len(prompt)] = prompt
         rows = None
