@@ -17,12 +17,12 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from experiments.make_random_hf import hf_config
+from tests.support import tiny
 from tlt_jax.drafter_training import io
 from tlt_jax.models import drafter as drafter_lib
 from tlt_jax.models import eagle_io, hf_io
 from tlt_jax.models import transformer as tfm
 
-TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2)
 CASES = {  # make_random_hf.hf_config arguments of the target
     "llama_llama3rope": dict(family="llama", llama3_rope=True, rope_theta=500.0),  # T=24 > original context 16
     "llama_attention_bias": dict(family="llama", attention_bias=True),
@@ -34,7 +34,7 @@ EAGLE = drafter_lib.DrafterConfig(layout="eagle")
 
 def _hf(name, num_layers):
     case = dict(CASES[name])
-    return hf_config(case.pop("family"), **{**TINY, **case, "num_layers": num_layers})
+    return hf_config(case.pop("family"), **{**tiny.HF_SHAPES, **case, "num_layers": num_layers})
 
 
 def _target(name, dtype="float32"):

@@ -18,12 +18,12 @@ from safetensors.numpy import save_file
 
 from configs import models
 from experiments.make_random_hf import hf_config, random_model, write_random_checkpoint
-from tests.support import REPO
+from tests.support import REPO, tiny
 from tlt_jax.models import hf_io
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig, RopeScaling, from_config_dict
 
-TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
+TINY = tiny.HF_SHAPES
 # 24 positions > the Llama-3 scaling's original context of 16.
 IDS_T = np.random.default_rng(0).integers(0, TINY["vocab_size"], 24)
 

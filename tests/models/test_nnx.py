@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.support import tiny
 from tlt_jax.models import hf_io
 from tlt_jax.models import nnx as tlt_nnx
 from tlt_jax.models import transformer as tfm
 from tlt_jax.models.config import ModelConfig
 
-TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=8)
+TINY = dict(tiny.HF_SHAPES, head_dim=8)
 CONFIGS = {
     "llama_untied": ModelConfig(**TINY),
     "qwen2_bias_tied": ModelConfig(**TINY, model_type="qwen2", qkv_bias=True, tie_embeddings=True),

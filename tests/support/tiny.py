@@ -5,7 +5,8 @@ same programs, which the persistent compilation cache then compiles once for all
 
 `config()`: the engine's and the learner's tests (4 query heads over 2 key-value heads of 8).
 `policy_config(tokenizer)`: the RL, SFT and scoring tests' policy over a task tokenizer, the
-warm start's shapes (2 query heads, 1 key-value head of 16)."""
+warm start's shapes (2 query heads, 1 key-value head of 16).
+`HF_SHAPES`: the checkpoint-format tests' models."""
 import jax
 
 from tlt_jax import sharding
@@ -16,6 +17,9 @@ from tlt_jax.rollout.engine import RolloutConfig, RolloutEngine
 SHAPES = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8)
 POLICY_SHAPES = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+# The Hugging Face checkpoints' tests (hf_io, eagle_io, nnx): an odd vocabulary and an MLP width
+# other than twice the hidden size, so that no transposed or swapped weight loads by its shape.
+HF_SHAPES = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
 def config(**overrides) -> ModelConfig:
