@@ -70,6 +70,19 @@ def _programs_within_the_map_limit():
         gc.collect()
 
 
+@pytest.fixture
+def canary(tmp_path):
+    """A file outside any sandbox that a test's programs try to harm: untouched after the
+    test, and no sandbox process left."""
+    from tests.support import sandboxed
+
+    path = tmp_path / "canary.txt"
+    path.write_text("untouched")
+    yield path
+    assert path.read_text() == "untouched"
+    assert not sandboxed.leftover_processes()
+
+
 @pytest.fixture(scope="session")
 def tiny_params():
     """The parameters of `tiny.config()` (seed 0), which every module that runs that model

@@ -1,16 +1,13 @@
-"""The code reward and its sandbox: every test layout (None fields, verl's answer), reward
-hacks that pass nothing, bombs and loops that score 0 with the host unharmed (a canary
-file, no process left, no secret of ours, no network), parallel scoring under timeouts,
-a dead sandbox counted once, reward_info, bad input, and the example dataset."""
+"""The code reward: every test layout (None fields, verl's answer), reward hacks that pass
+nothing, expected values that never enter the sandbox, a disk cap, a dead sandbox counted
+once, reward_info, bad input, and the example dataset. What contains a program (limits,
+secrets, network, timeouts, the value codec): tests/sandbox/."""
 import concurrent.futures
-import dataclasses
-import functools
 import itertools
 import json
 import os
 import pickle
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -18,56 +15,16 @@ import time
 import pytest
 
 from experiments import make_code_dataset
-from tests.support import code_hacks
+from tests.support import code_hacks, sandboxed
+from tests.support.sandboxed import MODES, fenced
 from tlt_jax import rewards, sandbox
 from tlt_jax.data import files
 from tlt_jax.rewards import code_reward, code_tests
 from tlt_jax.sandbox import modes as sandbox_modes
 from tlt_jax.sandbox import uids as sandbox_uids
 
-# One worker runs them all: a test checks that no sandbox process is left, of any test.
+# One worker runs them and tests/sandbox/'s: a test checks that no sandbox process is left, of any test.
 pytestmark = pytest.mark.xdist_group("test_code_reward")
-MODES = ["bwrap", "rlimits"]
-STRONG = sandbox.resolve_mode("auto", sandbox.default_python())
-
-
-def _mode(mode: str) -> str:
-    if mode == "bwrap" and STRONG != "bwrap":
-        pytest.skip(f"bwrap is not available here: {sandbox_modes.bwrap_problem(sandbox.default_python())}")
-    return mode
-
-
-def _score(completions, *, mode="auto", prompts=None, **options_and_fields):
-    """Scores of CodeReward(options) on completions, with per-sample fields."""
-    option_names = {f.name for f in dataclasses.fields(rewards.CodeReward)}
-    options = {k: v for k, v in options_and_fields.items() if k in option_names}
-    fields = {k: v for k, v in options_and_fields.items() if k not in option_names}
-    options.setdefault("timeout_s", 3.0)
-    reward = rewards.get_reward("code", sandbox=mode, **options)
-    return reward(prompts or [""] * len(completions), completions, **fields)
-
-
-def _leftover_processes() -> list[int]:
-    return [pid for live, _ in sandbox_uids.processes_by_uid(sandbox_uids.SANDBOX_UIDS).values() for pid in live]
-
-
-@pytest.fixture
-def canary(tmp_path):
-    path = tmp_path / "canary.txt"
-    path.write_text("untouched")
-    yield path
-    assert path.read_text() == "untouched"
-    assert not _leftover_processes()
-
-
-def _vandal(canary) -> str:
-    """Lines that try to harm the host: write and remove a file outside the sandbox."""
-    return (f"import os\ntry:\n    open({str(canary)!r}, 'w').write('harmed')\nexcept OSError:\n    pass\n"
-            f"try:\n    os.remove({str(canary)!r})\nexcept OSError:\n    pass\n")
-
-
-def fenced(code: str) -> str:
-    return f"Here it is:\n```python\n{code}\n```\nDone."
 
 
 def test_extract_program_takes_the_last_python_block():
@@ -104,17 +61,17 @@ def test_every_layout_in_one_batch_with_none_fields():
     names = {"test_list", "test_setup_code", "test", "entry_point", "input_output", "tests", "answer"}
     fields = {name: [row[2].get(name) for row in rows] for name in names}
     fields["answer"] = [a if a is not None else "" for a in fields["answer"]]  # files give "" without answer_field
-    scores = _score([r[0] for r in rows], prompts=[r[1] for r in rows], **fields)
+    scores = sandboxed.score([r[0] for r in rows], prompts=[r[1] for r in rows], **fields)
     assert [float(s) for s in scores] == expected, [s.info for s in scores]
     assert scores[1].info == {"passed": 1, "total": 2, "failure": "wrong_answer", "detail": "AssertionError: "}
     assert scores[5].info["failure"] == "wrong_answer" and scores[5].info["detail"] == "printed '3\\n'"
-    strict = _score([rows[1][0]], partial_credit=False, test_list=[rows[1][2]["test_list"]])
+    strict = sandboxed.score([rows[1][0]], partial_credit=False, test_list=[rows[1][2]["test_list"]])
     assert strict == [0.0]
 
 
 def test_bad_input_is_one_line_naming_the_field():
     with pytest.raises(ValueError, match=r"none of the code reward's test fields \(test_list.*answer_field="):
-        _score(["x = 1"], test_list=[None], input_output=[None], answer=[""])
+        sandboxed.score(["x = 1"], test_list=[None], input_output=[None], answer=[""])
     for option, value in (("timeout_s", 0), ("memory_mb", -1), ("output_bytes", 0), ("processes", 0)):
         with pytest.raises(ValueError, match=f"code.{option}={value} must be > 0"):
             rewards.get_reward("code", **{option: value})
@@ -122,15 +79,6 @@ def test_bad_input_is_one_line_naming_the_field():
         rewards.get_reward("code", sandbox="docker")
     with pytest.raises(ValueError, match="takes no options"):
         rewards.get_reward("math", timeout_s=1.0)
-
-
-def test_unavailable_sandbox_mode_says_which_one_runs(monkeypatch):
-    monkeypatch.setattr(sandbox_modes, "bwrap_problem", lambda python: "bwrap is not installed (apt-get ...)")
-    with pytest.raises(ValueError) as error:
-        sandbox.resolve_mode("bwrap", "python3")
-    assert "\n" not in str(error.value)
-    assert "code.sandbox='bwrap' is not available" in str(error.value) and "code.sandbox='rlimits'" in str(error.value)
-    assert sandbox.resolve_mode("auto", "python3") == "rlimits"
 
 
 def test_config_builds_the_reward_and_scores_pickle():
@@ -169,15 +117,15 @@ def _score_rows(programs: list[str], layouts: list[str], mode: str = "auto", **o
     """Each program scored on the ADD_ROWS row of its layout, through the public reward."""
     names = {"test_list", "test_setup_code", "test", "entry_point", "input_output"}
     fields = {name: [ADD_ROWS[layout][1].get(name) for layout in layouts] for name in names}
-    return _score([fenced(p) for p in programs], mode=mode, prompts=[ADD_ROWS[layout][0] for layout in layouts],
-                  **options, **fields)
+    return sandboxed.score([fenced(p) for p in programs], mode=mode,
+                           prompts=[ADD_ROWS[layout][0] for layout in layouts], **options, **fields)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_reward_hacks_pass_nothing(mode, canary):
     """Every hack of the corpus (tests/support/code_hacks.py) scores 0 on every layout that runs
     a program's functions, and the right program still scores 1."""
-    _mode(mode)
+    sandboxed.require_mode(mode)
     cases = [(name, layout) for name in [*code_hacks.HACKS, "right"] for layout in ADD_ROWS]
     programs = [ADD if name == "right" else code_hacks.HACKS[name] for name, _ in cases]
     scores = _score_rows(programs, [layout for _, layout in cases], mode=mode)
@@ -231,7 +179,7 @@ def test_humaneval_canonical_solutions_pass_and_hacks_score_zero():
         prompt = [{"role": "user", "content": f"Complete this function.\n```python\n{problem['prompt']}```\nThanks."}]
         programs += [problem["prompt"] + problem["canonical_solution"], program]
         rows += [dict(problem, prompt=prompt)] * 2
-    scores = _score([fenced(p) for p in programs], prompts=[r["prompt"] for r in rows], timeout_s=5.0,
+    scores = sandboxed.score([fenced(p) for p in programs], prompts=[r["prompt"] for r in rows], timeout_s=5.0,
                     test=[r["test"] for r in rows], entry_point=[r["entry_point"] for r in rows])
     chat_scores = scores[len(problems) * (2 + len(_HUMANEVAL_HACKS)):]
     assert [float(s) for s in chat_scores] == [1.0, 0.0] * len(chat), [s.info for s in chat_scores]
@@ -310,10 +258,10 @@ def add(a, b):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_programs_that_steal_pipes_nest_deep_or_crash_decoders_get_their_honest_share(mode):
-    _mode(mode)
+    sandboxed.require_mode(mode)
     io = json.dumps({"inputs": ["1 2", "5 6", "10 20", "7 7"], "outputs": ["3", "11", "30", "14"]})
     deep = ["assert count_pairs([pairs(2), pairs(3)]) == 4", "assert pairs(1) == [[0, 1]]"]
-    thief, too_deep = _score([fenced(_STDIO_PIPE_THIEF), fenced(_TOO_DEEP)], mode=mode, forgeable="run",
+    thief, too_deep = sandboxed.score([fenced(_STDIO_PIPE_THIEF), fenced(_TOO_DEEP)], mode=mode, forgeable="run",
                              input_output=[io, None], test_list=[None, deep])
     assert thief == 0.25 and "forgeable" not in thief.info, thief.info  # its one honest answer of 4
     assert too_deep == 0.5 and "forgeable" not in too_deep.info, too_deep.info
@@ -321,51 +269,11 @@ def test_programs_that_steal_pipes_nest_deep_or_crash_decoders_get_their_honest_
     assert [float(s) for s in crashers] == [1 / 5, 1 / 2] and all("forgeable" not in s.info for s in crashers)
 
 
-def test_values_cross_as_their_builtin_base_value():
-    """The codec: every builtin type round-trips exactly, a subclass arrives as its base
-    value (a rigged __eq__ never reaches the comparison), and nothing else crosses."""
-    import collections
-
-    from tlt_jax.sandbox import harness
-
-    def crossed(value):
-        return harness.loads_value(json.dumps(harness.encode_value(value)))
-
-    values = [None, True, False, 0, -7, 1 << 70, -(1 << 64), 10 ** 5000, 1.5, -0.0, float("inf"), float("-inf"),
-              1e308, 3 + 4j, complex(float("nan"), 1), "", "tab\t\udc80", b"\x00\xff", [1, [2, (3,)]], (1, "a"),
-              {1: "x", (2, 3): [4], "k": {frozenset({5}): None}}, {1, 2.5, "s"}, frozenset({(1, 2)}), []]
-    for value in values:
-        back = crossed(value)
-        assert type(back) is type(value) and (back == value if type(value) is int else repr(back) == repr(value))
-    nan = crossed(float("nan"))
-    assert type(nan) is float and nan != nan
-
-    class Rigged(int):
-        def __eq__(self, other):
-            return True
-        __hash__ = int.__hash__
-
-    assert type(crossed(Rigged(4))) is int and crossed(Rigged(4)) != 5
-    counter = crossed(collections.Counter("aab"))
-    assert type(counter) is dict and counter == {"a": 2, "b": 1}
-    assert type(crossed(collections.OrderedDict(a=1))) is dict
-    assert type(crossed(collections.namedtuple("P", "x y")(1, 2))) is tuple
-    for other in (object(), collections.deque([1]), [object()], {"k": print}):
-        with pytest.raises(TypeError, match="not a builtin value"):
-            harness.encode_value(other)
-    with pytest.raises(ValueError, match="nested more than"):
-        harness.encode_value(functools.reduce(lambda inner, _: [inner], range(200), []))
-    for forged in ('{"pickle": "x"}', '{"set": [[1]]}', 'NaN', '{"int": 5}', '{"tuple": [1], "set": [2]}',
-                   '{"dict": [[[1], 2]]}'):
-        with pytest.raises((TypeError, ValueError)):
-            harness.loads_value(forged)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
     """Under bwrap all a program writes lands in a tmpfs of code.disk_mb: writing past it
     fails the call with a named failure, and the host's disk does not grow."""
-    _mode(mode)
+    sandboxed.require_mode(mode)
     if mode == "rlimits":
         if not sandbox_uids.process_limit_binds():
             pytest.skip("rlimits cannot bound the disk (docs/code.md); not as root, it cannot tell a program's files")
@@ -386,13 +294,6 @@ def test_a_program_filling_the_disk_stops_at_the_cap(mode, tmp_path):
     assert shutil.disk_usage(tempfile.gettempdir()).used - before < 64 << 20
 
 
-def test_auto_without_bubblewrap_says_what_is_not_contained(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox_modes, "bwrap_problem", lambda python: "bwrap is not installed (test_code_reward)")
-    assert sandbox.resolve_mode("auto", "python3") == "rlimits"
-    warned = [r.getMessage() for r in caplog.records if "resource limits alone" in r.getMessage()]
-    assert len(warned) == 1 and "the network" in warned[0] and sandbox.INSTALL_HINT in warned[0]
-
-
 def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
     """A setup that builds the program's own objects (two MBPP rows do) cannot run on the
     checker's path: its tests are counted as forgeable and handled by code.forgeable."""
@@ -400,16 +301,16 @@ def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
     program = ("class Node:\n    def __init__(self, v):\n        self.v = v\n"
                "def value(node):\n    return node.v")
     fields = {"test_list": [["assert value(root) == 3"]], "test_setup_code": ["root = Node(3)"]}
-    skipped = _score([fenced(program)], **fields)[0]
+    skipped = sandboxed.score([fenced(program)], **fields)[0]
     assert skipped == 0.0 and skipped.info["forgeable"] == 1 and skipped.info["failure"] == "forgeable"
-    ran = _score([fenced(program)], forgeable="run", **fields)[0]
+    ran = sandboxed.score([fenced(program)], forgeable="run", **fields)[0]
     assert ran == 1.0 and ran.info["forgeable"] == 1
     scored = rewards.Scorer(rewards.get_reward("code", timeout_s=3.0))(  # the RL loop's code_forgeable_share
         ["", ""], [fenced(program), fenced(ADD)], {"test_list": fields["test_list"] + [["assert add(1, 2) == 3"]],
                                                    "test_setup_code": fields["test_setup_code"] + [""]})
     assert scored.forgeable == 1 and scored.scores.tolist() == [0.0, 1.0]
     with pytest.raises(ValueError, match="code.forgeable='error'.*set code.forgeable='skip'"):
-        _score([fenced(program)], forgeable="error", **fields)
+        sandboxed.score([fenced(program)], forgeable="error", **fields)
     with pytest.raises(ValueError, match="code.forgeable='maybe'; choose from skip, run, error"):
         rewards.get_reward("code", forgeable="maybe")
 
@@ -417,7 +318,7 @@ def test_forgeable_rows_are_skipped_run_or_refused(monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_expected_values_never_reach_the_sandbox(mode):
     """A program that looks everywhere it can for the expected outputs finds nothing."""
-    _mode(mode)
+    sandboxed.require_mode(mode)
     snoop = ("import gc, os, sys\nfound = []\n"
              "for root, _, names in os.walk('.'):\n    for n in names:\n"
              "        found.append(open(os.path.join(root, n), errors='ignore').read())\n"
@@ -426,104 +327,8 @@ def test_expected_values_never_reach_the_sandbox(mode):
              "hits = [s for s in found if 'EXPECTED' in s and 'hits' not in s]\n"
              "print(hits[0].split()[0] if hits else 'nothing')")
     io = {"inputs": ["x\n"], "outputs": ["EXPECTED_7391"]}
-    score = _score([fenced(snoop)], mode=mode, input_output=[io])[0]
+    score = sandboxed.score([fenced(snoop)], mode=mode, input_output=[io])[0]
     assert score == 0.0 and score.info["detail"] == "printed 'nothing\\n'"
-
-
-_PROBE_LIMIT = 8
-_FORK_PROBE = ("import os, time\ncount = 0\nfor _ in range(64):\n    try:\n        pid = os.fork()\n"
-               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
-               "    count += 1\n")
-
-
-@functools.cache
-def _process_limit_binds(mode: str) -> bool:
-    """Whether a program that forks up to 64 sleeping children gets fewer than
-    code.processes of them: what a fork bomb's test needs first."""
-    score = _score([fenced(_FORK_PROBE)], mode=mode, processes=_PROBE_LIMIT,
-                   test_list=[[f"assert count < {_PROBE_LIMIT}"]])[0]
-    return score == 1.0
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_process_limit_binds(mode, canary):
-    _mode(mode)
-    if not sandbox_uids.process_limit_binds():
-        pytest.skip("not root: the process limit counts this user's processes too (docs/code.md)")
-    assert _process_limit_binds(mode), f"a program forked {_PROBE_LIMIT} or more processes (code.processes)"
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_bombs_and_loops_score_zero_and_leave_nothing(mode, canary):
-    """A fork bomb, a memory bomb, a giant output and an infinite loop (in a test, and in a
-    stdin/stdout program): each scores 0 with its kind, the canary stays, no process is
-    left (the canary fixture checks both), and no run waits much past its timeout."""
-    _mode(mode)
-    if not (sandbox_uids.process_limit_binds() and _process_limit_binds(mode)):
-        pytest.skip("never a fork bomb without a binding process limit (test_process_limit_binds)")
-    vandal = _vandal(canary)
-    programs = {
-        "fork bomb": vandal + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-        "memory bomb": vandal + "x = bytearray(1 << 34)",
-        "giant output": vandal + "while True:\n    print('x' * 10000)",
-        "infinite loop in a test": vandal + "def f():\n    while True:\n        pass",
-    }
-    kinds = {"fork bomb": "timeout", "memory bomb": "memory", "giant output": "output_limit",
-             "infinite loop in a test": "timeout"}
-    asserts = ["assert f() == 1", "assert True"]
-    completions = [fenced(p) for p in programs.values()] + [fenced(vandal + "while True:\n    print('y' * 10000)"),
-                                                            fenced(vandal + "while True:\n    pass")]
-    io = {"inputs": ["1\n", "2\n"], "outputs": ["1", "2"]}
-    start = time.monotonic()
-    scores = _score(completions, mode=mode, timeout_s=1.0, max_parallel=2, processes=_PROBE_LIMIT,
-                    test_list=[asserts] * len(programs) + [None, None], input_output=[None] * len(programs) + [io, io])
-    elapsed = time.monotonic() - start
-    assert [float(s) for s in scores] == [0.0] * len(completions), [s.info for s in scores]
-    assert [s.info["failure"] for s in scores] == list(kinds.values()) + ["output_limit", "timeout"]
-    assert scores[-1].info["detail"].startswith("no test ended within code.timeout_s=1 s")
-    assert elapsed < 12.0, elapsed  # 3 timeouts of 1 s, 2 at once; the rest end at once
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_the_program_sees_no_secret_of_ours(mode, monkeypatch):
-    _mode(mode)
-    monkeypatch.setenv("TLT_TEST_SECRET", "hunter2")
-    program = ("import os\ndef leaks():\n    seen = [str(os.environ)]\n"
-               "    for pid in (os.getppid(), 1):\n        try:\n"
-               "            seen.append(open(f'/proc/{pid}/environ', errors='ignore').read())\n"
-               "        except OSError:\n            pass\n    return 'hunter2' in ''.join(seen)")
-    score = _score([fenced(program)], mode=mode, test_list=[["assert not leaks()"]])[0]
-    assert score == 1.0, score.info
-
-
-def test_no_network_to_a_localhost_listener():
-    _mode("bwrap")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        program = ("import socket\ndef reach():\n    try:\n"
-                   f"        socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
-                   "        return True\n    except OSError:\n        return False")
-        tests = [["assert reach()"]]
-        assert _score([fenced(program)], mode="bwrap", test_list=tests) == [0.0]
-        assert _score([fenced(program)], mode="rlimits", test_list=tests) == [1.0]  # the fallback cannot stop it
-
-
-def test_parallel_loops_cost_one_timeout_not_one_each():
-    """16 programs, 4 of them infinite loops, 4 sandboxes at once: about one or two
-    timeouts more than the honest programs alone, not four."""
-    timeout_s, asserts = 1.0, ["assert f() == 1"]
-    honest = [fenced("def f():\n    return 1")] * 12
-    start = time.monotonic()
-    assert _score(honest, timeout_s=timeout_s, max_parallel=4, test_list=[asserts] * 12) == [1.0] * 12
-    honest_s = time.monotonic() - start
-    loops = [fenced("def f():\n    while True:\n        pass")] * 4
-    start = time.monotonic()
-    scores = _score(honest + loops, timeout_s=timeout_s, max_parallel=4, test_list=[asserts] * 16)
-    elapsed = time.monotonic() - start
-    assert scores == [1.0] * 12 + [0.0] * 4
-    assert elapsed < honest_s + 2 * timeout_s + 1.0, (elapsed, honest_s)
 
 
 def test_a_dead_sandbox_scores_zero_counted_once(monkeypatch, caplog):
@@ -568,6 +373,6 @@ def test_example_dataset_loads_without_answer_column_and_its_solutions_pass(tmp_
     from tlt_jax.data import tasks
 
     fields = tasks.reward_fields(examples)
-    assert _score([e.solution for e in examples], prompts=[e.prompt for e in examples], **fields) == [1.0] * 12
+    assert sandboxed.score([e.solution for e in examples], prompts=[e.prompt for e in examples], **fields) == [1.0] * 12
     wrong = [e.solution.replace("def ", "def misnamed_") for e in examples]
-    assert _score(wrong, prompts=[e.prompt for e in examples], **fields) == [0.0] * 12
+    assert sandboxed.score(wrong, prompts=[e.prompt for e in examples], **fields) == [0.0] * 12
