@@ -26,13 +26,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 # A data=2 mesh's second rollout group loads the programs the first compiled (the launchers
-# do the same: `launch.enable_compilation_cache`), for the tests that run in this process,
-# and loads them too where both groups reach a program at once (`compile_once`).
-from tests.support import compile_once  # noqa: E402
+# do the same: `launch.enable_compilation_cache`), for the tests that run in this process.
 from tlt_jax import launch  # noqa: E402 (after the environment above, which jax reads)
 
 launch.cache_programs_for_any_devices()
-compile_once.compile_each_program_once()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
