@@ -349,7 +349,7 @@ def test_a_dead_sandbox_scores_zero_counted_once(monkeypatch, caplog):
 def test_scorer_overlaps_code_samples_on_parallel_threads():
     """Scored sample by sample (the RL loop's overlap): code.max_parallel threads, so one
     sample's loop does not hold up the others."""
-    reward = rewards.get_reward("code", timeout_s=1.0, max_parallel=4)
+    reward = rewards.get_reward("code", timeout_s=2.0, max_parallel=4)
     scorer = rewards.Scorer(reward, workers=0, timeout_s=60)
     try:
         scoring = scorer.begin()
@@ -359,7 +359,9 @@ def test_scorer_overlaps_code_samples_on_parallel_threads():
             scoring.submit(i, "", program, {"test_list": ["assert f() == 1"]})
         result = scoring.result(len(programs))
         assert result.scores.tolist() == [0.0, 0.0, 0.0, 1.0] and result.failures == 0
-        assert time.monotonic() - start < 2.8  # one after the other: over 3 s
+        # Three loops at once: about one timeout plus the sandboxes' start; one after the
+        # other: over three (a margin of a timeout and more each way, for a loaded machine).
+        assert time.monotonic() - start < 4.5
     finally:
         scorer.close()
 
