@@ -10,9 +10,8 @@ the host through one compiled program per micro-batch shape, as do the chunks of
 log-prob passes, and those shapes are two (`micro_batch_size`, and `small_micro_rows`
 for minibatches smaller than that), so a batch of a new size compiles nothing: each model
 program of a new shape costs seconds to compile here, minutes for a large model on a GPU.
-Every jitted
-function takes explicit shardings on the mesh: parameters by the logical axis rules,
-rows over (data, fsdp). Rows come from the host, the same on every process, and are
+Every jitted function takes explicit shardings on the mesh: parameters by the logical axis
+rules, rows over (data, fsdp). Rows come from the host, the same on every process, and are
 placed on the mesh first, each process its shards.
 
 A batch is a dict of R packed rows of S tokens (`loop.build_batch`): each row holds
@@ -118,8 +117,9 @@ def padded_rows(rows: int, micro_batch_size: int, granule: int) -> int:
     `small_micro_rows`; from one micro-batch on, a multiple of lcm(micro_batch_size,
     granule). granule is the data-parallel size, so rows shard evenly."""
     small = small_micro_rows(micro_batch_size, granule)
-    if rows < micro_batch_size and -(-rows // small) * small < micro_batch_size:
-        return -(-rows // small) * small
+    padded = -(-rows // small) * small
+    if padded < micro_batch_size:
+        return padded
     unit = math.lcm(micro_batch_size, granule)
     return -(-rows // unit) * unit
 
