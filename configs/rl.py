@@ -54,11 +54,13 @@ TINY_ARMS = [["eagle-d6", "ngram-d4-b2", "plain"], ["eagle-d6", "ngram-d4-b2", "
 
 def tlt_config() -> ml_collections.ConfigDict:
     """TLT's knobs; the buckets follow the reference (DESIGN.md section 7), with plain
-    decode an arm of every bucket; the arms are the tiny job's (`reference_tuner` gives
-    the reference's)."""
+    decode an arm of every bucket; the arms are the tiny job's (`use_reference_rollout`
+    gives the reference's)."""
+    from tlt_jax.rollout import tuner
+
     return ml_collections.ConfigDict(dict(
         enabled=True,
-        tuner=dict(reference_tuner(), arms=TINY_ARMS),
+        tuner=dict(tuner.default_arms_config(), arms=TINY_ARMS),
         # Catch-up steps keep the drafter training when every gap is shorter than a step
         # (one device: the host phases of the tiny job are milliseconds); their time is
         # reported, and catch_up_max_share < 1 caps it as a share of the run's wall time.
@@ -84,12 +86,15 @@ def tlt_config() -> ml_collections.ConfigDict:
     ))
 
 
-def reference_tuner() -> dict:
-    """The tuner at the reference's arms (`tuner.default_arms_config`: eight strategies,
-    an n-gram drafter and plain decode among them)."""
+def use_reference_rollout(c: ml_collections.ConfigDict) -> None:
+    """Undoes the tiny job's cold-start choices in c: the reference's arms
+    (`tuner.default_arms_config`: eight strategies, an n-gram drafter and plain decode among
+    them), kv buckets of 64 slots and refills of any size. The GPU presets run so, and every
+    bench_tlt preset was measured so."""
     from tlt_jax.rollout import tuner
 
-    return tuner.default_arms_config()
+    c.tlt.tuner = tuner.default_arms_config()
+    c.rollout.update(kv_bucket=64, min_refill_rows=1)
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -204,8 +209,8 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
     c.model_dir = ""  # required: --config.model_dir=DIR
     c.data = data_config(source="files", num_train=0, num_eval=256, seed=0, chat_template=True)
     c.reward = "math"
-    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512, kv_bucket=64, min_refill_rows=1)
-    c.tlt.tuner = reference_tuner()
+    use_reference_rollout(c)
+    c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512)
     c.prompts_per_step, c.num_samples = 8, 8
     c.learner.update(micro_batch_size=8, num_minibatches=1, remat=True)
     c.learner.optimizer.update(learning_rate=1e-6, warmup_steps=0, weight_decay=0.0)

@@ -410,9 +410,7 @@ def mode_config(mode: str, preset: dict, target_dir: str, drafter_dir: str, seed
     """The run config of `mode` (built: the target exists, so a width sized from the cache
     can be read off it; False checks the flags before anything is built)."""
     c = rl_configs.get_config("tiny")
-    # The reference's arms and kv buckets, as every preset was measured (not the main job's
-    # cold-start choices).
-    c.tlt.tuner, c.rollout.kv_bucket, c.rollout.min_refill_rows = rl_configs.reference_tuner(), 64, 1
+    rl_configs.use_reference_rollout(c)  # as every preset was measured
     c.model_dir, c.seed, c.steps = target_dir, seed, steps
     c.prompts_per_step, c.num_samples = preset["prompts_per_step"], preset["num_samples"]
     c.rollout.update(num_slots=preset["num_slots"], max_tokens=preset["max_tokens"],
