@@ -1,5 +1,7 @@
 """Rollout engine: reported log-probs, determinism, slot refill, groups, bad input."""
+import dataclasses
 import functools
+import random
 import threading
 
 import jax
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tests.support import tiny
 from tlt_jax import metrics, sampling
 from tlt_jax.models import transformer as tfm
+from tlt_jax.rollout import speculative as spec_lib
 from tlt_jax.rollout.engine import RolloutConfig, shape_bucket
 from tlt_jax.rollout.timeline import Chunk, GroupTimeline, RolloutTimeline, SpecChunk
 
@@ -212,6 +215,37 @@ def test_data_parallel_groups_signal_done(engine, reference):
     for g in r.timeline.groups:
         between = g.between_s()
         assert between["prefill"] > 0 and between["harvest"] > 0 and between["other"] >= 0
+
+
+def test_two_groups_compile_a_program_met_mid_rollout_once(engine):
+    """Groups decode on threads of their own; a program first met during a rollout (here an
+    n-gram strategy's chunk at a temperature no run compiled before) is compiled by one
+    group, and the other loads it from the persistent compilation cache (`FirstCalls`). At
+    once, both would miss the cache and compile it."""
+    two = engine(2, data=2, tensor=2)
+    assert two.first_calls.enabled
+    sp = dataclasses.replace(SP, temperature=1.0 + random.random() / 1000)
+    chunks, hit = [], threading.local()  # per chunk compile: loaded from the cache?
+
+    def on_event(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hit.value = True
+
+    def on_compile(event, _, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            if "chunk" in kw.get("fun_name", ""):
+                chunks.append(getattr(hit, "value", False))
+            hit.value = False
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        ngram = spec_lib.FixedSpeculation(spec_lib.Strategy("ngram", depth=2, topk=2), max_active=64)
+        two.generate(PROMPTS, 3, sp, jax.random.PRNGKey(7), speculation=ngram)
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert sorted(chunks) == [False, True], chunks
 
 
 def test_projections_stay_unfused_when_kv_heads_do_not_split(params, engine):

@@ -6,11 +6,14 @@ jit's own cache keys its programs by the static arguments (`StepSpec`, strategy,
 bucket, sampling parameters); the group takes no lock on the decode path. Warm-up compiles and
 runs what the rollouts will run ahead of them, group after group; a program another group
 of this process compiled already loads from the persistent compilation cache, keyed
-without its devices (`launch.cache_programs_for_any_devices`).
+without its devices (`launch.cache_programs_for_any_devices`). A program first met during
+a rollout (a strategy's chunk, a prefill or observation shape) is first called by one group
+at a time too (`FirstCalls`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import TYPE_CHECKING, Callable
 
@@ -55,6 +58,7 @@ class Group:
                 drafter_lib.drafter_logical_axes(cfg, engine.drafter.config), engine._drafter_shapes, mesh)
         self._spec_slots = {False: SpecSlots(rows2, row, drafter), True: SpecSlots(rows2, row, drafter, rows2)}
         self._turn_shardings = TurnSlots(row, row)
+        self.first_calls = engine.first_calls
         self.params = self.drafter_params = None
         self._programs: dict[steps.StepSpec, Programs] = {}
         self._programs_lock = threading.Lock()
@@ -104,8 +108,9 @@ class Group:
         live: every slot decodes, from a cache of one zero entry (no request's: what
         `warm_up` runs chunks on, so that their loop bodies run)."""
         spec = self.spec(speculative, history_width > 0, turns)
-        return self.programs(spec).empty(spec=spec, max_tokens=sp.max_tokens, history_width=history_width,
-                                         live=live)
+        empty = functools.partial(self.programs(spec).empty, spec=spec, max_tokens=sp.max_tokens,
+                                  history_width=history_width, live=live)
+        return self.first_calls.call(("empty", spec, sp.max_tokens, history_width, live), empty)
 
     def insert(self, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None,
                sources_R=None, resumed: steps.Resumed | None = None):
@@ -119,16 +124,15 @@ class Group:
             raise ValueError("insert takes history rows exactly when the state holds them.")
         if sources_R is None:
             sources_R = np.arange(len(lengths_R), dtype=np.int32)
-        return self.programs(spec).insert(self.params, self.drafter_params, state, prompts_UP, lengths_R, slots_R,
-                                          requests_R, groups_R, key, history_RH, sources_R, resumed, spec, sp)
+        return self._call("insert", spec, (sp,), state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key,
+                          history_RH, sources_R, resumed)
 
     def observe(self, state, observations_RT, lengths_R, slots_R, key, sp):
         """Continues R waiting samples after their environments answered (`steps.observe`)."""
         if state.turns is None:
             raise ValueError("observe takes a multi-turn slot state (empty_state(..., turns=True)).")
         spec = self.spec_of(state)
-        return self.programs(spec).observe(self.params, self.drafter_params, state, observations_RT, lengths_R,
-                                           slots_R, key, spec, sp)
+        return self._call("observe", spec, (sp,), state, observations_RT, lengths_R, slots_R, key)
 
     def kv_bucket_for(self, lengths_B: np.ndarray, active_B: np.ndarray, strategy: spec_lib.Strategy | None,
                       speculative: bool) -> int:
@@ -150,8 +154,7 @@ class Group:
         active (the speculation policy chooses anew for the smaller batch). Returns (state,
         steps run, active slots per step [n], tokens committed per step and slot [n, B])."""
         spec = self.spec_of(state)
-        return self.programs(spec).chunk(self.params, self.drafter_params, state, key, refill_wanted,
-                                         np.int32(floor), spec, strategy, attended, sp)
+        return self._call("chunk", spec, (strategy, attended, sp), state, key, refill_wanted, np.int32(floor))
 
     def chunk_step(self, strategy: spec_lib.Strategy | None, speculative: bool, history: bool = False,
                    attended: int | None = None, turns: bool = False) -> ChunkStep:
@@ -163,13 +166,22 @@ class Group:
     def spec_draft(self, state, key, strategy: spec_lib.Strategy, sp, attended: int | None = None):
         """The draft phase alone (timed apart from verification): (state, DraftTree)."""
         spec = self.spec_of(state)
-        return self.programs(spec).draft(self.params, self.drafter_params, state, key, spec, strategy, attended,
-                                         sp)
+        return self._call("draft", spec, (strategy, attended, sp), state, key)
 
     def spec_verify(self, state, tree, key, sp, attended: int | None = None):
         """The verify-and-commit phase alone: (state, tokens committed per slot)."""
         spec = self.spec_of(state)
-        return self.programs(spec).verify(self.params, self.drafter_params, state, tree, key, spec, attended, sp)
+        return self._call("verify", spec, (attended, sp), state, tree, key)
+
+    def _call(self, name: str, spec: steps.StepSpec, static: tuple, state, *host):
+        """`Programs`' step `name` on this group's weights, `state` and `host` arguments, then
+        the static ones (spec first); its first call at a signature in turn with the other
+        groups' (`FirstCalls`)."""
+        fn = functools.partial(getattr(self.programs(spec), name), self.params, self.drafter_params, state, *host,
+                               spec, *static)
+        if not self.first_calls.enabled:
+            return fn()
+        return self.first_calls.call((name, spec, static, self.drafter_params is None, _signature((state, host))), fn)
 
     @staticmethod
     def warm_step(strategy, sp, attended: int, time_spec_phases: bool, turns: bool) -> tuple:
@@ -249,8 +261,13 @@ class ChunkStep:
     attended: int | None
 
     def __call__(self, params, drafter_params, state, key, refill_wanted, floor, sp):
-        return self.group.programs(self.spec).chunk(params, drafter_params, state, key, refill_wanted, floor,
-                                                    self.spec, self.strategy, self.attended, sp)
+        chunk = functools.partial(self.group.programs(self.spec).chunk, params, drafter_params, state, key,
+                                  refill_wanted, floor, self.spec, self.strategy, self.attended, sp)
+        if not self.group.first_calls.enabled:
+            return chunk()
+        return self.group.first_calls.call(
+            ("chunk", self.spec, (self.strategy, self.attended, sp), drafter_params is None,
+             _signature((state, (key, refill_wanted, floor)))), chunk)
 
     def lower(self, params, drafter_params, state, key, refill_wanted, floor, sp):
         """Lowers the chunk for these arguments (arrays or jax.ShapeDtypeStructs)."""
@@ -287,6 +304,42 @@ class Programs:
             insert=jit(steps.insert, 9, state), observe=jit(steps.observe, 4, state),
             chunk=jit(steps.chunk, 3, (state, rep, rep, rep), 4), draft=jit(steps.draft_phase, 1, (state, rep), 4),
             verify=jit(steps.verify_phase, 2, (state, rep), 3))
+
+
+class FirstCalls:
+    """The first call of each program, one group of this process at a time. Groups run on
+    threads of their own, so two groups that meet a program at once both miss the persistent
+    compilation cache and compile it; in turn, the first compiles it (and writes the cache)
+    while the others wait, then load it. Keys name a program without its devices (step,
+    static arguments, shapes); once a key's first call is past, a call costs a set lookup.
+    `enabled` only with several groups in this process and a persistent cache to load from."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._done: set = set()
+        self._first: dict = {}  # key -> set once its first call is past
+        self._lock = threading.Lock()
+
+    def call(self, key, fn: Callable):
+        if not self.enabled or key in self._done:
+            return fn()
+        with self._lock:
+            first = key not in self._first
+            passed = self._first.setdefault(key, threading.Event())
+        if not first:
+            passed.wait()
+            return fn()
+        try:
+            return fn()
+        finally:
+            self._done.add(key)
+            passed.set()
+
+
+def _signature(args) -> tuple:
+    """What a program's arguments (no weights) contribute to its key: tree and leaf shapes."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves)
 
 
 @jax.jit
