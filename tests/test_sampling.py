@@ -1,8 +1,13 @@
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.support import REPO
 from tlt_jax.sampling import SamplingParams
 from tlt_jax.sampling import processed_logprobs as _processed_logprobs
 from tlt_jax.sampling import sample as _sample
@@ -104,3 +109,28 @@ def test_processed_logprob_exceeds_the_temperature_one_by_the_kept_mass():
     assert bool(jnp.all(kept_mass < 1.0)) and bool(jnp.all(jnp.sum(kept, -1) >= 1))
     np.testing.assert_allclose(jnp.where(kept, processed - plain, 0.0),
                                jnp.where(kept, -jnp.log(kept_mass), 0.0), atol=1e-5)
+
+
+_KEPT_UNDER_LOOP_EMITTERS = """
+import jax, numpy as np
+from tlt_jax.sampling import SamplingParams, processed_logprobs
+logits = jax.random.normal(jax.random.PRNGKey(3), (5, 17)) * 2.0
+for params in (SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.7, top_p=0.6),
+               SamplingParams(temperature=0.7, top_k=2, top_p=0.3, min_p=0.1)):
+    kept = np.isfinite(np.asarray(jax.jit(lambda x: processed_logprobs(x, params))(logits))).sum(-1)
+    print(params.top_k, params.top_p, kept.tolist())
+"""
+
+
+def test_filters_keep_a_token_where_fusions_round_logp_apart():
+    """top-k 1 keeps one token and a small top-p at least one in a program where XLA
+    recomputes the log-probs in several fusions that round them apart (XLA:CPU's loop
+    emitters at optimisation level 0): a threshold read from one copy and compared with
+    another kept no token in two rows of five."""
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_cpu_use_fusion_emitters=false")
+    out = subprocess.run([sys.executable, "-c", _KEPT_UNDER_LOOP_EMITTERS], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["1 1.0 [1, 1, 1, 1, 1]", "0 0.6 [2, 1, 1, 1, 2]", "2 0.3 [1, 1, 1, 1, 1]"], \
+        out.stdout

@@ -49,19 +49,26 @@ def processed_logprobs(logits_xV: jax.Array, params: SamplingParams) -> jax.Arra
         onehot = jax.nn.one_hot(greedy, logits.shape[-1], dtype=bool)
         return jnp.where(onehot, 0.0, -jnp.inf)
     logp = jax.nn.log_softmax(logits / params.temperature, axis=-1)
-    keep = jnp.ones_like(logp, dtype=bool)
+    if not (params.top_k or params.top_p < 1.0 or params.min_p > 0):
+        return jax.nn.log_softmax(logp, axis=-1)  # as the filters' path computes it, bit for bit
+    # The filters compare values of one sorted copy of logp, and the mask returns to the
+    # vocabulary's order by a second sort: compared with logp itself, a threshold taken from
+    # a copy that another fusion recomputed and rounded otherwise can keep no token at all
+    # (XLA:CPU's loop emitters do).
+    axis = logp.ndim - 1
+    neg_sorted, order = jax.lax.sort((-logp, jax.lax.broadcasted_iota(jnp.int32, logp.shape, axis)), dimension=axis,
+                                     num_keys=1)
+    desc = -neg_sorted
+    keep = jnp.ones_like(desc, dtype=bool)
     if params.top_k:
-        kth = jax.lax.top_k(logp, params.top_k)[0][..., -1:]
-        keep &= logp >= kth
+        keep &= desc >= desc[..., params.top_k - 1:params.top_k]
     if params.top_p < 1.0:
         # Keep the smallest prefix (by descending probability) whose mass reaches top_p.
-        sorted_logp = jnp.sort(logp, axis=-1)[..., ::-1]
-        mass_before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)
-        cutoff = jnp.min(jnp.where(mass_before < params.top_p, sorted_logp, jnp.inf), axis=-1,
-                         keepdims=True)
-        keep &= logp >= cutoff
+        mass_before = jnp.cumsum(jnp.exp(desc), axis=-1) - jnp.exp(desc)
+        keep &= desc >= jnp.min(jnp.where(mass_before < params.top_p, desc, jnp.inf), axis=-1, keepdims=True)
     if params.min_p > 0:
-        keep &= logp >= jnp.max(logp, axis=-1, keepdims=True) + jnp.log(params.min_p)
+        keep &= desc >= desc[..., :1] + jnp.log(params.min_p)
+    keep = jax.lax.sort((order, keep), dimension=axis, num_keys=1)[1]
     return jax.nn.log_softmax(jnp.where(keep, logp, -jnp.inf), axis=-1)
 
 
