@@ -10,14 +10,18 @@ level 0, no expensive LLVM passes), and so does every process they start, which 
 the variable: compiles are most of the suite's time, and this halves them (the tiny model's
 train step: 2.8 s of CPU at the default level, 1.4 s here). No test checks numerics against
 a program compiled at the users' level: each compares runs compiled alike, or a reference
-within a tolerance.
+within a tolerance. For the same reason they compile with XLA:CPU's loop emitters in place of
+its fusion emitters (`tests.support.COMPILE_FLAGS`, in every process a test starts too): the
+suite's CPU falls by a fifth (docs/benchmarks.md, "The suite with XLA:CPU's loop emitters").
 
 A worker releases jax's compiled programs once its process nears the kernel's limit on
 memory mappings (`_programs_within_the_map_limit`)."""
 import gc
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.support import xla_flags
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(

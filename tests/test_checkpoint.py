@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tests.support import REPO
+from tests.support import REPO, xla_flags
 from tests.support import checkpoint_worker as worker
 from tlt_jax.checkpoint import MANIFEST_NAME, Checkpointer, CheckpointIntegrityError
 
@@ -287,7 +287,7 @@ def test_a_shared_save_after_one_process_saved_alone_counts_saves_alike_on_every
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1))
     procs = [subprocess.Popen([sys.executable, "-m", "tests.support.save_count_worker", str(tmp_path),
                                f"localhost:{port}", str(i)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

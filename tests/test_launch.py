@@ -12,7 +12,7 @@ import pytest
 
 from configs import generate, models
 from experiments import sweep
-from tests.support import sweep_config
+from tests.support import sweep_config, xla_flags
 from tlt_jax import metrics
 from tlt_jax.drafter_training.io import load_drafter
 from tlt_jax.models.config import from_config_dict
@@ -184,7 +184,7 @@ def test_a_program_on_one_process_s_devices_loads_in_a_process_of_other_devices(
     second rollout group, a process of a 2-process run)."""
     cache = str(tmp_path / "cache")
     for count, first in ((8, 4), (4, 0)):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={count}")
+        env = dict(os.environ, XLA_FLAGS=xla_flags(count))
         out = subprocess.run([sys.executable, "-c", _ON_TWO_DEVICES, cache, str(first)], capture_output=True,
                              text=True, timeout=120, env=env)
         assert out.returncode == 0 and out.stdout.strip() == "56.0", out.stderr

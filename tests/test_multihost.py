@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.rl.test_train import warm_start  # noqa: F401 (a fixture: a small random policy)
-from tests.support import REPO
+from tests.support import REPO, xla_flags
 from tlt_jax import metrics
 from tlt_jax.rl.train import learning_metrics
 
@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _launch(processes: int, *args: str) -> list[subprocess.Popen]:
     """`experiments.train_rl` as one process of 8 devices or `processes` of 8 / processes."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}")
+               XLA_FLAGS=xla_flags(8 // processes))
     common = [sys.executable, "-m", "experiments.train_rl", *args]
     if processes == 1:
         return [subprocess.Popen(common, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from experiments import device_summary
-from tests.support import REPO
+from tests.support import REPO, xla_flags
 
 SCRIPT = "experiments/device_check.sh"
 BLOCKS = ("spec", "tlt", "rollout", "attention", "verify", "losses", "distill32k")  # least measured first
@@ -24,7 +24,7 @@ JSON = {"spec": ["bench_spec.json"], "tlt": ["bench_tlt.json"], "rollout": ["ben
 def _env(**extra):
     env = dict(os.environ)
     # One CPU device, as the H200 run has one GPU (conftest's 8 are for sharding tests).
-    env["XLA_FLAGS"] = ""
+    env["XLA_FLAGS"] = xla_flags()
     for name in ("BLOCKS", "OUT", "DRY", "PLAN", "PACK", "DRY_TIMEOUT", "SPEC_ARGS", "TLT_ARGS", "VERIFY_ARGS",
                  "LOSSES_ARGS"):
         env.pop(name, None)

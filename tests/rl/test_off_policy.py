@@ -189,10 +189,10 @@ def test_the_overlap_on_one_device_learns_what_the_in_turn_run_does(warm_start, 
     import subprocess
     import sys
 
-    from tests.support import REPO
+    from tests.support import REPO, xla_flags
 
     settings = {**OFF, **LEARNING, "mesh.data": 1, "mesh.fsdp": 1, "steps": STEPS}
-    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}  # one CPU device
     done = subprocess.run([sys.executable, "-c", _ONE_DEVICE_RUNS, warm_start, str(tmp_path / "run"),
                            json.dumps(settings)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
