@@ -171,7 +171,6 @@ class RolloutEngine:
             drafter_lib.check_drafter_params(drafter_params, model_config, drafter_config)
             self.drafter = spec_lib.Drafter(model_config, drafter_config)
             self._drafter_shapes = jax.eval_shape(lambda p: p, drafter_params)
-        self.first_calls = FirstCalls(enabled=False)
         self.groups = [Group(g, Mesh(mesh.devices[g:g + 1], mesh.axis_names), self)
                        for g in range(mesh.devices.shape[0])]
         spanning = [g for g in self.groups if len(g.processes) > 1]
@@ -181,7 +180,7 @@ class RolloutEngine:
                 "rollout group (one slice of the mesh's data axis) must lie on one process: make the data axis a "
                 f"multiple of the number of processes ({jax.process_count()}).")
         self.local_groups = [g for g in self.groups if g.is_local]
-        self.first_calls.enabled = len(self.local_groups) > 1 and jax.config.jax_compilation_cache_dir is not None
+        self.first_calls = FirstCalls(len(self.local_groups) > 1 and jax.config.jax_compilation_cache_dir is not None)
         # The weights in decode's layout on the whole mesh, a copy per data slice: each
         # group's copy is then the part on its devices, taken without a transfer.
         self._layout = jax.jit(self._engine_layout, out_shardings=jax.tree.map(

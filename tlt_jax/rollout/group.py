@@ -58,7 +58,6 @@ class Group:
                 drafter_lib.drafter_logical_axes(cfg, engine.drafter.config), engine._drafter_shapes, mesh)
         self._spec_slots = {False: SpecSlots(rows2, row, drafter), True: SpecSlots(rows2, row, drafter, rows2)}
         self._turn_shardings = TurnSlots(row, row)
-        self.first_calls = engine.first_calls
         self.params = self.drafter_params = None
         self._programs: dict[steps.StepSpec, Programs] = {}
         self._programs_lock = threading.Lock()
@@ -110,7 +109,7 @@ class Group:
         spec = self.spec(speculative, history_width > 0, turns)
         empty = functools.partial(self.programs(spec).empty, spec=spec, max_tokens=sp.max_tokens,
                                   history_width=history_width, live=live)
-        return self.first_calls.call(("empty", spec, sp.max_tokens, history_width, live), empty)
+        return self.engine.first_calls.call(empty, ("empty", spec, sp.max_tokens, history_width, live))
 
     def insert(self, state, prompts_UP, lengths_R, slots_R, requests_R, groups_R, key, sp, history_RH=None,
                sources_R=None, resumed: steps.Resumed | None = None):
@@ -179,9 +178,7 @@ class Group:
         groups' (`FirstCalls`)."""
         fn = functools.partial(getattr(self.programs(spec), name), self.params, self.drafter_params, state, *host,
                                spec, *static)
-        if not self.first_calls.enabled:
-            return fn()
-        return self.first_calls.call((name, spec, static, self.drafter_params is None, _signature((state, host))), fn)
+        return self.engine.first_calls.call(fn, (name, spec, static, self.drafter_params is None), (state, host))
 
     @staticmethod
     def warm_step(strategy, sp, attended: int, time_spec_phases: bool, turns: bool) -> tuple:
@@ -263,11 +260,9 @@ class ChunkStep:
     def __call__(self, params, drafter_params, state, key, refill_wanted, floor, sp):
         chunk = functools.partial(self.group.programs(self.spec).chunk, params, drafter_params, state, key,
                                   refill_wanted, floor, self.spec, self.strategy, self.attended, sp)
-        if not self.group.first_calls.enabled:
-            return chunk()
-        return self.group.first_calls.call(
-            ("chunk", self.spec, (self.strategy, self.attended, sp), drafter_params is None,
-             _signature((state, (key, refill_wanted, floor)))), chunk)
+        return self.group.engine.first_calls.call(
+            chunk, ("chunk", self.spec, (self.strategy, self.attended, sp), drafter_params is None),
+            (state, (key, refill_wanted, floor)))
 
     def lower(self, params, drafter_params, state, key, refill_wanted, floor, sp):
         """Lowers the chunk for these arguments (arrays or jax.ShapeDtypeStructs)."""
@@ -320,8 +315,13 @@ class FirstCalls:
         self._first: dict = {}  # key -> set once its first call is past
         self._lock = threading.Lock()
 
-    def call(self, key, fn: Callable):
-        if not self.enabled or key in self._done:
+    def call(self, fn: Callable, program: tuple, args=()):
+        """fn(), in turn with the other groups' first calls of the same program: `program`
+        names it but for its arguments' shapes, which `args` (no weights) give."""
+        if not self.enabled:
+            return fn()
+        key = (*program, _signature(args))
+        if key in self._done:
             return fn()
         with self._lock:
             first = key not in self._first
