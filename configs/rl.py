@@ -156,12 +156,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
     c.grpo = ml_collections.ConfigDict(dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, tis_cap=2.0,
                                             aggregation="token_mean"))
     c.track_kl = True  # keep the reference policy to report KL even when kl_coef is 0
-    # remat: each layer's activations recomputed in the backward rather than kept. The same
-    # gradients, and on XLA:CPU faster too: storing and reloading every layer's activations
-    # costs more than recomputing them (the update 0.82x, the main job 0.92x; docs/benchmarks.md,
-    # "Rematerialised layers in the learner").
     c.learner = ml_collections.ConfigDict(dict(
-        micro_batch_size=64, num_minibatches=2, remat=True,
+        micro_batch_size=64, num_minibatches=2, remat=False,
         # auto: with one minibatch the update's own forward gives the old log-probs (ratio 1)
         # and the drafter's data; always: a separate old-policy forward first
         old_policy_pass="auto",
@@ -216,7 +212,7 @@ def hf_config(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Confi
     use_reference_rollout(c)
     c.rollout.update(num_slots=64, max_prompt_length=256, max_tokens=512)
     c.prompts_per_step, c.num_samples = 8, 8
-    c.learner.update(micro_batch_size=8, num_minibatches=1)
+    c.learner.update(micro_batch_size=8, num_minibatches=1, remat=True)
     c.learner.optimizer.update(learning_rate=1e-6, warmup_steps=0, weight_decay=0.0)
     c.grpo.kl_coef = 0.0
     c.track_kl = False  # no reference copy of the policy in memory

@@ -48,7 +48,7 @@ def test_a_config_section_builds_its_dataclass_by_field_name():
     c = rl.get_config("tiny")
     learner = launch.config_dataclass(LearnerConfig, c.learner, "learner", temperature=0.5)
     assert learner.optimizer == OptimizerConfig(**c.learner.optimizer) and learner.temperature == 0.5
-    assert (learner.remat, learner.micro_batch_size, learner.grpo) == (True, 64, GRPOConfig())  # grpo: a default
+    assert (learner.remat, learner.micro_batch_size, learner.grpo) == (False, 64, GRPOConfig())  # grpo: a default
     step = rl_train._step_config(c)  # from the config's root: only the step's own fields are read
     assert (step.prompts_per_step, step.num_samples, step.reward_overlap) == (16, 8, True)
     c.rollout.kv_buckets = 32  # a typo of kv_bucket
