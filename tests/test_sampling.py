@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support import COMPILE_FLAGS, REPO
+from tests.support import REPO, xla_flags
 from tlt_jax.sampling import SamplingParams
 from tlt_jax.sampling import processed_logprobs as _processed_logprobs
 from tlt_jax.sampling import sample as _sample
@@ -128,7 +128,7 @@ def test_filters_keep_a_token_where_fusions_round_logp_apart():
     emitters at optimisation level 0): a threshold read from one copy and compared with
     another kept no token in two rows of five."""
     env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=COMPILE_FLAGS)
+               XLA_FLAGS=xla_flags())
     out = subprocess.run([sys.executable, "-c", _KEPT_UNDER_LOOP_EMITTERS], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

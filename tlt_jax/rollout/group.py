@@ -306,13 +306,12 @@ class FirstCalls:
     threads of their own, so two groups that meet a program at once both miss the persistent
     compilation cache and compile it; in turn, the first compiles it (and writes the cache)
     while the others wait, then load it. Keys name a program without its devices (step,
-    static arguments, shapes); once a key's first call is past, a call costs a set lookup.
+    static arguments, shapes); once a key's first call is past, a call costs a dict lookup.
     `enabled` only with several groups in this process and a persistent cache to load from."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self._done: set = set()
-        self._first: dict = {}  # key -> set once its first call is past
+        self._first: dict = {}  # key -> an event set once its first call is past
         self._lock = threading.Lock()
 
     def call(self, fn: Callable, program: tuple, args=()):
@@ -321,19 +320,18 @@ class FirstCalls:
         if not self.enabled:
             return fn()
         key = (*program, _signature(args))
-        if key in self._done:
-            return fn()
-        with self._lock:
-            first = key not in self._first
-            passed = self._first.setdefault(key, threading.Event())
-        if not first:
-            passed.wait()
-            return fn()
-        try:
-            return fn()
-        finally:
-            self._done.add(key)
-            passed.set()
+        passed = self._first.get(key)  # a dict read needs no lock
+        if passed is None:
+            with self._lock:
+                first = key not in self._first
+                passed = self._first.setdefault(key, threading.Event())
+            if first:
+                try:
+                    return fn()
+                finally:
+                    passed.set()
+        passed.wait()  # returns at once after the first call
+        return fn()
 
 
 def _signature(args) -> tuple:
